@@ -1,0 +1,122 @@
+"""Writing checkpoints this project creates itself: randomly initialised z-lab-format drafters (the untrained demo
+drafter, test fixtures) and tiny random Hugging Face targets (tests), plus loading a checked target/drafter pair."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
+from trtllm_dflash.models.weights import write_json, write_state_dict
+from trtllm_dflash.specs import DrafterSpec, TargetSpec, build_target_layer_ids, check_pair
+
+
+def drafter_spec_for(
+    target: TargetSpec,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: tuple[int, ...] | None = None,
+    intermediate_size: int | None = None,
+) -> DrafterSpec:
+    """A drafter shaped for ``target``: same hidden size, heads and head_dim (z-lab's dense-target recipe)."""
+    ids = target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "block_size": block_size,
+        "num_target_layers": target.num_hidden_layers,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
+        "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope.theta,
+    }
+    spec = DrafterSpec.from_hf_config(cfg)
+    check_pair(target, spec)
+    return spec
+
+
+def random_drafter_state(spec: DrafterSpec, seed: int, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """HF-style init: linear weights ~ N(0, std), norms = 1."""
+    torch.manual_seed(seed)
+    model = DrafterModel(spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_drafter(out_dir: str | Path, spec: DrafterSpec, target: TargetSpec, state: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
+    """Write a z-lab-format drafter directory (config.json + model.safetensors), atomically as a whole."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        cfg = spec.to_hf_config(target=target) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+        write_json(cfg | (extra_config or {}), tmp / "config.json")
+        write_state_dict({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def write_tiny_target(out_dir: str | Path, *, family: str = "llama", seed: int = 0, vocab_size: int = 256,
+                      hidden_size: int = 64, num_layers: int = 6, num_heads: int = 4, num_kv_heads: int = 2,
+                      max_position_embeddings: int = 512, tie_word_embeddings: bool = False) -> Path:
+    """A tiny random Llama or Qwen3 saved by Hugging Face transformers itself (the reference implementation)."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=10000.0))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, rope_theta=1000000.0))
+    else:
+        raise ValueError(family)
+    # HF's default init (std 0.02) gives near-uniform logits; a larger spread makes greedy choices decisive.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
+def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torch.float32, device="cpu"):
+    """Load a target and (optionally) its drafter after cross-checking their specs (specs.check_pair)."""
+    target_spec = TargetSpec.load(target_dir)
+    drafter_spec = DrafterSpec.load(drafter_dir) if drafter_dir is not None else None
+    if drafter_spec is not None:
+        check_pair(target_spec, drafter_spec)
+    target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = DrafterModel.from_pretrained(
+            drafter_dir, dtype=dtype, device=device,
+            max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS,
+        )
+    return target, drafter

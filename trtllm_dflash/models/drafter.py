@@ -1,0 +1,134 @@
+"""The DFlash drafter (z-lab format): Qwen3-style layers conditioned on target taps through KV injection.
+
+Parameter names are z-lab's (dflash.md §1.8): ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.…``; no embedding and
+no LM head, which are the target's. Two operations, mirroring SGLang/vLLM's "precompute context K/V" design:
+
+``inject(taps)``  context features C = hidden_norm(fc(taps)); for every layer, K = RoPE(k_norm(k_proj(C))) and
+                  V = v_proj(C) at the tokens' absolute positions, appended to the drafter's context cache, which
+                  therefore holds exactly the committed tokens (dflash.md §1.4, §2.3).
+``draft(block)``  one non-causal forward of the B block embeddings ``[bonus, MASK × (B−1)]`` at positions
+                  ``ctx_len + [0, B)``: queries from the block only, keys/values = [cached context ; block]. The
+                  block's K/V go to scratch slots past ``ctx_len`` and are never committed (the reference's crop).
+
+Sliding layers (``layer_types``) see keys within ``sliding_window`` of the query and are causal inside the block
+unless the config overrides it (specs.DrafterSpec.layer_causal).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, Rotary, attention
+from trtllm_dflash.models.weights import load_into, read_state_dict
+from trtllm_dflash.specs import DrafterSpec
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def context_kv(self, c: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
+        """c: context features [b, T, hidden] -> K (normed, rotated), V: [b, T, num_kv_heads, head_dim]."""
+        b, t, _ = c.shape
+        k = self.k_norm(self.k_proj(c).view(b, t, self.num_kv_heads, self.head_dim))
+        return rotary.apply(k, positions), self.v_proj(c).view(b, t, self.num_kv_heads, self.head_dim)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(spec)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DrafterModel(nn.Module):
+    def __init__(self, spec: DrafterSpec, dtype: torch.dtype = torch.float32, device="cpu", max_positions=None):
+        super().__init__()
+        self.spec = spec
+        h = spec.hidden_size
+        self.fc = nn.Linear(spec.num_taps * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(spec) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.to(dtype=dtype, device=device)
+        self.rotary = Rotary(spec.rope, spec.head_dim, max_positions or 32768, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype=torch.float32, device="cpu", max_positions=None):
+        spec = DrafterSpec.load(model_dir)
+        model = cls(spec, dtype=dtype, device=device, max_positions=max_positions)
+        load_into(model, read_state_dict(model_dir), model_dir)
+        return model.eval().requires_grad_(False)
+
+    def new_cache(self, num_rows: int, max_len: int) -> KVCache:
+        s = self.spec
+        return KVCache.allocate(
+            s.num_hidden_layers, num_rows, max_len, s.num_key_value_heads, s.head_dim, self.dtype, self.device
+        )
+
+    def inject(
+        self,
+        taps: torch.Tensor,  # [b, T, num_taps * hidden] target taps of the tokens to commit
+        num_tokens: torch.Tensor,  # [b] how many of the T tokens each row commits (the rest is padding)
+        cache: KVCache,
+        rows: torch.Tensor | None = None,  # [b] cache rows; None = all rows in order
+    ) -> None:
+        """KV injection: append the committed tokens' context K/V to every layer's cache and commit them."""
+        positions = cache.step_positions(rows, taps.shape[1])  # [b, T]
+        c = self.hidden_norm(self.fc(taps.to(self.dtype)))  # [b, T, hidden]
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.context_kv(c, self.rotary, positions)
+            cache.write(i, rows, positions, k, v)
+        cache.commit(rows, num_tokens)
+
+    def draft(
+        self,
+        block_embeds: torch.Tensor,  # [b, B, hidden] target embeddings of [bonus, MASK × (B−1)]
+        cache: KVCache,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [b, B, hidden] final-normed; slot k predicts the token at position ctx_len + k
+        b, bs, _ = block_embeds.shape
+        positions = cache.step_positions(rows, bs)  # [b, B]
+        kv_len = int(positions[:, -1].max()) + 1
+        key_pos = torch.arange(kv_len, device=block_embeds.device)[None, None, :]  # [1, 1, kv_len]
+        q_pos = positions[:, :, None]  # [b, B, 1]
+        in_range = key_pos <= positions[:, -1:, None]  # [b, 1, kv_len]: committed context + this block
+        x = block_embeds.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            allowed = in_range.expand(b, bs, kv_len)
+            if self.spec.layer_causal[i]:
+                allowed = allowed & (key_pos <= q_pos)
+            if self.spec.sliding_window is not None and self.spec.layer_types[i].value == "sliding_attention":
+                allowed = allowed & (q_pos - key_pos < self.spec.sliding_window)
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(b, bs, attn.num_heads, attn.head_dim))
+            k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
+            v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
+            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+            cache.write(i, rows, positions, k, v)  # scratch: past ctx_len, never committed
+            k_all, v_all = cache.read(i, rows, kv_len)
+            x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)

@@ -1,0 +1,145 @@
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU MLP, a preallocated KV cache and one
+masked attention function.
+
+Cache model. A ``KVCache`` holds, per layer, K and V for ``num_rows`` sequences ("rows") in fixed slots
+``[num_rows, max_len, num_kv_heads, head_dim]`` and a per-row ``lengths`` vector: the number of committed tokens. A
+forward over ``S`` new tokens writes their K/V at positions ``lengths[row] + [0, S)`` but does **not** advance
+``lengths``; the caller commits what it keeps (``commit``). Entries at or beyond ``lengths`` are therefore scratch:
+every attention mask excludes keys that are not committed or part of the current step, so cropping a cache is just
+not advancing (or lowering) ``lengths`` — no copy, and the result equals recomputation from scratch (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.specs import RopeSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary:
+    """cos/sin tables for absolute positions [0, max_positions), HF ``rotate_half`` convention."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int, max_positions: int, dtype: torch.dtype, device) -> None:
+        inv_freq = torch.tensor(rope.inv_freq(head_dim), dtype=torch.float64)  # [head_dim/2]
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [P, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.sin = emb.sin().to(dtype=dtype, device=device)
+        self.max_positions = max_positions
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [b, S, heads, head_dim]; positions: [b, S] absolute token positions."""
+        cos = self.cos[positions].unsqueeze(2)  # [b, S, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V slots for ``num_rows`` sequences; see the module docstring for the commit/crop model."""
+
+    k: torch.Tensor  # [num_layers, num_rows, max_len, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_layers, num_rows, max_len, num_kv_heads, head_dim]
+    lengths: torch.Tensor  # [num_rows] int64: committed tokens per row
+
+    @classmethod
+    def allocate(cls, num_layers, num_rows, max_len, num_kv_heads, head_dim, dtype, device) -> "KVCache":
+        shape = (num_layers, num_rows, max_len, num_kv_heads, head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=torch.zeros(num_rows, dtype=torch.long, device=device),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_rows(self) -> int:
+        return self.k.shape[1]
+
+    def step_positions(self, rows: torch.Tensor | None, num_new: int) -> torch.Tensor:
+        """Absolute positions [b, num_new] of the next ``num_new`` tokens of each selected row."""
+        lengths = self.lengths if rows is None else self.lengths[rows]
+        pos = lengths[:, None] + torch.arange(num_new, device=lengths.device)  # [b, num_new]
+        if num_new and int(pos.max()) >= self.max_len:
+            raise ConfigError(
+                "sequence length", int(pos.max()) + 1, f"exceeds the cache capacity ({self.max_len} tokens)",
+                "lower max_new_tokens or the prompt length",
+            )
+        return pos
+
+    def write(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v: [b, S, num_kv_heads, head_dim] written at ``positions`` [b, S] of the selected rows."""
+        row_idx = (torch.arange(self.num_rows, device=k.device) if rows is None else rows)[:, None]  # [b, 1]
+        self.k[layer][row_idx, positions] = k.to(self.k.dtype)
+        self.v[layer][row_idx, positions] = v.to(self.v.dtype)
+
+    def read(self, layer: int, rows: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the first ``kv_len`` slots of the selected rows, each [b, num_kv_heads, kv_len, head_dim]."""
+        k, v = self.k[layer, :, :kv_len], self.v[layer, :, :kv_len]
+        if rows is not None:
+            k, v = k[rows], v[rows]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def commit(self, rows: torch.Tensor | None, num_tokens: torch.Tensor) -> None:
+        """Advance the committed length of the selected rows by ``num_tokens`` [b]."""
+        if rows is None:
+            self.lengths += num_tokens
+        else:
+            self.lengths[rows] += num_tokens
+
+    def crop(self, rows: torch.Tensor | None, lengths: torch.Tensor) -> None:
+        """Roll the selected rows back to ``lengths`` [b] committed tokens."""
+        if rows is None:
+            self.lengths.copy_(lengths)
+        else:
+            self.lengths[rows] = lengths
+
+
+def attention(
+    q: torch.Tensor,  # [b, num_heads, S, head_dim]
+    k: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
+    v: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
+    allowed: torch.Tensor,  # [b, S, L] bool: query may see key
+) -> torch.Tensor:  # [b, S, num_heads * head_dim]
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None], enable_gqa=k.shape[1] != q.shape[1]
+    )  # [b, num_heads, S, head_dim]
+    b, h, s, d = out.shape
+    return out.transpose(1, 2).reshape(b, s, h * d)

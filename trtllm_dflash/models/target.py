@@ -1,0 +1,137 @@
+"""The target model: a compact Llama / Qwen3 decoder that loads Hugging Face safetensors unchanged (same parameter
+names, ``model.`` prefix and all), runs over a preallocated ``KVCache`` and taps hidden states for the drafter.
+
+Taps: ``forward(..., tap_layers=(i, j, ...))`` returns the concatenated outputs of decoder layers i, j, ... — the
+residual stream after each layer, before the final norm; ``hidden_states[i + 1]`` in HF terms (specs.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, Rotary, attention
+from trtllm_dflash.models.weights import load_into, read_state_dict
+from trtllm_dflash.specs import TargetSpec
+
+SCRATCH_POSITIONS = 1024  # rotary rows past the context limit, for a block's scratch slots
+
+
+class TargetAttention(nn.Module):
+    def __init__(self, spec: TargetSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def forward(self, x, rotary: Rotary, positions, cache: KVCache, layer: int, rows, allowed, kv_len):
+        b, s, _ = x.shape  # x: [b, S, hidden]
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, positions), rotary.apply(k, positions)
+        cache.write(layer, rows, positions, k, v)
+        k_all, v_all = cache.read(layer, rows, kv_len)  # [b, num_kv_heads, kv_len, head_dim]
+        return self.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+
+
+class TargetLayer(nn.Module):
+    def __init__(self, spec: TargetSpec) -> None:
+        super().__init__()
+        self.self_attn = TargetAttention(spec)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, *args):
+        x = x + self.self_attn(self.input_layernorm(x), *args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetBody(nn.Module):
+    """Mirrors HF's ``model.`` submodule so parameter names match the checkpoint."""
+
+    def __init__(self, spec: TargetSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(spec) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, spec: TargetSpec, dtype: torch.dtype = torch.float32, device="cpu") -> None:
+        super().__init__()
+        self.spec = spec
+        with torch.device("meta"):
+            self.model = TargetBody(spec)
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Scratch slots (a block past the last committed token) may sit up to one block beyond the context limit.
+        self.rotary = Rotary(spec.rope, spec.head_dim, spec.max_position_embeddings + SCRATCH_POSITIONS, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "TargetModel":
+        spec = TargetSpec.load(model_dir)
+        model = cls(spec, dtype=dtype, device=device)
+        ignore = ("lm_head.weight",) if spec.tie_word_embeddings else ()
+        load_into(model, read_state_dict(model_dir), model_dir, ignore=ignore)
+        return model.eval().requires_grad_(False)
+
+    def new_cache(self, num_rows: int, max_len: int) -> KVCache:
+        s = self.spec
+        return KVCache.allocate(
+            s.num_hidden_layers, num_rows, max_len, s.num_key_value_heads, s.head_dim, self.dtype, self.device
+        )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [b, S] -> [b, S, hidden]
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (final-normed): [..., hidden] -> [..., vocab]
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [b, S] tokens at positions cache.lengths[rows] + [0, S)
+        cache: KVCache,
+        rows: torch.Tensor | None = None,  # [b] cache rows of the batch; None = all rows in order
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final-normed hidden [b, S, hidden], taps [b, S, len(tap_layers) * hidden] or None).
+
+        Writes K/V for the S tokens into ``cache`` without committing them (see layers.KVCache).
+        """
+        b, s = input_ids.shape
+        positions = cache.step_positions(rows, s)  # [b, S]
+        kv_len = int(positions[:, -1].max()) + 1
+        key_pos = torch.arange(kv_len, device=input_ids.device)
+        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, S, kv_len]: causal over cache + step
+        x = self.embed(input_ids)
+        wanted = {layer: i for i, layer in enumerate(tap_layers)}
+        taps: list[torch.Tensor | None] = [None] * len(tap_layers)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, self.rotary, positions, cache, i, rows, allowed, kv_len)
+            if i in wanted:
+                taps[wanted[i]] = x
+        tapped = torch.cat(taps, dim=-1) if tap_layers else None  # type: ignore[arg-type]
+        return self.model.norm(x), tapped

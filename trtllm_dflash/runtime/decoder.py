@@ -1,0 +1,233 @@
+"""The speculative decoder: the reference DFlash loop, batched, and the correctness oracle for every other path.
+
+One step for each live sequence (dflash.md §2.1), with ``start`` = tokens committed to the target cache:
+
+    draft   block = [bonus, MASK × (B−1)] at positions start..start+B−1; one non-causal drafter forward over
+            the block (+ its context cache) -> drafts d_1..d_{B−1} = argmax(target.lm_head(slots 1..B−1))
+    verify  one target forward over [bonus, d_1..d_{B−1}] -> target samples x_0..x_{B−1}, taps
+    accept  a = longest prefix with d_{i+1} == x_i; emit x_0..x_a (τ = a + 1)
+    crop    target cache keeps [bonus, d_1..d_a] (start += a + 1); the drafter's context cache gets the taps of
+            those a + 1 tokens (KV injection); the new bonus is x_a, not yet fed to the target.
+
+Invariant at the top of every step: drafter context length == target committed length == start.
+
+Block size 1 skips the drafter (and the taps): it is plain autoregressive decoding through the same code, the
+built-in baseline. Sequences of a batch accept different lengths (ragged caches, ``KVCache.lengths``) and finish
+independently (stop tokens, max_new_tokens); finished rows simply drop out of the step's ``rows``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from trtllm_dflash.errors import ConfigError, require
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()  # generation ends at the first of these (not included in the output)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # new tokens only, stop token excluded
+    acceptance_lengths: tuple[int, ...]  # τ per step (first token from prefill not counted), each in [1, B]
+    finish_reason: str  # "stop" | "length"
+    ttft_ms: float  # prefill + first token
+    total_ms: float  # until this sequence finished
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
+
+
+# on_tokens(request_index, new_token_ids): called as tokens are emitted (for streaming), stop tokens excluded.
+TokenCallback = Callable[[int, list[int]], None]
+
+
+@dataclass
+class _Seq:
+    request: Request
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    taus: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    total_ms: float = 0.0
+
+    def emit(self, new: list[int]) -> list[int]:
+        """Append new tokens up to a stop token or the length limit; return what was actually kept."""
+        kept = []
+        for tok in new:
+            if tok in self.request.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            kept.append(tok)
+            if len(self.tokens) + len(kept) >= self.request.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        self.tokens.extend(kept)
+        return kept
+
+
+class SpeculativeDecoder:
+    """Runs batches of requests through the target (and, for block_size > 1, the drafter)."""
+
+    def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int) -> None:
+        require(block_size >= 1, "block_size", block_size, "must be >= 1 (1 = autoregressive baseline)")
+        if block_size > 1:
+            require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
+            assert drafter is not None
+            require(
+                block_size <= drafter.spec.block_size,
+                "block_size",
+                block_size,
+                f"must be <= the drafter's trained block_size ({drafter.spec.block_size})",
+                f"use --block-size {drafter.spec.block_size} or less",
+            )
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.mask_token_id = drafter.spec.mask_token_id if drafter is not None else None
+        self.taps = drafter.spec.target_layer_ids if (drafter is not None and block_size > 1) else ()
+
+    def validate(self, req: Request, prefix: str = "") -> None:
+        limit = self.target.spec.max_position_embeddings
+        require(len(req.prompt_ids) > 0, f"{prefix}prompt", "", "must contain at least one token")
+        require(req.max_new_tokens >= 1, f"{prefix}max_new_tokens", req.max_new_tokens, "must be >= 1")
+        require(
+            len(req.prompt_ids) + req.max_new_tokens <= limit,
+            f"{prefix}prompt length + max_new_tokens",
+            len(req.prompt_ids) + req.max_new_tokens,
+            f"exceeds the target's context limit ({limit} tokens)",
+            "shorten the prompt or lower max_new_tokens",
+        )
+        vocab = self.target.spec.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        require(not bad, f"{prefix}prompt_ids", bad[:3], f"token ids must be in [0, {vocab})")
+        req.sampling.validate(prefix)
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
+        require(len(requests) > 0, "requests", 0, "need at least one request")
+        for i, req in enumerate(requests):
+            self.validate(req, prefix=f"requests[{i}]." if len(requests) > 1 else "")
+        t0 = time.perf_counter()
+        dev, bsz, n = self.target.device, self.block_size, len(requests)
+        seqs = [
+            _Seq(r, None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)) for r in requests
+        ]
+        prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests], device=dev)  # [n]
+        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + bsz
+        tcache = self.target.new_cache(n, max_len)
+        dcache = self.drafter.new_cache(n, max_len) if self.taps else None
+
+        # Prefill: right-padded prompts; padding only ever sits after a row's real tokens, so causal masks keep it
+        # invisible, and positions >= lengths are scratch anyway.
+        ids = torch.zeros(n, int(prompt_lens.max()), dtype=torch.long, device=dev)  # [n, P_max]
+        for i, r in enumerate(requests):
+            ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
+        hidden, taps = self.target(ids, tcache, tap_layers=self.taps)  # [n, P_max, H], [n, P_max, K·H]
+        last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
+        first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
+                               [s.generator for s in seqs])[:, 0]  # [n]
+        tcache.commit(None, prompt_lens)
+        if dcache is not None:
+            self.drafter.inject(taps, prompt_lens, dcache)
+        bonus = first.clone()  # [n]: last emitted token, not yet fed to the target
+        ttft_ms = (time.perf_counter() - t0) * 1e3
+        self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
+
+        while True:
+            active = [i for i, s in enumerate(seqs) if s.finish_reason is None]
+            if not active:
+                break
+            rows = None if len(active) == n else torch.tensor(active, device=dev)  # [b]
+            b = len(active)
+            cur = bonus if rows is None else bonus[rows]  # [b]
+            if dcache is not None:
+                committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
+                drafts = self.propose(cur, dcache, rows, committed)  # [b, B−1]
+            else:
+                drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
+            verify_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, B]
+            hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
+            samples = target_samples(
+                self.target.logits(hidden), [seqs[i].request.sampling for i in active],
+                [seqs[i].generator for i in active],
+            )  # [b, B]
+            acc = accepted_lengths(drafts, samples)  # [b]
+            tcache.commit(rows, acc + 1)
+            if dcache is not None:
+                self.drafter.inject(taps, acc + 1, dcache, rows)
+            new_bonus = samples.gather(1, acc[:, None])[:, 0]  # [b]
+            if rows is None:
+                bonus = new_bonus
+            else:
+                bonus[rows] = new_bonus
+            emitted = [samples[j, : int(acc[j]) + 1].tolist() for j in range(b)]
+            for j, i in enumerate(active):
+                seqs[i].taus.append(int(acc[j]) + 1)
+            self._emit(seqs, active, emitted, on_tokens, t0)
+
+        return [
+            GenerationResult(
+                prompt_ids=r.prompt_ids,
+                token_ids=tuple(s.tokens),
+                acceptance_lengths=tuple(s.taus),
+                finish_reason=s.finish_reason or "length",
+                ttft_ms=ttft_ms,
+                total_ms=s.total_ms,
+            )
+            for r, s in zip(requests, seqs)
+        ]
+
+    def propose(
+        self,
+        bonus: torch.Tensor,  # [b] last emitted token of each row (position = committed length)
+        dcache,  # the drafter's context cache (KVCache)
+        rows: torch.Tensor | None,  # [b] cache rows; None = all
+        committed: torch.Tensor,  # [b] tokens committed to the target (== drafter context length)
+    ) -> torch.Tensor:  # [b, B−1] drafts d_1..d_{B−1}
+        """One DFlash draft: block [bonus, MASK × (B−1)] through the drafter, greedy through the target's head.
+
+        Tests override this to inject chosen drafts and exercise every accepted length.
+        """
+        assert self.drafter is not None and self.mask_token_id is not None
+        block = torch.full((bonus.shape[0], self.block_size), self.mask_token_id, dtype=torch.long, device=bonus.device)
+        block[:, 0] = bonus  # [b, B]
+        draft_h = self.drafter.draft(self.target.embed(block), dcache, rows)  # [b, B, H]
+        return self.target.logits(draft_h[:, 1:].to(self.target.dtype)).argmax(-1)  # [b, B−1]
+
+    @staticmethod
+    def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):
+        for i, new in zip(rows, new_tokens):
+            kept = seqs[i].emit(new)
+            if kept and on_tokens is not None:
+                on_tokens(i, kept)
+            if seqs[i].finish_reason is not None:
+                seqs[i].total_ms = (time.perf_counter() - t0) * 1e3
+
+
+def check_capacity(decoder: SpeculativeDecoder, requests: list[Request]) -> None:
+    """Validate every request up front (used by the CLI before streaming anything)."""
+    if not requests:
+        raise ConfigError("prompts", 0, "need at least one prompt")
+    for i, r in enumerate(requests):
+        decoder.validate(r, prefix=f"prompt {i}: " if len(requests) > 1 else "")

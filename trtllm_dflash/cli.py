@@ -1,0 +1,49 @@
+"""The ``trtllm-dflash`` command: an argparse root and a table of subcommands; no logic lives here.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``. Exit codes: 0 ok, 2 bad input
+(one line on stderr, no traceback), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help). Modules are imported only when their subcommand runs, so `--help` stays fast.
+SUBCOMMANDS = {
+    "demo-assets": ("trtllm_dflash.commands.assets", "prepare the SmolLM2 demo target and drafter; print their paths"),
+    "generate": ("trtllm_dflash.commands.generate", "generate text in-process with DFlash speculative decoding"),
+    "demo": ("trtllm_dflash.commands.demo", "the end-to-end demo on the embedded default model"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from trtllm_dflash import __version__
+
+    parser = argparse.ArgumentParser(prog="trtllm-dflash", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"trtllm-dflash {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from trtllm_dflash.errors import DFlashError
+
+    try:
+        return importlib.import_module(SUBCOMMANDS[args.command][0]).main(args)
+    except DFlashError as exc:
+        print(f"trtllm-dflash {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

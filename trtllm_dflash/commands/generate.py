@@ -1,0 +1,79 @@
+"""``trtllm-dflash generate``: run prompts through the speculative decoder in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trtllm_dflash.commands.common import DTYPES, add_model_arguments, add_sampling_arguments, resolve_block_size
+from trtllm_dflash.errors import ConfigError, require
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (raw text)")
+    src.add_argument("--prompts-file", help='JSONL file, one {"prompt": "..."} per line')
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
+    add_sampling_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import Prompt, file_prompts
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder, check_capacity
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
+
+    require(args.batch_size >= 1, "--batch-size", args.batch_size, "must be >= 1")
+    if args.prompt is not None:
+        require(args.prompt.strip() != "", "--prompt", args.prompt, "must not be empty")
+        prompts = [Prompt("prompt", args.prompt, args.chat)]
+    else:
+        prompts = file_prompts(args.prompts_file, args.chat)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.validate("--")
+    require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
+
+    target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
+    decoder = SpeculativeDecoder(target, drafter, resolve_block_size(args, drafter))
+    tokenizer = load_tokenizer(args.target)
+    stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
+    requests = []
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p.text, p.chat)
+        if not ids:
+            raise ConfigError("prompt", p.text, "encodes to no tokens", "pass non-empty text")
+        requests.append(Request(tuple(ids), args.max_new_tokens, sampling, stops))
+    check_capacity(decoder, requests)
+
+    for start in range(0, len(requests), args.batch_size):
+        chunk = requests[start : start + args.batch_size]
+        stream = not args.json and len(chunk) == 1
+        detok = IncrementalDetokenizer(tokenizer)
+        on_tokens = (lambda _i, ids: print(detok.push(ids), end="", flush=True)) if stream else None
+        results = decoder.generate(chunk, on_tokens)
+        for k, res in enumerate(results):
+            text = tokenizer.decode(res.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            if args.json:
+                print(json.dumps({
+                    "prompt": prompts[start + k].text,
+                    "text": text,
+                    "token_ids": list(res.token_ids),
+                    "acceptance_lengths": list(res.acceptance_lengths),
+                    "mean_acceptance_length": round(res.mean_acceptance_length, 4),
+                    "num_new_tokens": res.num_new_tokens,
+                    "tokens_per_second": round(res.tokens_per_second, 3),
+                    "ttft_ms": round(res.ttft_ms, 3),
+                    "finish_reason": res.finish_reason,
+                    "block_size": decoder.block_size,
+                }), flush=True)
+            else:
+                print(detok.flush() if stream else text, flush=True)
+                print(f"[{res.num_new_tokens} tokens, {res.tokens_per_second:.1f} tok/s, "
+                      f"mean acceptance length τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size}]",
+                      file=sys.stderr)
+    return 0

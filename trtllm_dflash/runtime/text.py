@@ -1,0 +1,66 @@
+"""Text around the token loop: tokenizer loading, chat templating, stop tokens and incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trtllm_dflash.errors import ArtifactError
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The target's tokenizer (tokenizer.json etc. in the model directory), offline."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(model_dir, f"cannot load a tokenizer ({exc})", "the target directory must hold tokenizer files") from exc
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of ``text``; with ``chat`` wrapped as one user turn in the target's chat template."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ArtifactError("tokenizer", "has no chat template", "drop --chat / apply_chat_template")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def stop_token_ids(tokenizer, eos_from_config: tuple[int, ...]) -> tuple[int, ...]:
+    ids = set(eos_from_config)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text deltas whose concatenation equals ``decode(all tokens)``.
+
+    A delta is held back while the decoded tail ends in U+FFFD (a multi-byte character split across tokens), so a
+    stream never shows broken characters. ``flush`` returns whatever is left at the end.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self._text()
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self._text()
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += delta
+        return delta

@@ -1,0 +1,68 @@
+"""The CLI: JSON output of generate, and bad input -> one line on stderr, exit code 2, no traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trtllm_dflash.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(args):
+    return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_json_on_the_real_model(smollm2, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a primary colour."}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
+    r = run_cli(["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompts-file",
+                 str(prompts), "--chat", "--max-new-tokens", "12", "--block-size", "4", "--batch-size", "2", "--json"])
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["Name a primary colour.", "Say hi."]
+    for x in lines:
+        assert x["num_new_tokens"] == len(x["token_ids"]) <= 12
+        assert x["text"] and x["tokens_per_second"] > 0
+        assert all(1 <= t <= 4 for t in x["acceptance_lengths"])
+        assert x["mean_acceptance_length"] >= 1
+
+
+def test_demo_assets_is_idempotent_json(smollm2):
+    r = run_cli(["demo-assets"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"target": smollm2["target"], "drafter": smollm2["drafter"]}
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--prompt", ""], "--prompt='': must not be empty"),
+        (["--prompt", "hello " * 9000], "exceeds the target's context limit (8192 tokens)"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
+        (["--prompt", "hi", "--block-size", "32"], "block_size=32: must be <= the drafter's trained block_size (16)"),
+        (["--prompt", "hi", "--temperature", "-0.5"], "--temperature=-0.5: must be >= 0"),
+    ],
+)
+def test_bad_input_exit_2_one_line(smollm2, capsys, extra, words):
+    code = main(["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert words in err and len(err.splitlines()) == 1, err
+
+
+def test_mismatched_pair_and_corrupt_weights_exit_2(smollm2, tiny_dirs, tmp_path):
+    r = run_cli(["generate", "--target", smollm2["target"], "--drafter", str(tiny_dirs["llama"][1]), "--prompt", "hi"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "hidden_size=64: must equal the target's hidden_size (576)" in r.stderr
+    bad = tmp_path / "drafter"
+    shutil.copytree(smollm2["drafter"], bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    r = run_cli(["generate", "--target", smollm2["target"], "--drafter", str(bad), "--prompt", "hi"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "model.safetensors: unreadable safetensors" in r.stderr
+    r = run_cli(["generate", "--target", str(tmp_path / "missing"), "--drafter", str(bad), "--prompt", "hi"])
+    assert r.returncode == 2 and "target directory does not exist" in r.stderr

@@ -138,8 +138,16 @@ def attention(
     v: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
     allowed: torch.Tensor,  # [b, S, L] bool: query may see key
 ) -> torch.Tensor:  # [b, S, num_heads * head_dim]
-    out = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None], enable_gqa=k.shape[1] != q.shape[1]
-    )  # [b, num_heads, S, head_dim]
-    b, h, s, d = out.shape
-    return out.transpose(1, 2).reshape(b, s, h * d)
+    """Masked GQA attention, written out: for the few query rows of a decode/verify/draft step this is several times
+    faster on CPU than SDPA's fused kernel with an explicit mask. Query head h reads KV head h // (heads / kv_heads),
+    as in HF's ``repeat_kv``; the group's queries are folded into the row dimension instead of repeating K/V."""
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    qg = q.reshape(b, kv, g * s, d)  # [b, kv, g·S, d]: rows ordered (group member, query)
+    scores = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)) * d**-0.5  # [b, kv, g·S, L]
+    mask = allowed[:, None, None].expand(b, kv, g, s, allowed.shape[-1]).reshape(b, kv, g * s, -1)
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.to(q.dtype))  # [b, kv, g·S, d]
+    return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

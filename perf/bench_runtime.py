@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""In-process benchmark of the speculative decoder: autoregressive (block size 1) vs DFlash on the same prompts.
+
+Each prompt is decoded alone (batch 1, greedy) twice in this one process: once by the baseline (the same loop with
+block size 1) and once with DFlash. The outputs must be token-identical (``lossless``). Throughput is new tokens over
+wall-clock time including prefill, summed over prompts.
+
+    python perf/bench_runtime.py --dataset humaneval --limit 20 --block-size 16 --max-new-tokens 256 --json
+
+Defaults to the demo target and drafter (``trtllm-dflash demo-assets``). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import sys
+import time
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | path to a JSONL file of {\"prompt\"}")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--target", default=None, help="default: the demo target")
+    p.add_argument("--drafter", default=None, help="default: the demo drafter")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.target is None:
+        assets = prepare_demo_assets()
+        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    target, drafter = load_pair(args.target, args.drafter)
+    tok = load_tokenizer(args.target)
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    block = args.block_size or drafter.spec.block_size
+    ar, dflash = SpeculativeDecoder(target, None, 1), SpeculativeDecoder(target, drafter, block)
+    prompts = load_prompts(args.dataset, args.limit)
+
+    totals = collections.Counter()
+    taus: list[int] = []
+    mismatches = []
+    for p in tqdm(prompts, desc=f"{args.dataset} B={block}", file=sys.stderr, disable=None):
+        req = Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
+        a = ar.generate([req])[0]
+        d = dflash.generate([req])[0]
+        totals["ar_tokens"] += a.num_new_tokens
+        totals["ar_ms"] += a.total_ms
+        totals["dflash_tokens"] += d.num_new_tokens
+        totals["dflash_ms"] += d.total_ms
+        taus.extend(d.acceptance_lengths)
+        if a.token_ids != d.token_ids:
+            mismatches.append(p.id)
+
+    ar_tps = totals["ar_tokens"] / (totals["ar_ms"] / 1e3)
+    df_tps = totals["dflash_tokens"] / (totals["dflash_ms"] / 1e3)
+    hist = collections.Counter(taus)
+    result = {
+        "dataset": args.dataset,
+        "num_prompts": len(prompts),
+        "block_size": block,
+        "max_new_tokens": args.max_new_tokens,
+        "ar_tokens_per_second": round(ar_tps, 3),
+        "dflash_tokens_per_second": round(df_tps, 3),
+        "speedup": round(df_tps / ar_tps, 3),
+        "mean_acceptance_length": round(sum(taus) / len(taus), 3) if taus else None,
+        "acceptance_histogram": {str(k): hist[k] for k in range(1, block + 1)},
+        "lossless": not mismatches,
+        "mismatched_prompts": mismatches,
+        "num_new_tokens": totals["dflash_tokens"],
+        "target": os.path.basename(os.path.normpath(args.target)),
+        "drafter": os.path.basename(os.path.normpath(args.drafter)),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    print(json.dumps(result))
+    return 0 if result["lossless"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Loading converted checkpoints back into the PyTorch reference models: merge the TP ranks, un-fuse QKV, undo the
+``mlp.fc``/``mlp.gate`` naming swap (all by running ``weight_map.merge`` over the same plan ``convert`` used), so a
+round trip can be checked tensor by tensor and logit by logit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from trtllm_dflash.convert import configs
+from trtllm_dflash.convert import manifest as mf
+from trtllm_dflash.convert import weight_map as wm
+from trtllm_dflash.errors import ArtifactError
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
+from trtllm_dflash.models.weights import load_into
+from trtllm_dflash.specs import TargetSpec
+
+
+def read_config(ckpt_dir: Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        raise ArtifactError(path, "missing", "pass a checkpoint directory written by `trtllm-dflash convert`")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(path, f"unreadable JSON ({exc})", "re-run the conversion") from exc
+    if not isinstance(cfg, dict):
+        raise ArtifactError(path, "top level is not a JSON object", "re-run the conversion")
+    return cfg
+
+
+def read_ranks(ckpt_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
+    ranks = []
+    for r in range(tp):
+        path = Path(ckpt_dir) / f"rank{r}.safetensors"
+        if not path.is_file():
+            raise ArtifactError(path, f"missing (mapping.tp_size={tp})", "re-run the conversion")
+        try:
+            ranks.append(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ArtifactError(path, f"unreadable safetensors ({exc})", "re-run the conversion") from exc
+    return ranks
+
+
+def merge_ranks(entries: list[wm.Entry], ranks: list[dict[str, torch.Tensor]], source: Path) -> dict[str, torch.Tensor]:
+    """TRT-LLM per-rank tensors -> full source-named tensors. Strict: every rank holds exactly the planned names and
+    shapes."""
+    tp = len(ranks)
+    planned = {e.dst for e in entries}
+    for r, tensors in enumerate(ranks):
+        missing, extra = sorted(planned - set(tensors)), sorted(set(tensors) - planned)
+        if missing or extra:
+            raise ArtifactError(source / f"rank{r}.safetensors",
+                                f"tensor names do not match config.json (missing {missing[:3]}, unexpected {extra[:3]})",
+                                "re-run the conversion")
+    state: dict[str, torch.Tensor] = {}
+    for e in entries:
+        expected = wm.rank_shape(e, tp)
+        for r, tensors in enumerate(ranks):
+            if tuple(tensors[e.dst].shape) != expected:
+                raise ArtifactError(source / f"rank{r}.safetensors", f"tensor {e.dst} has shape "
+                                    f"{list(tensors[e.dst].shape)}, config.json implies {list(expected)}",
+                                    "re-run the conversion")
+        for name, full in zip(e.src, wm.merge(e, [t[e.dst] for t in ranks], source)):
+            state.setdefault(name, full)
+    return state
+
+
+def _manifest_extras(ckpt_dir: Path) -> dict[str, Any]:
+    """eos/bos ids are not part of a TRT-LLM config; the manifest next to the checkpoint records them."""
+    path = Path(ckpt_dir).parent / mf.MANIFEST
+    try:
+        target = json.loads(path.read_text())["resolved"]["target"]
+        return {"eos_token_ids": target.get("eos_token_ids", []), "bos_token_id": target.get("bos_token_id")}
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return {}
+
+
+def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetSpec]:
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    spec = configs.target_spec_from_config(cfg, ckpt_dir / "config.json", _manifest_extras(ckpt_dir))
+    tp = int(cfg["mapping"]["tp_size"])
+    # The checkpoint always holds lm_head.weight, so the plan never aliases it to the embedding.
+    entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
+                                     use_parallel_embedding=bool(cfg.get("use_parallel_embedding")))
+    return merge_ranks(entries, read_ranks(ckpt_dir, tp), ckpt_dir), spec
+
+
+def load_trtllm_target(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu") -> TargetModel:
+    """A TargetModel from ``OUT/target`` (any TP size)."""
+    state, spec = load_trtllm_target_state(ckpt_dir)
+    model = TargetModel(spec, dtype=dtype, device=device)
+    ignore = ("lm_head.weight",) if spec.tie_word_embeddings else ()
+    load_into(model, state, ckpt_dir, ignore=ignore)
+    return model.eval().requires_grad_(False)
+
+
+def load_trtllm_drafter_state(ckpt_dir):
+    ckpt_dir = Path(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    spec = configs.drafter_spec_from_config(cfg, ckpt_dir / "config.json")
+    tp = int(cfg["mapping"]["tp_size"])
+    return merge_ranks(configs.drafter_entries(spec), read_ranks(ckpt_dir, tp), ckpt_dir), spec, cfg
+
+
+def load_trtllm_drafter(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu") -> DrafterModel:
+    """A DrafterModel (z-lab parameter names) from ``OUT/drafter`` (any TP size)."""
+    state, spec, cfg = load_trtllm_drafter_state(ckpt_dir)
+    model = DrafterModel(spec, dtype=dtype, device=device,
+                         max_positions=int(cfg["max_position_embeddings"]) + SCRATCH_POSITIONS)
+    load_into(model, state, ckpt_dir)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,95 @@
+"""Subcommands ``convert`` and ``inspect`` (wired into ``trtllm-dflash`` by ``trtllm_dflash/cli.py``).
+
+Both live here and share the contract of every subcommand module: ``add_arguments(parser)`` then ``main(args) -> int``.
+Which of the two a parser is for is read from its ``prog`` (argparse names a subparser ``"<root> <command>"``), and
+recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propagate; the root CLI prints them as one
+line and exits 2.
+
+    trtllm-dflash convert --target DIR --drafter DIR --out DIR [--dtype bfloat16|float16] [--tp N] [--force]
+    trtllm-dflash inspect DIR [--json] [--no-stats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, type=Path, metavar="DIR",
+                        help="Hugging Face target directory (Llama or Qwen3: config.json + safetensors)")
+    parser.add_argument("--drafter", required=True, type=Path, metavar="DIR",
+                        help="z-lab DFlash drafter directory (config.json + model.safetensors)")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="output directory; gets target/, drafter/ and manifest.json")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                        help="dtype of the written weights (default bfloat16)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel size: rank files per checkpoint (default 1)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    parser.set_defaults(convert_command="convert")
+
+
+def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt_dir", type=Path, metavar="DIR",
+                        help="a checkpoint directory (config.json + rank*.safetensors) or a `convert --out` directory")
+    parser.add_argument("--json", action="store_true", help="print the full summary as JSON")
+    parser.add_argument("--no-stats", dest="stats", action="store_false",
+                        help="skip per-tensor min/max/mean/std (faster on large checkpoints)")
+    parser.set_defaults(convert_command="inspect")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    if parser.prog.split()[-1] == "inspect":
+        add_inspect_arguments(parser)
+    else:
+        add_convert_arguments(parser)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _print_checkpoint(name: str, s: dict) -> None:
+    print(f"{name}: {s['architecture']}  dtype={s['dtype']}  quant={s['quant_algo']}  "
+          f"kv_cache_quant={s['kv_cache_quant_algo']}  tp={s['tp_size']}  layers={s['num_hidden_layers']}  "
+          f"hidden={s['hidden_size']}  vocab={s['vocab_size']}")
+    print(f"  files: {_human_bytes(s['total_file_bytes'])} in {len(s['ranks'])} rank(s); tensor dtypes "
+          + ", ".join(f"{k}×{v}" for k, v in s["tensor_dtypes"].items()))
+    if "dflash" in s:
+        d = s["dflash"]
+        print(f"  dflash: block_size={d['block_size']} mask_token_id={d['mask_token_id']} "
+              f"target_layer_ids={d['target_layer_ids']}")
+    for tname, t in (s.get("tensors") or {}).items():
+        stats = f"  min={t['min']:.4g} max={t['max']:.4g} mean={t['mean']:.4g} std={t['std']:.4g}" if "min" in t else ""
+        print(f"  {tname:60s} {str(t['shape']):16s} {t['dtype']:14s}{stats}")
+
+
+def main(args: argparse.Namespace) -> int:
+    command = getattr(args, "convert_command", None) or getattr(args, "command", "convert")
+    if command == "inspect":
+        from trtllm_dflash.convert.inspect import inspect
+
+        summary = inspect(args.ckpt_dir, stats=getattr(args, "stats", True))
+        if args.json:
+            print(json.dumps(summary, indent=2))
+        elif "architecture" in summary:
+            _print_checkpoint(str(summary["path"]), summary)
+        else:
+            git = summary.get("git") or {}
+            print(f"{summary['path']}: {summary.get('format')}  git={git.get('commit')}  config={summary.get('config')}")
+            for what in ("target", "drafter"):
+                if what in summary:
+                    _print_checkpoint(what, summary[what])
+        return 0
+
+    from trtllm_dflash.convert.checkpoint import convert
+
+    out = convert(args.target, args.drafter, args.out, dtype=args.dtype, tp=args.tp, force=args.force)
+    print(out)
+    return 0

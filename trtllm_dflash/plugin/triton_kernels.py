@@ -39,6 +39,7 @@ def _knorm_rope_store_kernel(
     sin_ptr,  # [P, HEAD_DIM]
     kc_ptr,  # [L, R, max_len, NUM_KV, HEAD_DIM] (last dim contiguous)
     vc_ptr,  # same layout and strides as kc_ptr
+    num_tokens,
     eps,
     stride_kv_t,
     stride_rope_p,
@@ -46,28 +47,33 @@ def _knorm_rope_store_kernel(
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_KV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    tok = tl.program_id(0)
+    """Grid (cdiv(T, BLOCK_T), L); tiles are [BLOCK_T tokens, BLOCK_KV heads, BLOCK_HALF dims of one RoPE half]."""
     layer = tl.program_id(1)
-    row = tl.load(row_ptr + tok)
-    pos = tl.load(pos_ptr + tok)
-    h = tl.arange(0, BLOCK_KV)[:, None]  # [BLOCK_KV, 1] kv head
-    d = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF] dim within a half
-    mask = (h < NUM_KV) & (d < HALF)
-    k_base = kv_ptr + tok * stride_kv_t + layer * 2 * NUM_KV * HEAD_DIM + h * HEAD_DIM
-    k1 = tl.load(k_base + d, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_KV, BLOCK_HALF] first half
+    t1 = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    t_valid = t1 < num_tokens
+    row = tl.load(row_ptr + t1, mask=t_valid, other=0)[:, None, None]  # [BLOCK_T, 1, 1]
+    pos = tl.load(pos_ptr + t1, mask=t_valid, other=0)[:, None, None]
+    t = t1[:, None, None]
+    h = tl.arange(0, BLOCK_KV)[None, :, None]  # [1, BLOCK_KV, 1] kv head
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]  # [1, 1, BLOCK_HALF] dim within a half
+    mask = (t < num_tokens) & (h < NUM_KV) & (d < HALF)
+    k_base = kv_ptr + t * stride_kv_t + layer * 2 * NUM_KV * HEAD_DIM + h * HEAD_DIM
+    k1 = tl.load(k_base + d, mask=mask, other=0.0).to(tl.float32)  # first half
     k2 = tl.load(k_base + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second half
-    inv_rms = 1.0 / tl.sqrt((tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / HEAD_DIM + eps)  # [BLOCK_KV]
-    w1 = tl.load(knorm_ptr + layer * HEAD_DIM + d, mask=d < HALF, other=0.0).to(tl.float32)  # [1, BLOCK_HALF]
+    inv_rms = 1.0 / tl.sqrt((tl.sum(k1 * k1, axis=2) + tl.sum(k2 * k2, axis=2)) / HEAD_DIM + eps)  # [BT, BKV]
+    w1 = tl.load(knorm_ptr + layer * HEAD_DIM + d, mask=d < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(knorm_ptr + layer * HEAD_DIM + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    k1 = k1 * inv_rms[:, None] * w1
-    k2 = k2 * inv_rms[:, None] * w2
-    cos1 = tl.load(cos_ptr + pos * stride_rope_p + d, mask=d < HALF, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + pos * stride_rope_p + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + pos * stride_rope_p + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + pos * stride_rope_p + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    k1 = k1 * inv_rms[:, :, None] * w1
+    k2 = k2 * inv_rms[:, :, None] * w2
+    rmask = (t < num_tokens) & (d < HALF)
+    cos1 = tl.load(cos_ptr + pos * stride_rope_p + d, mask=rmask, other=0.0).to(tl.float32)  # [BT, 1, BH]
+    cos2 = tl.load(cos_ptr + pos * stride_rope_p + HALF + d, mask=rmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + pos * stride_rope_p + d, mask=rmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + pos * stride_rope_p + HALF + d, mask=rmask, other=0.0).to(tl.float32)
     r1 = k1 * cos1 - k2 * sin1  # rotate_half: [-x2, x1]
     r2 = k2 * cos2 + k1 * sin2
     dst = layer * stride_c_l + row * stride_c_r + pos * stride_c_p + h * stride_c_h
@@ -75,10 +81,9 @@ def _knorm_rope_store_kernel(
     tl.store(kc_ptr + dst + d, r1.to(out_ty), mask=mask)
     tl.store(kc_ptr + dst + HALF + d, r2.to(out_ty), mask=mask)
     v_base = k_base + NUM_KV * HEAD_DIM
-    v1 = tl.load(v_base + d, mask=mask, other=0.0).to(tl.float32)
-    v2 = tl.load(v_base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(vc_ptr + dst + d, v1.to(out_ty), mask=mask)
-    tl.store(vc_ptr + dst + HALF + d, v2.to(out_ty), mask=mask)
+    tl.store(vc_ptr + dst + d, tl.load(v_base + d, mask=mask, other=0.0).to(tl.float32).to(out_ty), mask=mask)
+    tl.store(vc_ptr + dst + HALF + d, tl.load(v_base + HALF + d, mask=mask, other=0.0).to(tl.float32).to(out_ty),
+             mask=mask)
 
 
 def knorm_rope_store(kv, row, pos, k_norm, eps, cos, sin, k_cache, v_cache) -> None:
@@ -86,10 +91,13 @@ def knorm_rope_store(kv, row, pos, k_norm, eps, cos, sin, k_cache, v_cache) -> N
     L, _, _, n_kv, hd = k_cache.shape
     assert kv.stride(1) == 1 and k_cache.stride(4) == 1 and k_cache.stride() == v_cache.stride()
     assert cos.stride(1) == 1 and cos.stride() == sin.stride() and k_norm.is_contiguous() and hd % 2 == 0
-    _knorm_rope_store_kernel[(kv.shape[0], L)](
-        kv, row.contiguous(), pos.contiguous(), k_norm, cos, sin, k_cache, v_cache, float(eps),
+    t = kv.shape[0]
+    block_kv, block_half = _pow2(n_kv), _pow2(hd // 2)
+    block_t = max(1, min(_pow2(t), 4096 // (block_kv * block_half), 64))  # ~4K elements per tile
+    _knorm_rope_store_kernel[(triton.cdiv(t, block_t), L)](
+        kv, row.contiguous(), pos.contiguous(), k_norm, cos, sin, k_cache, v_cache, t, float(eps),
         kv.stride(0), cos.stride(0), *k_cache.stride()[:4],
-        NUM_KV=n_kv, HEAD_DIM=hd, HALF=hd // 2, BLOCK_KV=_pow2(n_kv), BLOCK_HALF=_pow2(hd // 2),
+        NUM_KV=n_kv, HEAD_DIM=hd, HALF=hd // 2, BLOCK_T=block_t, BLOCK_KV=block_kv, BLOCK_HALF=block_half,
     )
 
 

@@ -14,9 +14,6 @@ to OUT and renamed into place at the end, so OUT is either complete or absent; a
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +23,7 @@ from tqdm import tqdm
 
 from trtllm_dflash.convert import configs
 from trtllm_dflash.convert import manifest as mf
+from trtllm_dflash.convert import staging
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError, require
 from trtllm_dflash.models.weights import read_state_dict, write_json, write_state_dict
@@ -97,15 +95,6 @@ def _write_ranks(entries: list[wm.Entry], state: dict[str, torch.Tensor], tp: in
         write_state_dict(tensors, out / f"rank{rank}.safetensors")
 
 
-def _umask_permissions(root: Path) -> None:
-    """mkdtemp/mkstemp create 0700/0600 entries; give the published tree the usual umask-derived modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for p in root.rglob("*"):
-        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
-
-
 def convert(target_dir, drafter_dir, out_dir, dtype: str = "bfloat16", tp: int = 1, force: bool = False) -> Path:
     """Convert; returns OUT. Raises ConfigError / ArtifactError (one line: field or path, value, rule, fix) on bad
     input, having written nothing."""
@@ -115,8 +104,7 @@ def convert(target_dir, drafter_dir, out_dir, dtype: str = "bfloat16", tp: int =
 def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
     cfg.validate()
     out = cfg.out_dir
-    if out.exists() and not cfg.force:
-        raise ArtifactError(out, "already exists", "pass --force to replace it, or choose another --out")
+    staging.refuse_existing(out, cfg.force)
     target, drafter = TargetSpec.load(cfg.target_dir), DrafterSpec.load(cfg.drafter_dir)
     check_pair(target, drafter)
     require(not (target.family is TargetFamily.QWEN3 and target.attention_bias), "target.attention_bias", True,
@@ -132,9 +120,7 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
     _check_sources(d_entries, dstate, cfg.drafter_dir)
     inputs = {"target": mf.hash_tree(cfg.target_dir), "drafter": mf.hash_tree(cfg.drafter_dir)}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with staging.staged_output(out, cfg.force) as tmp:
         torch_dtype = configs.DTYPES[cfg.dtype]
         for what, spec_cfg, entries, state in (
             ("target", configs.target_config(target, cfg.dtype, cfg.tp), t_entries, tstate),
@@ -156,17 +142,6 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
             "created_unix_s": round(time.time()),
         }
         write_json(manifest, tmp / mf.MANIFEST)
-        _umask_permissions(tmp)
-        if out.exists():  # force: move the old output aside first, so a failure leaves one of the two complete
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s + %s -> %s (tp=%d, %s) in %.1f s", cfg.target_dir, cfg.drafter_dir, out, cfg.tp,
              cfg.dtype, time.perf_counter() - t0)
     return CheckpointArtifact(out, out / "target", out / "drafter", out / mf.MANIFEST, cfg.tp, cfg.dtype)

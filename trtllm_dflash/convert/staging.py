@@ -1,0 +1,47 @@
+"""All-or-nothing output directories: build in a temporary directory next to OUT, rename into place at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from trtllm_dflash.errors import ArtifactError
+
+
+def refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise ArtifactError(out, "already exists", "pass --force to replace it, or choose another --out")
+
+
+def _umask_permissions(root: Path) -> None:
+    """mkdtemp/mkstemp create 0700/0600 entries; give the published tree the usual umask-derived modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for p in root.rglob("*"):
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, force: bool):
+    """Yields a temporary directory in ``out.parent``; on normal exit it replaces ``out`` (moving an old ``out`` aside
+    first when ``force``, so a failure leaves one complete tree); on error it is removed and ``out`` is untouched."""
+    refuse_existing(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield tmp
+        _umask_permissions(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

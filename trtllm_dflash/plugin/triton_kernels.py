@@ -8,6 +8,9 @@ Conventions shared by every kernel:
   under ``TRITON_INTERPRET=1``; bf16/fp16 operands with fp32 accumulation otherwise (tensor cores, the usual
   FlashAttention numerics).
 - Ragged batches: one program per (sequence, ...) reads its offsets from ``cu_*``; empty sequences exit at once.
+- Argument order is (input pointers, int scalars, output pointers, constexprs): the order in which a TensorRT AOT
+  plugin (``trt.py``) launches a kernel, so the same kernels serve both paths. Float parameters that are fixed per
+  model (eps, softmax scale) are constexprs for the same reason: AOT plugins pass only integer extra arguments.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ def _knorm_rope_store_kernel(
     knorm_ptr,  # [L, HEAD_DIM]
     cos_ptr,  # [P, HEAD_DIM]
     sin_ptr,  # [P, HEAD_DIM]
-    kc_ptr,  # [L, R, max_len, NUM_KV, HEAD_DIM] (last dim contiguous)
-    vc_ptr,  # same layout and strides as kc_ptr
     num_tokens,
-    eps,
     stride_kv_t,
     stride_rope_p,
     stride_c_l, stride_c_r, stride_c_p, stride_c_h,
+    kc_ptr,  # [L, R, max_len, NUM_KV, HEAD_DIM] cache (last dim contiguous); DENSE: [L, T, NUM_KV, HEAD_DIM]
+    vc_ptr,  # same layout and strides as kc_ptr
+    EPS: tl.constexpr,
+    DENSE: tl.constexpr,  # store token t at [layer, t] (TensorRT op: outputs cannot alias the cache)
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -51,7 +55,10 @@ def _knorm_rope_store_kernel(
     BLOCK_KV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_T), L); tiles are [BLOCK_T tokens, BLOCK_KV heads, BLOCK_HALF dims of one RoPE half]."""
+    """Grid (cdiv(T, BLOCK_T), L); tiles are [BLOCK_T tokens, BLOCK_KV heads, BLOCK_HALF dims of one RoPE half].
+
+    Argument order is inputs, int scalars, outputs, constexprs: the order a TensorRT AOT plugin launches with.
+    """
     layer = tl.program_id(1)
     t1 = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     t_valid = t1 < num_tokens
@@ -64,7 +71,7 @@ def _knorm_rope_store_kernel(
     k_base = kv_ptr + t * stride_kv_t + layer * 2 * NUM_KV * HEAD_DIM + h * HEAD_DIM
     k1 = tl.load(k_base + d, mask=mask, other=0.0).to(tl.float32)  # first half
     k2 = tl.load(k_base + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second half
-    inv_rms = 1.0 / tl.sqrt((tl.sum(k1 * k1, axis=2) + tl.sum(k2 * k2, axis=2)) / HEAD_DIM + eps)  # [BT, BKV]
+    inv_rms = 1.0 / tl.sqrt((tl.sum(k1 * k1, axis=2) + tl.sum(k2 * k2, axis=2)) / HEAD_DIM + EPS)  # [BT, BKV]
     w1 = tl.load(knorm_ptr + layer * HEAD_DIM + d, mask=d < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(knorm_ptr + layer * HEAD_DIM + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
     k1 = k1 * inv_rms[:, :, None] * w1
@@ -76,7 +83,10 @@ def _knorm_rope_store_kernel(
     sin2 = tl.load(sin_ptr + pos * stride_rope_p + HALF + d, mask=rmask, other=0.0).to(tl.float32)
     r1 = k1 * cos1 - k2 * sin1  # rotate_half: [-x2, x1]
     r2 = k2 * cos2 + k1 * sin2
-    dst = layer * stride_c_l + row * stride_c_r + pos * stride_c_p + h * stride_c_h
+    if DENSE:
+        dst = layer * stride_c_l + t * stride_c_p + h * stride_c_h
+    else:
+        dst = layer * stride_c_l + row * stride_c_r + pos * stride_c_p + h * stride_c_h
     out_ty = kc_ptr.dtype.element_ty
     tl.store(kc_ptr + dst + d, r1.to(out_ty), mask=mask)
     tl.store(kc_ptr + dst + HALF + d, r2.to(out_ty), mask=mask)
@@ -95,10 +105,28 @@ def knorm_rope_store(kv, row, pos, k_norm, eps, cos, sin, k_cache, v_cache) -> N
     block_kv, block_half = _pow2(n_kv), _pow2(hd // 2)
     block_t = max(1, min(_pow2(t), 4096 // (block_kv * block_half), 64))  # ~4K elements per tile
     _knorm_rope_store_kernel[(triton.cdiv(t, block_t), L)](
-        kv, row.contiguous(), pos.contiguous(), k_norm, cos, sin, k_cache, v_cache, t, float(eps),
-        kv.stride(0), cos.stride(0), *k_cache.stride()[:4],
-        NUM_KV=n_kv, HEAD_DIM=hd, HALF=hd // 2, BLOCK_T=block_t, BLOCK_KV=block_kv, BLOCK_HALF=block_half,
+        kv, row.contiguous(), pos.contiguous(), k_norm, cos, sin, t, kv.stride(0), cos.stride(0),
+        *k_cache.stride()[:4], k_cache, v_cache, EPS=float(eps), DENSE=False, NUM_KV=n_kv, HEAD_DIM=hd,
+        HALF=hd // 2, BLOCK_T=block_t, BLOCK_KV=block_kv, BLOCK_HALF=block_half,
     )
+
+
+def knorm_rope_dense(kv, pos, k_norm, eps, cos, sin, num_layers):
+    """The TensorRT op's semantics (``trt.py`` ``dflash::kv_rope``): kv [T, L·2·n_kv·hd], pos [T] -> k, v [L, T, n_kv, hd]."""
+    t = kv.shape[0]
+    hd = k_norm.shape[1]
+    n_kv = kv.shape[1] // (num_layers * 2 * hd)
+    k = torch.empty(num_layers, t, n_kv, hd, dtype=kv.dtype, device=kv.device)
+    v = torch.empty_like(k)
+    block_kv, block_half = _pow2(n_kv), _pow2(hd // 2)
+    block_t = max(1, min(_pow2(t), 4096 // (block_kv * block_half), 64))
+    pos = pos.long().contiguous()
+    _knorm_rope_store_kernel[(triton.cdiv(t, block_t), num_layers)](
+        kv, pos, pos, k_norm, cos, sin, t, kv.stride(0), cos.stride(0), k.stride(0), 0, k.stride(1), k.stride(2),
+        k, v, EPS=float(eps), DENSE=True, NUM_KV=n_kv, HEAD_DIM=hd, HALF=hd // 2, BLOCK_T=block_t,
+        BLOCK_KV=block_kv, BLOCK_HALF=block_half,
+    )
+    return k, v
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,16 +140,16 @@ def _block_attention_kernel(
     vb_ptr,  # [Tq, NKV, HEAD_DIM] block values
     kc_ptr,  # [R, max_len, NKV, HEAD_DIM] one layer's context cache
     vc_ptr,  # same layout and strides as kc_ptr
-    o_ptr,  # [Tq, NH, HEAD_DIM]
     cu_q_ptr,  # [num_seqs + 1] int32
     rows_ptr,  # [num_seqs] int64
     ctx_ptr,  # [num_seqs] int64 context length (0 allowed)
-    sm_scale,
     window,  # tokens; used only when USE_WINDOW
     stride_q_t, stride_q_h,
     stride_kb_t, stride_kb_h,
     stride_c_r, stride_c_p, stride_c_h,
     stride_o_t, stride_o_h,
+    o_ptr,  # [Tq, NH, HEAD_DIM] output (last: inputs, int scalars, outputs is TensorRT's AOT launch order)
+    SM_SCALE: tl.constexpr,  # fixed per model (head_dim ** -0.5); constexpr because AOT plugins pass ints only
     GROUP: tl.constexpr,  # NH // NKV
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,  # (query token, head in group) pairs per program
@@ -168,9 +196,9 @@ def _block_attention_kernel(
             k = tl.load(c_base + offs_n[:, None] * stride_c_p + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + offs_n[:, None] * stride_c_p + d[None, :], mask=kv_mask, other=0.0)
             if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * SM_SCALE
             else:
-                s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N]
+                s = tl.dot(q, tl.trans(k)) * SM_SCALE  # [BLOCK_M, BLOCK_N]
             allowed = n_valid[None, :]
             if USE_WINDOW:
                 allowed = allowed & (q_pos[:, None] - offs_n[None, :] < window)
@@ -195,9 +223,9 @@ def _block_attention_kernel(
             k = tl.load(b_base + offs_j[:, None] * stride_kb_t + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vb_base + offs_j[:, None] * stride_kb_t + d[None, :], mask=kv_mask, other=0.0)
             if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * sm_scale
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * SM_SCALE
             else:
-                s = tl.dot(q, tl.trans(k)) * sm_scale
+                s = tl.dot(q, tl.trans(k)) * SM_SCALE
             key_pos = ctx + offs_j
             allowed = j_valid[None, :]
             if CAUSAL:
@@ -235,11 +263,9 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cu_seqlens_q, max_seq
     block_n = 16 if hd > 64 or INTERPRET else 32
     grid = (rows.shape[0], nkv, triton.cdiv(max(max_seqlen_q * group, 1), block_m))
     _block_attention_kernel[grid](
-        q, k_block, v_block, k_cache, v_cache, out, cu_seqlens_q, rows.long().contiguous(),
-        ctx_lens.long().contiguous(), float(sm_scale), int(window or 0),
-        q.stride(0), q.stride(1), k_block.stride(0), k_block.stride(1), *k_cache.stride()[:3],
-        out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _pow2(hd)),
+        q, k_block, v_block, k_cache, v_cache, cu_seqlens_q, rows.long().contiguous(), ctx_lens.long().contiguous(),
+        int(window or 0), q.stride(0), q.stride(1), k_block.stride(0), k_block.stride(1), *k_cache.stride()[:3],
+        out.stride(0), out.stride(1), out, SM_SCALE=float(sm_scale), GROUP=group, HEAD_DIM=hd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, _pow2(hd)),
         CAUSAL=bool(causal), USE_WINDOW=window is not None, DOT_F32=dot_f32,
     )
 
@@ -249,7 +275,7 @@ def block_attention(q, k_block, v_block, k_cache, v_cache, cu_seqlens_q, max_seq
 
 
 @triton.jit
-def _argmax_kernel(logits_ptr, out_ptr, V, stride_n, BLOCK_V: tl.constexpr):
+def _argmax_kernel(logits_ptr, V, stride_n, out_ptr, BLOCK_V: tl.constexpr):
     """One program per row; ties go to the lowest index (torch.argmax's documented rule)."""
     n = tl.program_id(0)
     best = float("-inf")
@@ -270,13 +296,13 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if logits.shape[0]:
         assert logits.stride(1) == 1
-        _argmax_kernel[(logits.shape[0],)](logits, out, logits.shape[1], logits.stride(0),
+        _argmax_kernel[(logits.shape[0],)](logits, logits.shape[1], logits.stride(0), out,
                                            BLOCK_V=min(4096, _pow2(logits.shape[1])))
     return out
 
 
 @triton.jit
-def _inverse_cdf_kernel(probs_ptr, u_ptr, out_ptr, V, stride_n, SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _inverse_cdf_kernel(probs_ptr, u_ptr, V, stride_n, out_ptr, SCALE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Fixed-point inverse CDF: w_j = floor(p_j · SCALE) as int64; pick the first j with cumsum(w)_j > floor(u · Σw).
 
     Integer prefix sums are exact in any summation order, so this kernel and the torch reference agree bit for bit.
@@ -306,7 +332,7 @@ def inverse_cdf_rows(probs: torch.Tensor, uniforms: torch.Tensor, scale: float) 
     out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
     if probs.shape[0]:
         assert probs.stride(1) == 1
-        _inverse_cdf_kernel[(probs.shape[0],)](probs, uniforms.contiguous(), out, probs.shape[1], probs.stride(0),
+        _inverse_cdf_kernel[(probs.shape[0],)](probs, uniforms.contiguous(), probs.shape[1], probs.stride(0), out,
                                                SCALE=scale, BLOCK_V=min(4096, _pow2(probs.shape[1])))
     return out
 
@@ -320,10 +346,10 @@ def _accept_kernel(
     draft_ptr,  # [total_drafts] int64
     cu_d_ptr,  # [num_seqs + 1] int32; sequence i's target samples start at cu_d[i] + i
     target_ptr,  # [total_drafts + num_seqs] int64
+    width,
     acc_ptr,  # [num_seqs] int64 out: accepted length a
     bonus_ptr,  # [num_seqs] int64 out: x_a
     emitted_ptr,  # [num_seqs, width] int64 out: x_0..x_a then PLACEHOLDER
-    width,
     PLACEHOLDER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -349,6 +375,6 @@ def accept_rows(draft_ids, cu_num_drafts, target_ids, max_num_drafts, placeholde
     bonus = torch.empty(num_seqs, dtype=torch.int64, device=dev)
     emitted = torch.empty(num_seqs, max_num_drafts + 1, dtype=torch.int64, device=dev)
     if num_seqs:
-        _accept_kernel[(num_seqs,)](draft_ids, cu_num_drafts, target_ids, acc, bonus, emitted, max_num_drafts + 1,
+        _accept_kernel[(num_seqs,)](draft_ids, cu_num_drafts, target_ids, max_num_drafts + 1, acc, bonus, emitted,
                                     PLACEHOLDER=placeholder, BLOCK=max(16, _pow2(max_num_drafts + 1)))
     return acc, bonus, emitted

@@ -1,6 +1,7 @@
 """Loading converted checkpoints back into the PyTorch reference models: merge the TP ranks, un-fuse QKV, undo the
 ``mlp.fc``/``mlp.gate`` naming swap (all by running ``weight_map.merge`` over the same plan ``convert`` used), so a
-round trip can be checked tensor by tensor and logit by logit."""
+round trip can be checked tensor by tensor and logit by logit. FP8 / NVFP4 targets (``quantize``) are dequantized
+first (``quant.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from trtllm_dflash.convert import configs
+from trtllm_dflash.convert import configs, quant
 from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError
@@ -46,6 +47,25 @@ def read_ranks(ckpt_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
         except (SafetensorError, OSError, ValueError) as exc:
             raise ArtifactError(path, f"unreadable safetensors ({exc})", "re-run the conversion") from exc
     return ranks
+
+
+def dequantize_rank(tensors: dict[str, torch.Tensor], quant_algo: str | None, source: Path) -> dict[str, torch.Tensor]:
+    """FP8 / NVFP4 rank tensors -> plain float32 weights under the unquantized names (scales consumed)."""
+    if quant_algo is None:
+        return tensors
+    if quant_algo not in ("FP8", "NVFP4"):
+        raise ArtifactError(source, f"quantization.quant_algo={quant_algo!r} cannot be loaded back",
+                            "only FP8 and NVFP4 checkpoints written by this package are supported")
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith(".weights_scaling_factor")]:
+        linear = name.removesuffix(".weights_scaling_factor")
+        w, scale = out.pop(f"{linear}.weight"), out.pop(name)
+        out.pop(f"{linear}.activation_scaling_factor", None)
+        if quant_algo == "FP8":
+            out[f"{linear}.weight"] = quant.fp8_dequantize(w, scale)
+        else:
+            out[f"{linear}.weight"] = quant.nvfp4_dequantize(w, scale, out.pop(f"{linear}.weights_scaling_factor_2"))
+    return out
 
 
 def merge_ranks(entries: list[wm.Entry], ranks: list[dict[str, torch.Tensor]], source: Path) -> dict[str, torch.Tensor]:
@@ -90,7 +110,9 @@ def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetS
     # The checkpoint always holds lm_head.weight, so the plan never aliases it to the embedding.
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(cfg.get("use_parallel_embedding")))
-    return merge_ranks(entries, read_ranks(ckpt_dir, tp), ckpt_dir), spec
+    quant_algo = (cfg.get("quantization") or {}).get("quant_algo")
+    ranks = [dequantize_rank(t, quant_algo, ckpt_dir) for t in read_ranks(ckpt_dir, tp)]
+    return merge_ranks(entries, ranks, ckpt_dir), spec
 
 
 def load_trtllm_target(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu") -> TargetModel:

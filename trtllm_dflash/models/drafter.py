@@ -87,20 +87,35 @@ class DrafterModel(nn.Module):
             s.num_hidden_layers, num_rows, max_len, s.num_key_value_heads, s.head_dim, self.dtype, self.device
         )
 
-    def inject(
+    def context_kv(
         self,
         taps: torch.Tensor,  # [b, T, num_taps * hidden] target taps of the tokens to commit
+        positions: torch.Tensor,  # [b, T] their absolute positions
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [num_layers, b, T, num_kv_heads, head_dim]
+        """KV injection, the stateless half: C = hidden_norm(fc(taps)); per layer K = RoPE(k_norm(k_proj(C))),
+        V = v_proj(C). (The Triton ``kv_inject`` model is exactly this.)"""
+        c = self.hidden_norm(self.fc(taps.to(self.dtype)))  # [b, T, hidden]
+        ks, vs = zip(*(layer.self_attn.context_kv(c, self.rotary, positions) for layer in self.layers))
+        return torch.stack(ks), torch.stack(vs)
+
+    def append_context(
+        self,
+        k: torch.Tensor,  # [num_layers, b, T, num_kv_heads, head_dim] from context_kv
+        v: torch.Tensor,
         num_tokens: torch.Tensor,  # [b] how many of the T tokens each row commits (the rest is padding)
         cache: KVCache,
         rows: torch.Tensor | None = None,  # [b] cache rows; None = all rows in order
     ) -> None:
-        """KV injection: append the committed tokens' context K/V to every layer's cache and commit them."""
-        positions = cache.step_positions(rows, taps.shape[1])  # [b, T]
-        c = self.hidden_norm(self.fc(taps.to(self.dtype)))  # [b, T, hidden]
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.context_kv(c, self.rotary, positions)
-            cache.write(i, rows, positions, k, v)
+        """KV injection, the stateful half: write the context K/V at the rows' next positions and commit them."""
+        positions = cache.step_positions(rows, k.shape[2])  # [b, T]
+        for i in range(self.spec.num_hidden_layers):
+            cache.write(i, rows, positions, k[i], v[i])
         cache.commit(rows, num_tokens)
+
+    def inject(self, taps: torch.Tensor, num_tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None):
+        """KV injection: append the committed tokens' context K/V to every layer's cache and commit them."""
+        k, v = self.context_kv(taps, cache.step_positions(rows, taps.shape[1]))
+        self.append_context(k, v, num_tokens, cache, rows)
 
     def draft(
         self,

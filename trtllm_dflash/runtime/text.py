@@ -64,3 +64,22 @@ class IncrementalDetokenizer:
         delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted += delta
         return delta
+
+
+def stable_text(tokenizer, ids: list[int]) -> str:
+    """decode(ids) without a trailing partial character (U+FFFD from a multi-byte character split across tokens)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False).rstrip("\ufffd")
+
+
+def text_delta(tokenizer, ids: list[int], prev_len: int, final: bool) -> str:
+    """Stateless streaming delta: the text ``ids`` add over ``ids[:prev_len]``.
+
+    Deltas for prev_len = 0 = n_0 < n_1 < … < n_k = len(ids) (the last with ``final``) concatenate to
+    ``decode(ids)``, and no delta contains a broken character. Used by the Triton postprocessing model, which sees
+    each streamed response on its own.
+    """
+    before = stable_text(tokenizer, ids[:prev_len]) if prev_len else ""
+    now = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    if not final:
+        now = now.rstrip("\ufffd")
+    return now[len(before):] if now.startswith(before) else now

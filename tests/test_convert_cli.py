@@ -72,3 +72,21 @@ def test_inspect_rejects_non_checkpoints(tmp_path):
         inspect(tmp_path)
     with pytest.raises(ArtifactError, match="is not a directory"):
         inspect(tmp_path / "nope")
+
+
+def test_quantize_subcommand_with_calib_ids(out, tmp_path, capsys):
+    pytest.importorskip("modelopt.torch.quantization")
+    root = argparse.ArgumentParser(prog="trtllm-dflash")
+    subs = root.add_subparsers(dest="command", required=True)
+    cli.add_arguments(subs.add_parser("quantize"))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[1, 7, 9, 200], [3, 4]]))
+    args = root.parse_args(["quantize", "--src", str(out), "--out", str(tmp_path / "fp8"), "--recipe", "fp8",
+                            "--calib-ids", str(ids)])
+    assert args.convert_command == "quantize"
+    assert cli.main(args) == 0
+    assert inspect(tmp_path / "fp8", stats=False)["target"]["quant_algo"] == "FP8"
+    ids.write_text(json.dumps([[1, 999]]))
+    with pytest.raises(ConfigError, match=r"calib_ids='max id 999': must be in \[0, vocab_size=256\)"):
+        cli.main(root.parse_args(["quantize", "--src", str(out), "--out", str(tmp_path / "x"), "--recipe", "nvfp4",
+                                  "--calib-ids", str(ids)]))

@@ -1,11 +1,13 @@
-"""Subcommands ``convert`` and ``inspect`` (wired into ``trtllm-dflash`` by ``trtllm_dflash/cli.py``).
+"""Subcommands ``convert``, ``quantize`` and ``inspect`` (wired into ``trtllm-dflash`` by ``trtllm_dflash/cli.py``).
 
-Both live here and share the contract of every subcommand module: ``add_arguments(parser)`` then ``main(args) -> int``.
+All three live here and share the contract of every subcommand module: ``add_arguments(parser)`` then ``main(args) -> int``.
 Which of the two a parser is for is read from its ``prog`` (argparse names a subparser ``"<root> <command>"``), and
 recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propagate; the root CLI prints them as one
 line and exits 2.
 
     trtllm-dflash convert --target DIR --drafter DIR --out DIR [--dtype bfloat16|float16] [--tp N] [--force]
+    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--calib-dataset humaneval|mtbench|FILE.jsonl]
+                           [--tokenizer DIR] [--calib-ids FILE.json] [--calib-size N] [--calib-seq-len N] [--force]
     trtllm-dflash inspect DIR [--json] [--no-stats]
 """
 
@@ -40,9 +42,30 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(convert_command="inspect")
 
 
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--src", required=True, type=Path, metavar="DIR", help="a `convert --out` directory")
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory (same layout)")
+    parser.add_argument("--recipe", required=True, choices=("fp8", "nvfp4"),
+                        help="fp8: per-tensor FP8 W8A8 (Hopper+); nvfp4: NVFP4 W4A4, 16-element blocks (Blackwell)")
+    parser.add_argument("--calib-dataset", default="humaneval", metavar="NAME|FILE",
+                        help="calibration prompts: humaneval, mtbench or a JSONL file (default humaneval)")
+    parser.add_argument("--tokenizer", type=Path, metavar="DIR",
+                        help="tokenizer directory (default: the target directory recorded in --src's manifest)")
+    parser.add_argument("--calib-ids", type=Path, metavar="FILE",
+                        help="JSON list of token-id lists; replaces --calib-dataset and --tokenizer")
+    parser.add_argument("--calib-size", type=int, default=64, metavar="N", help="calibration prompts (default 64)")
+    parser.add_argument("--calib-seq-len", type=int, default=512, metavar="N",
+                        help="tokens kept per prompt (default 512)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    parser.set_defaults(convert_command="quantize")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    if parser.prog.split()[-1] == "inspect":
+    command = parser.prog.split()[-1]
+    if command == "inspect":
         add_inspect_arguments(parser)
+    elif command == "quantize":
+        add_quantize_arguments(parser)
     else:
         add_convert_arguments(parser)
 
@@ -88,8 +111,37 @@ def main(args: argparse.Namespace) -> int:
                     _print_checkpoint(what, summary[what])
         return 0
 
+    if command == "quantize":
+        return _quantize(args)
+
     from trtllm_dflash.convert.checkpoint import convert
 
     out = convert(args.target, args.drafter, args.out, dtype=args.dtype, tp=args.tp, force=args.force)
     print(out)
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from trtllm_dflash.convert.quantize import calibration_ids, quantize
+    from trtllm_dflash.errors import ArtifactError, require
+
+    require(args.calib_size >= 1, "calib_size", args.calib_size, "must be >= 1")
+    require(args.calib_seq_len >= 1, "calib_seq_len", args.calib_seq_len, "must be >= 1")
+    if args.calib_ids is not None:
+        try:
+            ids = [torch.tensor(seq, dtype=torch.long) for seq in json.loads(args.calib_ids.read_text())]
+        except (OSError, ValueError, TypeError) as exc:
+            raise ArtifactError(args.calib_ids, f"not a JSON list of token-id lists ({exc})", "fix the file") from exc
+    else:
+        tokenizer = args.tokenizer
+        if tokenizer is None:
+            try:
+                tokenizer = Path(json.loads((args.src / "manifest.json").read_text())["config"]["target_dir"])
+            except (OSError, KeyError, TypeError, ValueError) as exc:
+                raise ArtifactError(args.src / "manifest.json", f"no recorded target_dir ({exc})",
+                                    "pass --tokenizer DIR") from exc
+        ids = calibration_ids(args.calib_dataset, tokenizer, args.calib_size, args.calib_seq_len)
+    print(quantize(args.src, args.out, args.recipe, ids, force=args.force))
     return 0

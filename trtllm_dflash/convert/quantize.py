@@ -74,8 +74,8 @@ def _scale_group(linear: str) -> str:
     return linear.removesuffix(".fc").removesuffix(".gate") + ".fc|gate" if linear.endswith((".fc", ".gate")) else linear
 
 
-def calibrate_input_amax(model: TargetModel, calib_ids: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """HF linear module name -> fp32 [] absolute max of its input over ``calib_ids`` [num_seqs, seq_len]."""
+def calibrate_input_amax(model: TargetModel, calib: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF linear module name -> fp32 [] absolute max of its input over the calibration sequences (each [S_i])."""
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
@@ -83,9 +83,8 @@ def calibrate_input_amax(model: TargetModel, calib_ids: torch.Tensor, batch_size
                           "pip install nvidia-modelopt==0.47.0 requests") from exc
 
     def forward_loop(m):
-        for start in range(0, calib_ids.shape[0], batch_size):
-            ids = calib_ids[start:start + batch_size]  # [b, S]
-            m(ids, m.new_cache(ids.shape[0], ids.shape[1]))
+        for ids in calib:  # one sequence per forward: lengths differ
+            m(ids[None], m.new_cache(1, ids.shape[0]))
 
     mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)
     amax = {}
@@ -94,6 +93,32 @@ def calibrate_input_amax(model: TargetModel, calib_ids: torch.Tensor, batch_size
         if q is not None and getattr(q, "amax", None) is not None:
             amax[name] = q.amax.detach().float().reshape(())
     return amax
+
+
+def calibration_ids(dataset: str, tokenizer_dir: Path, num_seqs: int, seq_len: int) -> list[torch.Tensor]:
+    """Token ids [S_i <= seq_len] of the first ``num_seqs`` prompts of ``dataset`` (datasets.load_prompts: humaneval,
+    mtbench or a JSONL file), tokenized as plain text by the target's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from trtllm_dflash.datasets import load_prompts
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(tokenizer_dir, f"no usable tokenizer ({exc})", "pass --tokenizer DIR") from exc
+    out = [torch.tensor(tok(p.text)["input_ids"][:seq_len], dtype=torch.long) for p in load_prompts(dataset, num_seqs)]
+    return [ids for ids in out if ids.numel() > 0]
+
+
+def _normalize_calib(calib_ids) -> list[torch.Tensor]:
+    """[num_seqs, seq_len] tensor or list of 1-D tensors -> list of int64 [S_i]."""
+    shown = tuple(calib_ids.shape) if isinstance(calib_ids, torch.Tensor) else type(calib_ids).__name__
+    if isinstance(calib_ids, torch.Tensor) and calib_ids.dim() == 2:
+        calib_ids = list(calib_ids)
+    ok = isinstance(calib_ids, (list, tuple)) and len(calib_ids) > 0 and all(
+        isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() > 0 and not t.is_floating_point() for t in calib_ids)
+    require(ok, "calib_ids", shown, "must be an integer tensor [num_seqs, seq_len] or a list of 1-D integer tensors")
+    return [t.long() for t in calib_ids]
 
 
 def _scales(entries: list[wm.Entry], state, input_amax, recipe: QuantRecipe) -> dict[str, dict[str, torch.Tensor]]:
@@ -142,8 +167,9 @@ def quantize_rank_tensors(entries, state, scales, recipe: QuantRecipe, tp: int, 
     return tensors
 
 
-def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids: torch.Tensor, force: bool = False) -> Path:
-    """Quantize ``src_dir`` (a ``convert`` output) into ``out_dir``; ``calib_ids`` [num_seqs, seq_len] token ids."""
+def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool = False) -> Path:
+    """Quantize ``src_dir`` (a ``convert`` output) into ``out_dir``. ``calib_ids``: token ids, a tensor
+    [num_seqs, seq_len] or a list of 1-D tensors."""
     try:
         recipe = QuantRecipe(recipe)
     except ValueError:
@@ -157,10 +183,12 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids: torch.Tenso
     require((tcfg.get("quantization") or {}).get("quant_algo") is None, "target.quantization.quant_algo",
             tcfg["quantization"]["quant_algo"], "the source checkpoint is already quantized",
             "quantize the unquantized `convert` output")
-    require(calib_ids.dim() == 2 and calib_ids.shape[0] >= 1 and not calib_ids.is_floating_point(), "calib_ids",
-            tuple(calib_ids.shape), "must be an integer tensor [num_seqs, seq_len]")
+    calib = _normalize_calib(calib_ids)
 
     state, spec = load_trtllm_target_state(cfg.src_dir / "target")
+    bad = [int(t.max()) for t in calib if int(t.max()) >= spec.vocab_size or int(t.min()) < 0]
+    require(not bad, "calib_ids", f"max id {max(bad) if bad else 0}", f"must be in [0, vocab_size={spec.vocab_size})",
+            "tokenize the calibration text with the target's tokenizer")
     tp, dtype = int(tcfg["mapping"]["tp_size"]), configs.DTYPES[tcfg["dtype"]]
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(tcfg.get("use_parallel_embedding")))
@@ -175,7 +203,7 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids: torch.Tenso
     model = TargetModel(spec, dtype=torch.float32)
     load_into(model, state, cfg.src_dir / "target", ignore=("lm_head.weight",) if spec.tie_word_embeddings else ())
     with torch.no_grad():
-        input_amax = calibrate_input_amax(model.eval(), calib_ids)
+        input_amax = calibrate_input_amax(model.eval(), calib)
     del model
     scales = _scales(entries, state, input_amax, recipe)
 
@@ -197,8 +225,8 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids: torch.Tenso
             "config": {"src_dir": str(cfg.src_dir.resolve()), "out_dir": str(cfg.out_dir), "recipe": recipe.value,
                        "force": force},
             "calibration": {"algorithm": "max (modelopt FP8_DEFAULT_CFG input quantizers)",
-                            "num_seqs": calib_ids.shape[0], "seq_len": calib_ids.shape[1],
-                            "ids_sha256": hashlib.sha256(calib_ids.to(torch.int64).numpy().tobytes()).hexdigest()},
+                            "num_seqs": len(calib), "num_tokens": sum(t.numel() for t in calib),
+                            "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest()},
             "source_manifest_sha256": mf.sha256_file(src_manifest),
             "resolved": source.get("resolved"),
             "inputs": source.get("inputs"),

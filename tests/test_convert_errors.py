@@ -118,3 +118,16 @@ def test_existing_output_refused_unless_force(tiny_dirs, tmp_path):
     convert(t, d, out, force=True)
     assert not (out / "keep.txt").exists() and (out / "target" / "rank0.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old dirs left behind
+
+
+def test_loader_rejects_damaged_checkpoints(tiny_dirs, tmp_path):
+    from trtllm_dflash.convert import load_trtllm_drafter, load_trtllm_target
+
+    t, d = tiny_dirs["llama"]
+    out = convert(t, d, tmp_path / "out", dtype="float32", tp=2)
+    (out / "target" / "rank1.safetensors").unlink()
+    with pytest.raises(ArtifactError, match=r"rank1.safetensors: missing \(mapping.tp_size=2\)"):
+        load_trtllm_target(out / "target")
+    _edit_config(out / "drafter", dflash={"block_size": 4})
+    with pytest.raises(ArtifactError, match=r"drafter/config.json: missing or malformed entry \(KeyError"):
+        load_trtllm_drafter(out / "drafter")

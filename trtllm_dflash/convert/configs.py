@@ -17,6 +17,7 @@ HF ``hidden_states[i + 1]``), ``num_target_layers``, ``layer_types``, ``layer_ca
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,22 @@ def _rope_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"rope_theta": cfg["rotary_base"], "rope_scaling": cfg.get("rotary_scaling")}
 
 
+@contextlib.contextmanager
+def _required_keys(source: Path):
+    try:
+        yield
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ArtifactError(source, f"missing or malformed entry ({type(exc).__name__}: {exc})",
+                            "re-run the conversion") from None
+
+
+def tp_size(cfg: dict[str, Any], source: Path) -> int:
+    with _required_keys(source):
+        tp = cfg["mapping"]["tp_size"]
+    require(isinstance(tp, int) and tp >= 1, f"{source}.mapping.tp_size", tp, "must be an integer >= 1")
+    return tp
+
+
 def target_spec_from_config(cfg: dict[str, Any], source: Path, extras: dict[str, Any] | None = None) -> TargetSpec:
     """Our ``TargetSpec`` from a written target ``config.json``; ``extras`` (from the manifest) add eos/bos ids."""
     families = {v: k for k, v in TARGET_ARCHITECTURES.items()}
@@ -145,25 +162,26 @@ def target_spec_from_config(cfg: dict[str, Any], source: Path, extras: dict[str,
         raise ArtifactError(source, f"architecture {arch!r} is not one of {sorted(families)}",
                             "pass a target checkpoint written by `trtllm-dflash convert`")
     extras = extras or {}
-    hf = {
-        "model_type": families[arch].value,
-        "architectures": [arch],
-        "vocab_size": cfg["vocab_size"],
-        "hidden_size": cfg["hidden_size"],
-        "intermediate_size": cfg["intermediate_size"],
-        "num_hidden_layers": cfg["num_hidden_layers"],
-        "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"],
-        "head_dim": cfg["head_size"],
-        "rms_norm_eps": cfg["norm_epsilon"],
-        "max_position_embeddings": cfg["max_position_embeddings"],
-        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
-        "attention_bias": cfg.get("attn_bias", False),
-        "eos_token_id": list(extras.get("eos_token_ids", [])),
-        "bos_token_id": extras.get("bos_token_id"),
-        "torch_dtype": cfg["dtype"],
-        **_rope_hf(cfg),
-    }
+    with _required_keys(source):
+        hf = {
+            "model_type": families[arch].value,
+            "architectures": [arch],
+            "vocab_size": cfg["vocab_size"],
+            "hidden_size": cfg["hidden_size"],
+            "intermediate_size": cfg["intermediate_size"],
+            "num_hidden_layers": cfg["num_hidden_layers"],
+            "num_attention_heads": cfg["num_attention_heads"],
+            "num_key_value_heads": cfg["num_key_value_heads"],
+            "head_dim": cfg["head_size"],
+            "rms_norm_eps": cfg["norm_epsilon"],
+            "max_position_embeddings": cfg["max_position_embeddings"],
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+            "attention_bias": cfg.get("attn_bias", False),
+            "eos_token_id": list(extras.get("eos_token_ids", [])),
+            "bos_token_id": extras.get("bos_token_id"),
+            "torch_dtype": cfg["dtype"],
+            **_rope_hf(cfg),
+        }
     return TargetSpec.from_hf_config(hf, prefix=str(source))
 
 
@@ -171,32 +189,33 @@ def drafter_spec_from_config(cfg: dict[str, Any], source: Path) -> DrafterSpec:
     if cfg.get("architecture") != DRAFTER_ARCHITECTURE:
         raise ArtifactError(source, f"architecture {cfg.get('architecture')!r} is not {DRAFTER_ARCHITECTURE!r}",
                             "pass a drafter checkpoint written by `trtllm-dflash convert`")
-    d = cfg["dflash"]
-    types = [LayerType(t) for t in d["layer_types"]]
-    default_causal = [t is LayerType.SLIDING for t in types]
-    dcfg: dict[str, Any] = {"mask_token_id": d["mask_token_id"], "target_layer_ids": d["target_layer_ids"]}
-    if list(d["layer_causal"]) != default_causal:
-        require(len(set(d["layer_causal"])) == 1, f"{source}.dflash.layer_causal", d["layer_causal"],
-                "a non-default causality must be the same for every layer")
-        dcfg["causal"] = d["layer_causal"][0]
-    hf = {
-        "architectures": ["DFlashDraftModel"],
-        "block_size": d["block_size"],
-        "num_target_layers": d["num_target_layers"],
-        "dflash_config": dcfg,
-        "hidden_size": cfg["hidden_size"],
-        "intermediate_size": cfg["intermediate_size"],
-        "num_hidden_layers": cfg["num_hidden_layers"],
-        "num_attention_heads": cfg["num_attention_heads"],
-        "num_key_value_heads": cfg["num_key_value_heads"],
-        "head_dim": cfg["head_size"],
-        "rms_norm_eps": cfg["norm_epsilon"],
-        "layer_types": d["layer_types"],
-        "sliding_window": d["sliding_window"],
-        "attention_bias": cfg.get("attn_bias", False),
-        "vocab_size": cfg.get("vocab_size"),
-        **_rope_hf(cfg),
-    }
+    with _required_keys(source):
+        d = cfg["dflash"]
+        types = [LayerType(t) for t in d["layer_types"]]
+        default_causal = [t is LayerType.SLIDING for t in types]
+        dcfg: dict[str, Any] = {"mask_token_id": d["mask_token_id"], "target_layer_ids": d["target_layer_ids"]}
+        if list(d["layer_causal"]) != default_causal:
+            require(len(set(d["layer_causal"])) == 1, f"{source}.dflash.layer_causal", d["layer_causal"],
+                    "a non-default causality must be the same for every layer")
+            dcfg["causal"] = d["layer_causal"][0]
+        hf = {
+            "architectures": ["DFlashDraftModel"],
+            "block_size": d["block_size"],
+            "num_target_layers": d["num_target_layers"],
+            "dflash_config": dcfg,
+            "hidden_size": cfg["hidden_size"],
+            "intermediate_size": cfg["intermediate_size"],
+            "num_hidden_layers": cfg["num_hidden_layers"],
+            "num_attention_heads": cfg["num_attention_heads"],
+            "num_key_value_heads": cfg["num_key_value_heads"],
+            "head_dim": cfg["head_size"],
+            "rms_norm_eps": cfg["norm_epsilon"],
+            "layer_types": d["layer_types"],
+            "sliding_window": d["sliding_window"],
+            "attention_bias": cfg.get("attn_bias", False),
+            "vocab_size": cfg.get("vocab_size"),
+            **_rope_hf(cfg),
+        }
     return DrafterSpec.from_hf_config(hf, prefix=str(source))
 
 

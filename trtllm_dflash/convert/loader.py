@@ -106,7 +106,7 @@ def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetS
     ckpt_dir = Path(ckpt_dir)
     cfg = read_config(ckpt_dir)
     spec = configs.target_spec_from_config(cfg, ckpt_dir / "config.json", _manifest_extras(ckpt_dir))
-    tp = int(cfg["mapping"]["tp_size"])
+    tp = configs.tp_size(cfg, ckpt_dir / "config.json")
     # The checkpoint always holds lm_head.weight, so the plan never aliases it to the embedding.
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(cfg.get("use_parallel_embedding")))
@@ -128,7 +128,7 @@ def load_trtllm_drafter_state(ckpt_dir):
     ckpt_dir = Path(ckpt_dir)
     cfg = read_config(ckpt_dir)
     spec = configs.drafter_spec_from_config(cfg, ckpt_dir / "config.json")
-    tp = int(cfg["mapping"]["tp_size"])
+    tp = configs.tp_size(cfg, ckpt_dir / "config.json")
     return merge_ranks(configs.drafter_entries(spec), read_ranks(ckpt_dir, tp), ckpt_dir), spec, cfg
 
 
@@ -136,6 +136,6 @@ def load_trtllm_drafter(ckpt_dir, dtype: torch.dtype = torch.float32, device="cp
     """A DrafterModel (z-lab parameter names) from ``OUT/drafter`` (any TP size)."""
     state, spec, cfg = load_trtllm_drafter_state(ckpt_dir)
     model = DrafterModel(spec, dtype=dtype, device=device,
-                         max_positions=int(cfg["max_position_embeddings"]) + SCRATCH_POSITIONS)
+                         max_positions=int(cfg.get("max_position_embeddings", 4096)) + SCRATCH_POSITIONS)
     load_into(model, state, ckpt_dir)
     return model.eval().requires_grad_(False)

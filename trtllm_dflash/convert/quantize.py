@@ -189,7 +189,7 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
     bad = [int(t.max()) for t in calib if int(t.max()) >= spec.vocab_size or int(t.min()) < 0]
     require(not bad, "calib_ids", f"max id {max(bad) if bad else 0}", f"must be in [0, vocab_size={spec.vocab_size})",
             "tokenize the calibration text with the target's tokenizer")
-    tp, dtype = int(tcfg["mapping"]["tp_size"]), configs.DTYPES[tcfg["dtype"]]
+    tp, dtype = configs.tp_size(tcfg, cfg.src_dir / "target" / "config.json"), configs.DTYPES[tcfg["dtype"]]
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(tcfg.get("use_parallel_embedding")))
     if recipe is QuantRecipe.NVFP4:

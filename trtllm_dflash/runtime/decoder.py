@@ -91,7 +91,9 @@ class _Seq:
 class SpeculativeDecoder:
     """Runs batches of requests through the target (and, for block_size > 1, the drafter)."""
 
-    def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int) -> None:
+    def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int, kernels=None) -> None:
+        """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
+        drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere."""
         require(block_size >= 1, "block_size", block_size, "must be >= 1 (1 = autoregressive baseline)")
         if block_size > 1:
             require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
@@ -106,6 +108,30 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.mask_token_id = drafter.spec.mask_token_id if drafter is not None else None
         self.taps = drafter.spec.target_layer_ids if (drafter is not None and block_size > 1) else ()
+        self.inject_weights = None
+        if self.taps:
+            from trtllm_dflash.plugin.dispatch import Impl, resolve
+
+            self.kernels = resolve(kernels or Impl.AUTO, target.device)
+            if self.kernels is Impl.TRITON:
+                from trtllm_dflash.plugin.kv_inject import InjectWeights
+
+                self.inject_weights = InjectWeights.from_drafter(drafter)
+
+    def _inject(self, taps, num_tokens, dcache, rows=None) -> None:
+        if self.inject_weights is None:
+            self.drafter.inject(taps, num_tokens, dcache, rows)
+        else:
+            from trtllm_dflash.plugin import drafter_ops
+
+            drafter_ops.inject(self.drafter, self.inject_weights, taps, num_tokens, dcache, rows, self.kernels)
+
+    def _draft(self, block_embeds, dcache, rows):
+        if self.inject_weights is None:
+            return self.drafter.draft(block_embeds, dcache, rows)
+        from trtllm_dflash.plugin import drafter_ops
+
+        return drafter_ops.draft(self.drafter, block_embeds, dcache, rows, self.kernels)
 
     def validate(self, req: Request, prefix: str = "") -> None:
         limit = self.target.spec.max_position_embeddings
@@ -149,7 +175,7 @@ class SpeculativeDecoder:
                                [s.generator for s in seqs])[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
         if dcache is not None:
-            self.drafter.inject(taps, prompt_lens, dcache)
+            self._inject(taps, prompt_lens, dcache)
         bonus = first.clone()  # [n]: last emitted token, not yet fed to the target
         ttft_ms = (time.perf_counter() - t0) * 1e3
         self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
@@ -175,7 +201,7 @@ class SpeculativeDecoder:
             acc = accepted_lengths(drafts, samples)  # [b]
             tcache.commit(rows, acc + 1)
             if dcache is not None:
-                self.drafter.inject(taps, acc + 1, dcache, rows)
+                self._inject(taps, acc + 1, dcache, rows)
             new_bonus = samples.gather(1, acc[:, None])[:, 0]  # [b]
             if rows is None:
                 bonus = new_bonus
@@ -212,7 +238,7 @@ class SpeculativeDecoder:
         assert self.drafter is not None and self.mask_token_id is not None
         block = torch.full((bonus.shape[0], self.block_size), self.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:, 0] = bonus  # [b, B]
-        draft_h = self.drafter.draft(self.target.embed(block), dcache, rows)  # [b, B, H]
+        draft_h = self._draft(self.target.embed(block), dcache, rows)  # [b, B, H]
         return self.target.logits(draft_h[:, 1:].to(self.target.dtype)).argmax(-1)  # [b, B−1]
 
     @staticmethod

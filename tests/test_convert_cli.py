@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trtllm_dflash.convert import cli
-from trtllm_dflash.convert.inspect import inspect
+from trtllm_dflash.convert.summary import inspect
 from trtllm_dflash.errors import ArtifactError, ConfigError
 
 

@@ -96,7 +96,7 @@ def _print_checkpoint(name: str, s: dict) -> None:
 def main(args: argparse.Namespace) -> int:
     command = getattr(args, "convert_command", None) or getattr(args, "command", "convert")
     if command == "inspect":
-        from trtllm_dflash.convert.inspect import inspect
+        from trtllm_dflash.convert.summary import inspect
 
         summary = inspect(args.ckpt_dir, stats=getattr(args, "stats", True))
         if args.json:

@@ -131,3 +131,10 @@ def test_loader_rejects_damaged_checkpoints(tiny_dirs, tmp_path):
     _edit_config(out / "drafter", dflash={"block_size": 4})
     with pytest.raises(ArtifactError, match=r"drafter/config.json: missing or malformed entry \(KeyError"):
         load_trtllm_drafter(out / "drafter")
+
+
+def test_attention_bias_refused(tiny_dirs, tmp_path):
+    t = _copy(tiny_dirs["llama"][0], tmp_path / "t")
+    _edit_config(t, attention_bias=True)
+    msg = _convert_fails(ConfigError, t, tiny_dirs["llama"][1], tmp_path / "out")
+    assert "target.attention_bias=True" in msg and "attention_bias false" in msg

@@ -114,3 +114,4 @@ def test_manifest_records_inputs_outputs_and_tools(converted, tiny_dirs):
     assert m["tools"]["torch"] and m["tools"]["trtllm-dflash"]
     assert "git" in m
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left behind
+

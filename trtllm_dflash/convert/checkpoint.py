@@ -27,7 +27,7 @@ from trtllm_dflash.convert import staging
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError, require
 from trtllm_dflash.models.weights import read_state_dict, write_json, write_state_dict
-from trtllm_dflash.specs import DrafterSpec, TargetFamily, TargetSpec, check_pair
+from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,10 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
     staging.refuse_existing(out, cfg.force)
     target, drafter = TargetSpec.load(cfg.target_dir), DrafterSpec.load(cfg.drafter_dir)
     check_pair(target, drafter)
-    require(not (target.family is TargetFamily.QWEN3 and target.attention_bias), "target.attention_bias", True,
-            "TensorRT-LLM's Qwen3 layout has no attention bias", "use a standard Qwen3 checkpoint")
+    for name, spec in (("target", target), ("drafter", drafter)):
+        require(not spec.attention_bias, f"{name}.attention_bias", True,
+                "attention biases are not supported (the reference models have no o_proj bias; TRT-LLM's Qwen3 has none)",
+                "use a checkpoint with attention_bias false")
     check_tp(target, drafter, cfg.tp)
 
     t0 = time.perf_counter()

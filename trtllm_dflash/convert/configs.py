@@ -11,7 +11,7 @@ the DFlash facts under ``dflash``: ``block_size``, ``mask_token_id``, ``target_l
 HF ``hidden_states[i + 1]``), ``num_target_layers``, ``layer_types``, ``layer_causal``, ``sliding_window``.
 ``embedding_source`` / ``lm_head_source`` say that the drafter has neither: it embeds with the target's
 ``transformer.vocab_embedding.weight`` and projects with the target's ``lm_head.weight``. Weight names: see
-``weight_map.DRAFTER_GLOBAL`` and ``weight_map.drafter_layer_rules`` (``drafter.context_proj``, ``drafter.context_norm``,
+``weight_map.DRAFTER_GLOBAL`` and ``weight_map.DRAFTER_LAYER`` (``drafter.context_proj``, ``drafter.context_norm``,
 ``drafter.ln_f``, ``drafter.layers.{i}.<TRT-LLM decoder-layer names>``).
 """
 
@@ -242,15 +242,6 @@ def drafter_source_shapes(spec: DrafterSpec) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def target_rules(spec: TargetSpec) -> tuple[tuple[wm.Rule, ...], tuple[wm.Rule, ...]]:
-    """(global rules, per-layer rules) of the target's family; a Llama with attention bias adds ``qkv.bias``."""
-    global_rules, layer_rules = wm.TARGET_MAPS[spec.family]
-    if spec.attention_bias:
-        layer_rules = wm.decoder_layer_rules("model.layers.{i}.", "transformer.layers.{i}.", qk_norm=spec.qk_norm,
-                                             bias=True)
-    return global_rules, layer_rules
-
-
 def target_entries(spec: TargetSpec, tp: int, lm_head_from_embedding: bool,
                    use_parallel_embedding: bool | None = None) -> list[wm.Entry]:
     """The target's plan. ``lm_head_from_embedding``: a tied checkpoint without its own ``lm_head.weight``; the
@@ -259,10 +250,10 @@ def target_entries(spec: TargetSpec, tp: int, lm_head_from_embedding: bool,
     if use_parallel_embedding is None:
         use_parallel_embedding = parallel_embedding(spec, tp)
     aliases = {"lm_head.weight": "model.embed_tokens.weight"} if lm_head_from_embedding else {}
-    return wm.expand(*target_rules(spec), spec.num_hidden_layers, target_source_shapes(spec),
+    return wm.expand(*wm.TARGET_MAPS[spec.family], spec.num_hidden_layers, target_source_shapes(spec),
                      parallel_embedding=use_parallel_embedding, aliases=aliases)
 
 
 def drafter_entries(spec: DrafterSpec) -> list[wm.Entry]:
-    return wm.expand(wm.DRAFTER_GLOBAL, wm.drafter_layer_rules(spec.attention_bias), spec.num_hidden_layers,
+    return wm.expand(wm.DRAFTER_GLOBAL, wm.DRAFTER_LAYER, spec.num_hidden_layers,
                      drafter_source_shapes(spec), parallel_embedding=False)

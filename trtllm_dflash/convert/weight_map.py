@@ -48,7 +48,7 @@ class Rule:
     shard: Shard
 
 
-def decoder_layer_rules(src: str, dst: str, *, qk_norm: bool, bias: bool = False) -> tuple[Rule, ...]:
+def decoder_layer_rules(src: str, dst: str, *, qk_norm: bool) -> tuple[Rule, ...]:
     """Rules of one Llama-style decoder layer; ``src`` / ``dst`` are the layer prefixes with ``{i}``."""
     qkv = tuple(f"{src}self_attn.{p}_proj.weight" for p in "qkv")
     rules = [
@@ -60,8 +60,6 @@ def decoder_layer_rules(src: str, dst: str, *, qk_norm: bool, bias: bool = False
         Rule(f"{dst}mlp.gate.weight", (f"{src}mlp.up_proj.weight",), Shard.COLUMN),  # HF up -> TRT gate
         Rule(f"{dst}mlp.proj.weight", (f"{src}mlp.down_proj.weight",), Shard.ROW),
     ]
-    if bias:
-        rules.append(Rule(f"{dst}attention.qkv.bias", tuple(f"{src}self_attn.{p}_proj.bias" for p in "qkv"), Shard.COLUMN))
     if qk_norm:
         rules += [
             Rule(f"{dst}attention.q_layernorm.weight", (f"{src}self_attn.q_norm.weight",), Shard.REPLICATE),
@@ -91,8 +89,7 @@ DRAFTER_GLOBAL = (
 )
 
 
-def drafter_layer_rules(bias: bool) -> tuple[Rule, ...]:
-    return decoder_layer_rules("layers.{i}.", "drafter.layers.{i}.", qk_norm=True, bias=bias)
+DRAFTER_LAYER = decoder_layer_rules("layers.{i}.", "drafter.layers.{i}.", qk_norm=True)
 
 
 @dataclass(frozen=True, slots=True)

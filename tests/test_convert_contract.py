@@ -1,6 +1,6 @@
-"""The written target checkpoint against the TensorRT-LLM 1.2.1 facts in tests/data/trtllm_1_2_1/checkpoint_contract.json
-(config keys, weight names, the gate/up naming swap, per-rank QKV fusion, TP split dims), plus the weight-map
-coverage rule (every source tensor consumed exactly once)."""
+"""The written target checkpoint against the TensorRT-LLM 1.2.1 facts in
+tests/data/trtllm_1_2_1/checkpoint_contract.json (config keys, weight names, the gate/up naming swap, per-rank QKV
+fusion, TP split dims), plus the weight-map coverage rule (every source tensor consumed exactly once)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Bad inputs to ``convert``: each raises ConfigError / ArtifactError whose one-line message names the field or path, the
-value and the fix, and leaves nothing behind (no OUT, no temporary directory next to it)."""
+"""Bad inputs to ``convert``: each raises ConfigError / ArtifactError whose one-line message names the field or path,
+the value and the fix, and leaves nothing behind (no OUT, no temporary directory next to it)."""
 
 from __future__ import annotations
 

@@ -131,16 +131,19 @@ def test_scales_and_dequantizing_loader(recipe, quantized, tiny_dirs):
     bf16 = {k: v.to(torch.bfloat16) for k, v in hf.items()}  # what the bf16 conversion holds
     q = [load_file(str(quantized[recipe] / "target" / f"rank{r}.safetensors")) for r in range(2)]
     layer = "transformer.layers.0."
-    qkv_amax = torch.stack([bf16[f"model.layers.0.self_attn.{p}_proj.weight"].float().abs().amax() for p in "qkv"]).amax()
+    qkv_amax = torch.stack([bf16[f"model.layers.0.self_attn.{p}_proj.weight"].float().abs().amax()
+                            for p in "qkv"]).amax()
     mlp_amax = torch.maximum(bf16["model.layers.0.mlp.gate_proj.weight"].float().abs().amax(),
                              bf16["model.layers.0.mlp.up_proj.weight"].float().abs().amax())
     key = "weights_scaling_factor" if recipe == "fp8" else "weights_scaling_factor_2"
     denom = 448.0 if recipe == "fp8" else 6.0 * 448.0
     for r in range(2):  # scales are per full tensor, the same on every rank
-        assert torch.equal(q[r][f"{layer}attention.qkv.{key}"], (qkv_amax / denom).reshape(q[r][f"{layer}attention.qkv.{key}"].shape))
+        qkv_scale = q[r][f"{layer}attention.qkv.{key}"]
+        assert torch.equal(qkv_scale, (qkv_amax / denom).reshape(qkv_scale.shape))
         assert torch.equal(q[r][f"{layer}mlp.fc.{key}"], q[r][f"{layer}mlp.gate.{key}"])
         assert torch.equal(q[r][f"{layer}mlp.fc.{key}"].reshape(()), (mlp_amax / denom).reshape(()))
-        assert torch.equal(q[r][f"{layer}mlp.fc.activation_scaling_factor"], q[r][f"{layer}mlp.gate.activation_scaling_factor"])
+        assert torch.equal(q[r][f"{layer}mlp.fc.activation_scaling_factor"],
+                           q[r][f"{layer}mlp.gate.activation_scaling_factor"])
         for name, t in q[r].items():
             if name.endswith("activation_scaling_factor"):
                 assert torch.isfinite(t).all() and (t > 0).all(), name

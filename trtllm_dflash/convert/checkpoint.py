@@ -109,7 +109,8 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
     check_pair(target, drafter)
     for name, spec in (("target", target), ("drafter", drafter)):
         require(not spec.attention_bias, f"{name}.attention_bias", True,
-                "attention biases are not supported (the reference models have no o_proj bias; TRT-LLM's Qwen3 has none)",
+                "attention biases are not supported (the reference models have no o_proj bias; "
+                "TRT-LLM's Qwen3 has none)",
                 "use a checkpoint with attention_bias false")
     check_tp(target, drafter, cfg.tp)
 

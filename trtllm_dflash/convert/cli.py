@@ -1,6 +1,7 @@
 """Subcommands ``convert``, ``quantize`` and ``inspect`` (wired into ``trtllm-dflash`` by ``trtllm_dflash/cli.py``).
 
-All three live here and share the contract of every subcommand module: ``add_arguments(parser)`` then ``main(args) -> int``.
+All three live here and share the contract of every subcommand module: ``add_arguments(parser)`` then
+``main(args) -> int``.
 Which of the two a parser is for is read from its ``prog`` (argparse names a subparser ``"<root> <command>"``), and
 recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propagate; the root CLI prints them as one
 line and exits 2.
@@ -105,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
             _print_checkpoint(str(summary["path"]), summary)
         else:
             git = summary.get("git") or {}
-            print(f"{summary['path']}: {summary.get('format')}  git={git.get('commit')}  config={summary.get('config')}")
+            print(f"{summary['path']}: {summary.get('format')}  git={git.get('commit')}  "
+                  f"config={summary.get('config')}")
             for what in ("target", "drafter"):
                 if what in summary:
                     _print_checkpoint(what, summary[what])

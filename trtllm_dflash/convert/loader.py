@@ -77,7 +77,8 @@ def merge_ranks(entries: list[wm.Entry], ranks: list[dict[str, torch.Tensor]], s
         missing, extra = sorted(planned - set(tensors)), sorted(set(tensors) - planned)
         if missing or extra:
             raise ArtifactError(source / f"rank{r}.safetensors",
-                                f"tensor names do not match config.json (missing {missing[:3]}, unexpected {extra[:3]})",
+                                f"tensor names do not match config.json (missing {missing[:3]}, "
+                                f"unexpected {extra[:3]})",
                                 "re-run the conversion")
     state: dict[str, torch.Tensor] = {}
     for e in entries:

@@ -71,7 +71,10 @@ def _linear_of(dst: str) -> str | None:
 
 
 def _scale_group(linear: str) -> str:
-    return linear.removesuffix(".fc").removesuffix(".gate") + ".fc|gate" if linear.endswith((".fc", ".gate")) else linear
+    """mlp.fc and mlp.gate of one layer share scales; every other linear is its own group."""
+    if linear.endswith((".fc", ".gate")):
+        return linear.removesuffix(".fc").removesuffix(".gate") + ".fc|gate"
+    return linear
 
 
 def calibrate_input_amax(model: TargetModel, calib: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,7 +141,8 @@ def _scales(entries: list[wm.Entry], state, input_amax, recipe: QuantRecipe) -> 
     out = {}
     for linear, g in groups.items():
         if recipe is QuantRecipe.FP8:
-            out[linear] = {"weights": (w_amax[g] / quant.FP8_MAX).reshape(1), "activation": (a_amax[g] / quant.FP8_MAX).reshape(1)}
+            out[linear] = {"weights": (w_amax[g] / quant.FP8_MAX).reshape(1),
+                           "activation": (a_amax[g] / quant.FP8_MAX).reshape(1)}
         else:
             out[linear] = {"weights": quant.nvfp4_global_scale(w_amax[g]),
                            "activation": (a_amax[g] / (quant.E2M1_MAX * quant.FP8_MAX)).reshape(())}
@@ -173,7 +177,8 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
     try:
         recipe = QuantRecipe(recipe)
     except ValueError:
-        raise ConfigError("recipe", recipe, f"must be one of {[r.value for r in QuantRecipe]}", "pass fp8 or nvfp4") from None
+        raise ConfigError("recipe", recipe, f"must be one of {[r.value for r in QuantRecipe]}",
+                          "pass fp8 or nvfp4") from None
     cfg = QuantizeConfig(Path(src_dir), Path(out_dir), recipe, force)
     staging.refuse_existing(cfg.out_dir, cfg.force)
     src_manifest = cfg.src_dir / mf.MANIFEST

@@ -97,7 +97,8 @@ def inspect(ckpt_dir, stats: bool = True) -> dict[str, Any]:
             "config": manifest.get("config"),
             "tools": manifest.get("tools"),
             "git": manifest.get("git"),
-            **{what: inspect_checkpoint(root / what, stats) for what in ("target", "drafter") if (root / what).is_dir()},
+            **{what: inspect_checkpoint(root / what, stats)
+               for what in ("target", "drafter") if (root / what).is_dir()},
         }
     raise ArtifactError(root, "holds neither config.json nor manifest.json",
                         "pass a checkpoint directory or a `convert --out` directory")

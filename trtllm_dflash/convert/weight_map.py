@@ -76,8 +76,10 @@ _TARGET_GLOBAL = (
 
 # One table per target family: (global rules, per-layer rules). Qwen3 = the Llama layout plus QK-norm.
 TARGET_MAPS: dict[TargetFamily, tuple[tuple[Rule, ...], tuple[Rule, ...]]] = {
-    TargetFamily.LLAMA: (_TARGET_GLOBAL, decoder_layer_rules("model.layers.{i}.", "transformer.layers.{i}.", qk_norm=False)),
-    TargetFamily.QWEN3: (_TARGET_GLOBAL, decoder_layer_rules("model.layers.{i}.", "transformer.layers.{i}.", qk_norm=True)),
+    TargetFamily.LLAMA: (_TARGET_GLOBAL, decoder_layer_rules("model.layers.{i}.", "transformer.layers.{i}.",
+                                                             qk_norm=False)),
+    TargetFamily.QWEN3: (_TARGET_GLOBAL, decoder_layer_rules("model.layers.{i}.", "transformer.layers.{i}.",
+                                                             qk_norm=True)),
 }
 
 # The z-lab drafter (dflash.md §1.8) -> DFlashDrafterForTRTLLM. Context projection and its norm are replicated: they

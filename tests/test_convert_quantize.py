@@ -159,6 +159,30 @@ def test_scales_and_dequantizing_loader(recipe, quantized, tiny_dirs):
     assert torch.equal(state["model.embed_tokens.weight"], bf16["model.embed_tokens.weight"])
 
 
+def test_fp8_kv_cache(converted):
+    pytest.importorskip("modelopt.torch.quantization")
+    from trtllm_dflash.convert.quantize import quantize
+
+    facts = FACTS["FP8_KV_CACHE"]
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    out = quantize(converted, converted.parent / "nvfp4-kv", "nvfp4", ids, kv_cache="fp8")
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert cfg["quantization"]["kv_cache_quant_algo"] == facts["quantization"]["kv_cache_quant_algo"]
+    assert cfg["quantization"]["quant_algo"] == "NVFP4"
+    for r in range(2):
+        tensors = load_file(str(out / "target" / f"rank{r}.safetensors"))
+        for layer in range(6):
+            for suffix, fact in facts["tensors_per_layer"].items():
+                t = tensors[f"transformer.layers.{layer}.{suffix}"]
+                assert t.dtype == DTYPE_NAMES[fact["dtype"]] and list(t.shape) == fact["shape"]
+                assert t.item() == fact["value"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["calibration"]["kv_amax_per_layer"]) == 6
+    assert all(0 < a < 448 for a in manifest["calibration"]["kv_amax_per_layer"])
+    state, _ = load_trtllm_target_state(out / "target")  # cache scales are not weights: dropped on load
+    assert not [n for n in state if "cache_scaling" in n]
+
+
 def test_quantize_refuses_bad_inputs(quantized, converted):
     from trtllm_dflash.convert.quantize import quantize
 
@@ -167,6 +191,8 @@ def test_quantize_refuses_bad_inputs(quantized, converted):
         quantize(quantized["fp8"], converted.parent / "again", "fp8", ids)
     with pytest.raises(ConfigError, match="recipe='int3'"):
         quantize(converted, converted.parent / "x", "int3", ids)
+    with pytest.raises(ConfigError, match="kv_cache='int8'"):
+        quantize(converted, converted.parent / "x", "fp8", ids, kv_cache="int8")
     with pytest.raises(ConfigError, match="calib_ids"):
         quantize(converted, converted.parent / "x", "fp8", torch.zeros(4))
     assert not (converted.parent / "again").exists() and not (converted.parent / "x").exists()

@@ -7,7 +7,7 @@ recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propag
 line and exits 2.
 
     trtllm-dflash convert --target DIR --drafter DIR --out DIR [--dtype bfloat16|float16] [--tp N] [--force]
-    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--calib-dataset humaneval|mtbench|FILE.jsonl]
+    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--kv-cache fp8] [--calib-dataset humaneval|mtbench|FILE.jsonl]
                            [--tokenizer DIR] [--calib-ids FILE.json] [--calib-size N] [--calib-seq-len N] [--force]
     trtllm-dflash inspect DIR [--json] [--no-stats]
 """
@@ -48,6 +48,8 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory (same layout)")
     parser.add_argument("--recipe", required=True, choices=("fp8", "nvfp4"),
                         help="fp8: per-tensor FP8 W8A8 (Hopper+); nvfp4: NVFP4 W4A4, 16-element blocks (Blackwell)")
+    parser.add_argument("--kv-cache", choices=("fp8",), default=None,
+                        help="also quantize the target's KV cache (FP8, unscaled as modelopt 0.47 writes it)")
     parser.add_argument("--calib-dataset", default="humaneval", metavar="NAME|FILE",
                         help="calibration prompts: humaneval, mtbench or a JSONL file (default humaneval)")
     parser.add_argument("--tokenizer", type=Path, metavar="DIR",
@@ -145,5 +147,5 @@ def _quantize(args: argparse.Namespace) -> int:
                 raise ArtifactError(args.src / "manifest.json", f"no recorded target_dir ({exc})",
                                     "pass --tokenizer DIR") from exc
         ids = calibration_ids(args.calib_dataset, tokenizer, args.calib_size, args.calib_seq_len)
-    print(quantize(args.src, args.out, args.recipe, ids, force=args.force))
+    print(quantize(args.src, args.out, args.recipe, ids, force=args.force, kv_cache=args.kv_cache))
     return 0

@@ -52,11 +52,12 @@ def read_ranks(ckpt_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
 def dequantize_rank(tensors: dict[str, torch.Tensor], quant_algo: str | None, source: Path) -> dict[str, torch.Tensor]:
     """FP8 / NVFP4 rank tensors -> plain float32 weights under the unquantized names (scales consumed)."""
     if quant_algo is None:
-        return tensors
+        return {n: t for n, t in tensors.items() if not n.endswith("_cache_scaling_factor")}
     if quant_algo not in ("FP8", "NVFP4"):
         raise ArtifactError(source, f"quantization.quant_algo={quant_algo!r} cannot be loaded back",
                             "only FP8 and NVFP4 checkpoints written by this package are supported")
-    out = dict(tensors)
+    # KV-cache scales describe the runtime cache, not weights.
+    out = {n: t for n, t in tensors.items() if not n.endswith("_cache_scaling_factor")}
     for name in [n for n in tensors if n.endswith(".weights_scaling_factor")]:
         linear = name.removesuffix(".weights_scaling_factor")
         w, scale = out.pop(f"{linear}.weight"), out.pop(name)
@@ -111,7 +112,7 @@ def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetS
     # The checkpoint always holds lm_head.weight, so the plan never aliases it to the embedding.
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(cfg.get("use_parallel_embedding")))
-    quant_algo = (cfg.get("quantization") or {}).get("quant_algo")
+    quant_algo = (cfg.get("quantization") or {}).get("quant_algo")  # weights; kv_cache_quant_algo needs no undoing
     ranks = [dequantize_rank(t, quant_algo, ckpt_dir) for t in read_ranks(ckpt_dir, tp)]
     return merge_ranks(entries, ranks, ckpt_dir), spec
 

@@ -17,7 +17,12 @@ Scales are per full (unsharded) tensor and identical on every rank. Fused QKV ta
 and ``mlp.gate`` share one weight and one activation scale (TRT-LLM fuses them at build time), as modelopt does.
 NVFP4 blocks never straddle ranks: each rank's input width must be a multiple of 16.
 
-The drafter is copied unquantized (not done yet: quantizing DFlashDrafterForTRTLLM, KV-cache quantization).
+FP8 KV cache (``kv_cache="fp8"``, config ``kv_cache_quant_algo: FP8``): per layer
+``attention.{k,v,kv}_cache_scaling_factor`` fp32 [1] = 1.0, which is what modelopt 0.47.0 writes with ``FP8_KV_CFG``
+(K/V are cast to e4m3 unscaled). Calibration measures the cached K (after k_norm and RoPE) and V per layer; their
+maxima go to the manifest, and a layer whose |K| or |V| exceeds 448 (where the cast saturates) is logged as a WARNING.
+
+The drafter is copied unquantized (quantizing DFlashDrafterForTRTLLM is not done yet).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ log = logging.getLogger(__name__)
 QUANTIZED_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 
 
+class KvCacheQuant(enum.Enum):
+    FP8 = "fp8"
+
+
 class QuantRecipe(enum.Enum):
     FP8 = "fp8"
     NVFP4 = "nvfp4"
@@ -61,6 +70,7 @@ class QuantizeConfig:
     src_dir: Path  # a `convert` output (manifest.json, target/, drafter/)
     out_dir: Path
     recipe: QuantRecipe
+    kv_cache: KvCacheQuant | None = None
     force: bool = False
 
 
@@ -77,17 +87,28 @@ def _scale_group(linear: str) -> str:
     return linear
 
 
-def calibrate_input_amax(model: TargetModel, calib: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF linear module name -> fp32 [] absolute max of its input over the calibration sequences (each [S_i])."""
+def calibrate(model: TargetModel, calib: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Over the calibration sequences (each [S_i]): (HF linear module name -> fp32 [] absolute max of its input,
+    per decoder layer the absolute max of the cached K and V)."""
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
         raise ConfigError("recipe", "fp8/nvfp4", f"calibration needs nvidia-modelopt ({exc})",
                           "pip install nvidia-modelopt==0.47.0 requests") from exc
 
+    kv_amax = [0.0] * model.spec.num_hidden_layers
+
     def forward_loop(m):
         for ids in calib:  # one sequence per forward: lengths differ
-            m(ids[None], m.new_cache(1, ids.shape[0]))
+            cache = m.new_cache(1, ids.shape[0])
+            write = cache.write
+
+            def recording_write(layer, rows, positions, k, v, write=write):
+                kv_amax[layer] = max(kv_amax[layer], float(k.abs().max()), float(v.abs().max()))
+                write(layer, rows, positions, k, v)
+
+            cache.write = recording_write
+            m(ids[None], cache)
 
     mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)
     amax = {}
@@ -95,7 +116,7 @@ def calibrate_input_amax(model: TargetModel, calib: list[torch.Tensor]) -> dict[
         q = getattr(module, "input_quantizer", None)
         if q is not None and getattr(q, "amax", None) is not None:
             amax[name] = q.amax.detach().float().reshape(())
-    return amax
+    return amax, kv_amax
 
 
 def calibration_ids(dataset: str, tokenizer_dir: Path, num_seqs: int, seq_len: int) -> list[torch.Tensor]:
@@ -171,15 +192,24 @@ def quantize_rank_tensors(entries, state, scales, recipe: QuantRecipe, tp: int, 
     return tensors
 
 
-def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool = False) -> Path:
+def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool = False,
+             kv_cache: str | KvCacheQuant | None = None) -> Path:
     """Quantize ``src_dir`` (a ``convert`` output) into ``out_dir``. ``calib_ids``: token ids, a tensor
-    [num_seqs, seq_len] or a list of 1-D tensors."""
+    [num_seqs, seq_len] or a list of 1-D tensors. ``kv_cache``: None or "fp8"."""
     try:
         recipe = QuantRecipe(recipe)
     except ValueError:
         raise ConfigError("recipe", recipe, f"must be one of {[r.value for r in QuantRecipe]}",
                           "pass fp8 or nvfp4") from None
-    cfg = QuantizeConfig(Path(src_dir), Path(out_dir), recipe, force)
+    try:
+        kv = None if kv_cache is None else KvCacheQuant(kv_cache)
+    except ValueError:
+        raise ConfigError("kv_cache", kv_cache, "must be fp8 or absent", "pass --kv-cache fp8 or leave it out") from None
+    return run_quantize(QuantizeConfig(Path(src_dir), Path(out_dir), recipe, kv, force), calib_ids)
+
+
+def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
+    recipe = cfg.recipe
     staging.refuse_existing(cfg.out_dir, cfg.force)
     src_manifest = cfg.src_dir / mf.MANIFEST
     if not src_manifest.is_file():
@@ -208,30 +238,41 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
     model = TargetModel(spec, dtype=torch.float32)
     load_into(model, state, cfg.src_dir / "target", ignore=("lm_head.weight",) if spec.tie_word_embeddings else ())
     with torch.no_grad():
-        input_amax = calibrate_input_amax(model.eval(), calib)
+        input_amax, kv_amax = calibrate(model.eval(), calib)
     del model
+    if cfg.kv_cache is not None:
+        for layer, amax in enumerate(kv_amax):
+            if amax > quant.FP8_MAX:
+                log.warning("layer %d: cached K/V reach |x|=%.1f > 448; the unscaled FP8 KV cache saturates there",
+                            layer, amax)
     scales = _scales(entries, state, input_amax, recipe)
 
     with staging.staged_output(cfg.out_dir, cfg.force) as tmp:
         (tmp / "target").mkdir()
         qcfg = dict(tcfg)
-        qcfg["quantization"] = tcfg["quantization"] | {"quant_algo": recipe.quant_algo, "exclude_modules": ["lm_head"]}
+        qcfg["quantization"] = tcfg["quantization"] | {
+            "quant_algo": recipe.quant_algo, "exclude_modules": ["lm_head"],
+            "kv_cache_quant_algo": None if cfg.kv_cache is None else cfg.kv_cache.name}
         if recipe is QuantRecipe.NVFP4:
             qcfg["quantization"]["group_size"] = quant.NVFP4_BLOCK
         write_json(qcfg, tmp / "target" / "config.json")
         for rank in tqdm(range(tp), desc=f"{recipe.value} target ranks", unit="rank", disable=None):
-            write_state_dict(quantize_rank_tensors(entries, state, scales, recipe, tp, rank, dtype),
-                             tmp / "target" / f"rank{rank}.safetensors")
+            tensors = quantize_rank_tensors(entries, state, scales, recipe, tp, rank, dtype)
+            if cfg.kv_cache is not None:
+                for layer in range(spec.num_hidden_layers):
+                    for kind in ("k", "v", "kv"):
+                        tensors[f"transformer.layers.{layer}.attention.{kind}_cache_scaling_factor"] = torch.ones(1)
+            write_state_dict(tensors, tmp / "target" / f"rank{rank}.safetensors")
         shutil.copytree(cfg.src_dir / "drafter", tmp / "drafter")
         source = json.loads(src_manifest.read_text())
         write_json({
             "format": mf.FORMAT,
             "trtllm_checkpoint_contract": mf.TRTLLM_CONTRACT,
-            "config": {"src_dir": str(cfg.src_dir.resolve()), "out_dir": str(cfg.out_dir), "recipe": recipe.value,
-                       "force": force},
+            "config": mf.jsonable(cfg) | {"src_dir": str(cfg.src_dir.resolve())},
             "calibration": {"algorithm": "max (modelopt FP8_DEFAULT_CFG input quantizers)",
                             "num_seqs": len(calib), "num_tokens": sum(t.numel() for t in calib),
-                            "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest()},
+                            "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest(),
+                            "kv_amax_per_layer": kv_amax},
             "source_manifest_sha256": mf.sha256_file(src_manifest),
             "resolved": source.get("resolved"),
             "inputs": source.get("inputs"),
@@ -240,5 +281,6 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
             "git": mf.git_state(),
             "created_unix_s": round(time.time()),
         }, tmp / mf.MANIFEST)
-    log.info("quantized %s -> %s (%s) in %.1f s", cfg.src_dir, cfg.out_dir, recipe.value, time.perf_counter() - t0)
+    log.info("quantized %s -> %s (%s, kv cache %s) in %.1f s", cfg.src_dir, cfg.out_dir, recipe.value,
+             cfg.kv_cache, time.perf_counter() - t0)
     return cfg.out_dir

@@ -7,8 +7,9 @@ recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propag
 line and exits 2.
 
     trtllm-dflash convert --target DIR --drafter DIR --out DIR [--dtype bfloat16|float16] [--tp N] [--force]
-    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--kv-cache fp8] [--calib-dataset humaneval|mtbench|FILE.jsonl]
-                           [--tokenizer DIR] [--calib-ids FILE.json] [--calib-size N] [--calib-seq-len N] [--force]
+    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--kv-cache fp8]
+                           [--calib-dataset humaneval|mtbench|FILE.jsonl] [--tokenizer DIR] [--calib-ids FILE.json]
+                           [--calib-size N] [--calib-seq-len N] [--force]
     trtllm-dflash inspect DIR [--json] [--no-stats]
 """
 

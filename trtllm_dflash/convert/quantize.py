@@ -204,7 +204,8 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
     try:
         kv = None if kv_cache is None else KvCacheQuant(kv_cache)
     except ValueError:
-        raise ConfigError("kv_cache", kv_cache, "must be fp8 or absent", "pass --kv-cache fp8 or leave it out") from None
+        raise ConfigError("kv_cache", kv_cache, "must be fp8 or absent",
+                          "pass --kv-cache fp8 or leave it out") from None
     return run_quantize(QuantizeConfig(Path(src_dir), Path(out_dir), recipe, kv, force), calib_ids)
 
 

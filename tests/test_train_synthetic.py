@@ -1,0 +1,111 @@
+"""End to end on a tiny synthetic target whose greedy continuation is known (next token = token + 1 mod V): the
+recipe (regeneration with taps → anchors → objective → AdamW → z-lab export) must produce a drafter that the real
+inference loop (``SpeculativeDecoder``) accepts for long stretches. A label shift, a position offset or a mask that
+differs between training and inference would leave τ near 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.specs import TargetSpec
+from trtllm_dflash.train.config import TrainConfig
+from trtllm_dflash.train.data import generate_with_taps, read_shard, write_shard
+from trtllm_dflash.train.trainer import train
+
+VOCAB, HIDDEN, BLOCK = 32, 64, 4
+
+
+def write_successor_target(path):
+    """A 6-layer Llama whose layers add nothing (o_proj = down_proj = 0), embeddings orthonormal and whose LM head
+    row j is embedding j − 1: the residual stream stays the token's embedding and greedy decoding counts upward."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_theta=10000.0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        q, _ = torch.linalg.qr(torch.randn(HIDDEN, HIDDEN))
+        emb = q[:VOCAB]  # orthonormal rows
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(10 * emb.roll(1, dims=0))  # row j = 10 · emb[j − 1]
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(str(path))
+    return path
+
+
+def config(tmp_path, tdir, steps, **kw) -> TrainConfig:
+    values = dict(
+        target=str(tdir), out=str(tmp_path / "drafter"), work_dir=str(tmp_path / "work"), num_layers=2,
+        block_size=BLOCK, target_layer_ids=None, intermediate_size=None, mask_token_id=0, data="mined",
+        num_code_prompts=0, num_chat_prompts=0, max_new_tokens=40, max_prompt_len=64, gen_batch_size=8, max_shards=None,
+        steps=steps, epochs=None, samples_per_step=4, anchors_per_sample=8, lr=3e-3, warmup=0.05,
+        weight_decay=0.0, gamma=2.0, loss_vocab="full", seed=0, device="cpu", threads=1, log_every=20, ckpt_every=100,
+    )
+    return TrainConfig(**(values | kw))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """On a shared 2-core machine two intra-op threads make these small GEMMs ~20x slower (measured), not faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, one_thread):
+    tmp_path = tmp_path_factory.mktemp("synthetic")
+    tdir = write_successor_target(tmp_path / "target")
+    from trtllm_dflash.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(tdir)
+    cfg = config(tmp_path, tdir, steps=200)
+    spec = drafter_spec_for(target.spec, num_layers=2, block_size=BLOCK, mask_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(48)]
+    samples = generate_with_taps(target, prompts, cfg.max_new_tokens, (), spec.target_layer_ids)
+    assert samples[0].ids[-2:].tolist() == [(samples[0].ids[-3] + 1) % VOCAB, (samples[0].ids[-3] + 2) % VOCAB]
+    shard = tmp_path / "work" / "shard.safetensors"
+    shard.parent.mkdir(parents=True)
+    write_shard(shard, samples)
+    assert [s.ids.tolist() for s in read_shard(shard)] == [s.ids.tolist() for s in samples]
+    train(cfg, tmp_path / "work", target, spec, [shard], resume=False)
+    return cfg, tdir, target, spec, shard
+
+
+def test_trained_drafter_is_accepted_by_the_inference_loop(trained):
+    cfg, tdir, _, _, _ = trained
+    target, drafter = load_pair(tdir, cfg.out)  # the exported z-lab checkpoint, as a user would load it
+    dec = SpeculativeDecoder(target, drafter, BLOCK)
+    prompts = [[5, 9, 20], [30, 31], [7], [12, 3, 3, 8]]
+    results = dec.generate([Request(tuple(p), 32) for p in prompts])
+    for p, r in zip(prompts, results):
+        assert list(r.token_ids) == [(p[-1] + 1 + i) % VOCAB for i in range(32)]  # lossless, of course
+    taus = [t for r in results for t in r.acceptance_lengths]
+    assert sum(taus) / len(taus) >= 3.5, taus  # B = 4: at most 4; measured ≈ 3.9
+    doc = json.loads((Path(cfg.out) / "training_log.json").read_text())
+    assert doc["records"][-1]["loss"] < 0.2 * doc["records"][0]["loss"]
+    assert doc["held_out"][-1]["expected_tau"] >= 3.5  # measured 3.77
+
+
+def test_existing_checkpoint_needs_resume(trained):
+    cfg, tdir, target, spec, shard = trained
+    with pytest.raises(ConfigError, match="--resume"):
+        train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=False)
+    # Resuming a finished run trains nothing more and leaves the export in place.
+    train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=True)

@@ -1,0 +1,172 @@
+"""The DFlash training objective (dflash.md §3), written with the inference modules so the two cannot drift.
+
+Glossary, for one training sequence of S tokens (prompt of P tokens + target-regenerated response):
+
+    anchor p   a response position with a next token in the response (P <= p <= S − 2). At inference the anchor is
+               the bonus token: the last token the target emitted, which the target has not processed yet.
+    block      B slots ``[ids[p], MASK × (B − 1)]`` at absolute positions p .. p + B − 1, embedded with the target's
+               frozen embedding table.
+    context    target taps of positions 0 .. S − 1, fused as C = hidden_norm(fc(taps)) and projected by every drafter
+               layer's own k_proj / v_proj (KV injection), at their absolute positions.
+    visibility a block's queries see context keys at positions **strictly < p** (the anchor's own taps do not exist
+               yet at inference) and the B keys of their own block (bidirectional; causal only on causal/sliding
+               layers); never another block.
+    labels     same-position prediction: slot k (1 <= k <= B − 1) predicts ids[p + k]; slot 0 has no label; slots
+               past the end of the sequence are ignored.
+    loss       Σ w_k · CE_k / Σ w_k over labelled slots, w_k = exp(−(k − 1) / γ); logits through the target's frozen
+               LM head.
+
+This is exactly ``DrafterModel.inject`` + ``DrafterModel.draft`` run for every anchor at once: a block anchored at p
+equals an inference draft step with p committed tokens (tests/test_train_objective.py checks the equality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.layers import attention
+from trtllm_dflash.specs import LayerType
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """``n`` sequences (right-padded to S) and ``A`` anchors each; anchor slots past a sequence's count are padding."""
+
+    ids: torch.Tensor  # [n, S] int64 prompt + response tokens
+    taps: torch.Tensor  # [n, S, K·H] target taps
+    anchors: torch.Tensor  # [n, A] int64 anchor positions
+    anchor_valid: torch.Tensor  # [n, A] bool (False = padding block, no loss)
+    lengths: torch.Tensor  # [n] int64 real tokens per sequence
+
+
+def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``num_anchors`` distinct positions p with P <= p <= S − 2, uniformly without replacement, sorted."""
+    candidates = torch.arange(prompt_len, seq_len - 1)  # anchor and its next token are response tokens
+    if len(candidates) <= num_anchors:
+        return candidates
+    pick = torch.randperm(len(candidates), generator=generator)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = torch.float32) -> Batch:
+    """samples: list of data.Sample; anchors[i]: [a_i] positions from ``sample_anchors``; taps cast to ``dtype``."""
+    n, s_max, a_max = len(samples), max(len(x.ids) for x in samples), max(1, max(len(a) for a in anchors))
+    width = samples[0].taps.shape[1]
+    ids = torch.zeros(n, s_max, dtype=torch.long)
+    taps = torch.zeros(n, s_max, width, dtype=dtype)
+    anc = torch.zeros(n, a_max, dtype=torch.long)
+    valid = torch.zeros(n, a_max, dtype=torch.bool)
+    for i, (x, a) in enumerate(zip(samples, anchors)):
+        ids[i, : len(x.ids)] = x.ids
+        taps[i, : len(x.ids)] = x.taps.to(dtype)
+        anc[i, : len(a)] = a
+        valid[i, : len(a)] = True
+    lengths = torch.tensor([len(x.ids) for x in samples])
+    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device))
+
+
+def block_visibility(
+    anchors: torch.Tensor,  # [b] anchor position of each block
+    ctx_len: int,  # context keys at positions 0 .. ctx_len − 1
+    block_size: int,
+    causal: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [b, B, ctx_len + B] bool: block query slot j may see key
+    """Keys are [context positions 0..ctx_len−1 ; this block's own B slots]. Worked example, anchor 3, B = 2,
+    ctx_len 5, not causal: slot rows see context keys 0, 1, 2 (< 3; not 3, the anchor's own taps, nor 4) and both
+    block keys: [[1,1,1,0,0, 1,1], [1,1,1,0,0, 1,1]]."""
+    ctx_pos = torch.arange(ctx_len, device=anchors.device)
+    q_pos = anchors[:, None] + torch.arange(block_size, device=anchors.device)  # [b, B]
+    key_pos = torch.cat([ctx_pos.expand(len(anchors), ctx_len), q_pos], dim=1)  # [b, ctx_len + B]
+    see_ctx = (ctx_pos[None, :] < anchors[:, None])[:, None, :].expand(-1, block_size, -1)  # [b, B, ctx_len]
+    see_block = torch.ones(len(anchors), block_size, block_size, dtype=torch.bool, device=anchors.device)
+    if causal:
+        see_block = see_block.tril()
+    allowed = torch.cat([see_ctx, see_block], dim=2)
+    if sliding_window is not None:
+        allowed = allowed & (q_pos[:, :, None] - key_pos[:, None, :] < sliding_window)
+    return allowed
+
+
+def drafter_blocks(
+    drafter: DrafterModel,
+    embed,  # target embedding: ids [..] -> [.., H]
+    batch: Batch,
+) -> torch.Tensor:  # [n·A, B, H] final-normed drafter hidden states of every block
+    spec = drafter.spec
+    n, s = batch.ids.shape
+    a, bs = batch.anchors.shape[1], spec.block_size
+    ctx_len = int(batch.anchors.max()) if n else 0  # keys beyond the last anchor are never visible
+    ctx_len = max(ctx_len, 1)
+    owner = torch.arange(n, device=batch.ids.device).repeat_interleave(a)  # [b]: sequence of each block
+    anchors = batch.anchors.reshape(-1)  # [b]
+    b = len(anchors)
+
+    c = drafter.hidden_norm(drafter.fc(batch.taps[:, :ctx_len].to(drafter.dtype)))  # [n, ctx_len, H]
+    ctx_positions = torch.arange(ctx_len, device=c.device).expand(n, ctx_len)  # [n, ctx_len]
+    positions = anchors[:, None] + torch.arange(bs, device=c.device)  # [b, B]
+    block = torch.full((b, bs), spec.mask_token_id, dtype=torch.long, device=c.device)
+    block[:, 0] = batch.ids.gather(1, batch.anchors).reshape(-1)  # [b, B] = [ids[p], MASK × (B − 1)]
+    x = embed(block).to(drafter.dtype)  # [b, B, H]
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        sliding = spec.layer_types[i] is LayerType.SLIDING
+        allowed = block_visibility(anchors, ctx_len, bs, spec.layer_causal[i], spec.sliding_window if sliding else None)
+        ck, cv = attn.context_kv(c, drafter.rotary, ctx_positions)  # [n, ctx_len, kv, d] each
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).view(b, bs, attn.num_heads, attn.head_dim))
+        k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
+        v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
+        q, k = drafter.rotary.apply(q, positions), drafter.rotary.apply(k, positions)
+        k_all = torch.cat([ck[owner], k], dim=1).transpose(1, 2)  # [b, kv, ctx_len + B, d]
+        v_all = torch.cat([cv[owner], v], dim=1).transpose(1, 2)
+        x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    loss: torch.Tensor  # scalar, differentiable
+    correct: torch.Tensor  # [B − 1] correct predictions per slot k = 1..B−1
+    counted: torch.Tensor  # [B − 1] labelled slots per k
+    expected_tau: float  # mean over blocks of 1 + (longest all-correct prefix of slots 1..B−1)
+
+
+def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:  # [B − 1]
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: float,
+                vocab: torch.Tensor | None = None) -> StepMetrics:
+    """``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
+    restricts the softmax to those candidates — a CPU economy, since the head over all slots dominates the cost; the
+    drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``."""
+    bs = drafter.spec.block_size
+    hidden = drafter_blocks(drafter, embed, batch)  # [b, B, H]
+    anchors = batch.anchors.reshape(-1)  # [b]
+    owner_len = batch.lengths.repeat_interleave(batch.anchors.shape[1])  # [b]
+    label_pos = anchors[:, None] + torch.arange(1, bs, device=anchors.device)  # [b, B − 1]
+    labelled = (label_pos < owner_len[:, None]) & batch.anchor_valid.reshape(-1)[:, None]  # [b, B − 1]
+    owner = torch.arange(batch.ids.shape[0], device=anchors.device).repeat_interleave(batch.anchors.shape[1])
+    labels = batch.ids[owner[:, None], label_pos.clamp(max=batch.ids.shape[1] - 1)]  # [b, B − 1]
+    if vocab is None:
+        logits = lm_head(hidden[:, 1:]).float()  # [b, B − 1, V]
+    else:
+        logits = F.linear(hidden[:, 1:], lm_head.weight[vocab]).float()  # [b, B − 1, V']
+        labels = torch.searchsorted(vocab, labels)  # token id -> candidate index
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    w = loss_weights(bs, gamma, anchors.device)[None, :] * labelled  # [b, B − 1]
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & labelled  # [b, B − 1]
+        valid_blocks = batch.anchor_valid.reshape(-1)
+        prefix = hit.long().cumprod(1).sum(1)  # [b]: accepted drafts if the target agreed with the labels
+        tau = float((prefix[valid_blocks] + 1).float().mean()) if bool(valid_blocks.any()) else math.nan
+    return StepMetrics(loss, hit.sum(0), labelled.sum(0), tau)

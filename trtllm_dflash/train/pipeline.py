@@ -1,0 +1,95 @@
+"""The ``train-drafter`` stages (prompts → taps → train → export) over one work directory; see train/cli.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.datasets import Prompt, file_prompts
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.specs import DrafterSpec, TargetSpec
+from trtllm_dflash.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def drafter_spec(cfg: TrainConfig, target: TargetSpec) -> DrafterSpec:
+    from trtllm_dflash.checkpoints import drafter_spec_for
+
+    return drafter_spec_for(
+        target, num_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+        target_layer_ids=cfg.target_layer_ids, intermediate_size=cfg.intermediate_size,
+    )
+
+
+def stage_prompts(cfg: TrainConfig, work: Path) -> list[Prompt]:
+    """The training prompts, written once to work/prompts.jsonl and proven disjoint from the evaluation sets."""
+    from trtllm_dflash.train.prompts import EvalIndex, mine_prompts, prompts_digest
+
+    path = work / "prompts.jsonl"
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        prompts = [Prompt(r["id"], r["prompt"], r["chat"]) for r in rows]
+    else:
+        index = EvalIndex.build()
+        if cfg.data == "mined":
+            prompts = mine_prompts(cfg.num_code_prompts, cfg.num_chat_prompts, seed=cfg.seed, index=index)
+        else:
+            rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines() if line.strip()]
+            prompts = [Prompt(p.id, p.text, bool(r.get("chat", True))) for p, r in zip(file_prompts(cfg.data, True), rows)]
+        for p in prompts:
+            why = index.overlap(p.text)
+            if why is not None:
+                raise ConfigError(f"training prompt {p.id}", p.text[:60], f"overlaps the evaluation sets: {why}",
+                                  "remove it from --data")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"id": p.id, "prompt": p.text, "chat": p.chat}) + "\n" for p in prompts))
+        tmp.replace(path)
+        log.info("%d training prompts (digest %s) written to %s", len(prompts), prompts_digest(prompts), path)
+    return prompts
+
+
+def stage_taps(cfg: TrainConfig, work: Path, target, spec: DrafterSpec, prompts: list[Prompt]) -> list[Path]:
+    from tqdm import tqdm
+
+    from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
+    from trtllm_dflash.train.data import build_taps_cache
+
+    tok = load_tokenizer(cfg.target)
+    bar = tqdm(total=len(prompts), desc="regenerating responses", unit="prompt", mininterval=10)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    paths = build_taps_cache(
+        target, tok, prompts, work / "taps", tap_layers=spec.target_layer_ids, max_new_tokens=cfg.max_new_tokens,
+        max_prompt_len=cfg.max_prompt_len, stop_token_ids=stop_token_ids(tok, target.spec.eos_token_ids),
+        batch_size=cfg.gen_batch_size, max_shards=cfg.max_shards, progress=progress,
+    )
+    bar.close()
+    return paths
+
+
+def run_training(cfg: TrainConfig, resume: bool, stop_after: str | None) -> None:
+    from trtllm_dflash.models.target import TargetModel
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    target_spec = TargetSpec.load(cfg.target)
+    spec = drafter_spec(cfg, target_spec)
+    prompts = stage_prompts(cfg, work)
+    if stop_after == "prompts":
+        return
+    target = TargetModel.from_pretrained(cfg.target, device=cfg.device)
+    shards = stage_taps(cfg, work, target, spec, prompts)
+    if stop_after == "taps":
+        return
+    from trtllm_dflash.train.trainer import train
+
+    train(cfg, work, target, spec, shards, resume=resume)

@@ -1,0 +1,197 @@
+"""The training loop: AdamW over the drafter only (target frozen), deterministic sampling, resumable checkpoints,
+a JSON training log and a z-lab-format export at every checkpoint.
+
+Determinism and resume: step t trains on the sequences at slots [t·n, (t+1)·n) of an endless stream of seeded
+per-epoch permutations (held-out sequences excluded) with anchors drawn from a generator seeded by (seed, t), so a
+resumed run sees exactly the batches an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from trtllm_dflash.checkpoints import random_drafter_state, write_drafter
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
+from trtllm_dflash.specs import DrafterSpec
+from trtllm_dflash.train.config import TrainConfig
+from trtllm_dflash.train.data import Sample, read_shard
+from trtllm_dflash.train.objective import collate, dflash_loss, sample_anchors
+
+log = logging.getLogger(__name__)
+
+CKPT = "checkpoint.pt"
+NUM_HELD_OUT = 16  # sequences kept out of training to report a held-out expected τ
+HELD_OUT_ANCHORS = 16
+
+
+def lr_at(step: int, total: int, peak: float, warmup: float) -> float:
+    """Linear warm-up over ``warmup · total`` steps, then cosine decay to 10 % of the peak."""
+    w = max(1, round(warmup * total))
+    if step < w:
+        return peak * (step + 1) / w
+    t = (step - w) / max(1, total - w)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def split(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sample]]:
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = min(NUM_HELD_OUT, len(samples) // 10)
+    return [samples[i] for i in order[held:]], [samples[i] for i in order[:held]]
+
+
+def step_indices(step: int, per_step: int, num: int, seed: int) -> list[int]:
+    out = []
+    for slot in range(step * per_step, (step + 1) * per_step):
+        epoch, pos = divmod(slot, num)
+        perm = torch.randperm(num, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        out.append(int(perm[pos]))
+    return out
+
+
+def total_steps(cfg: TrainConfig, num_train: int) -> int:
+    if cfg.steps is not None:
+        return cfg.steps
+    return math.ceil(cfg.epochs * num_train / cfg.samples_per_step)
+
+
+@torch.no_grad()
+def evaluate(drafter: DrafterModel, target: TargetModel, samples: list[Sample], cfg: TrainConfig) -> dict:
+    """Held-out loss, per-slot accuracy and expected τ over fixed anchors."""
+    if not samples:
+        return {}
+    g = torch.Generator().manual_seed(cfg.seed + 7)
+    anchors = [sample_anchors(s.prompt_len, len(s.ids), HELD_OUT_ANCHORS, g) for s in samples]
+    m = dflash_loss(drafter, target.embed, target.lm_head, collate(samples, anchors, target.device), cfg.gamma)
+    acc = (m.correct.float() / m.counted.clamp(min=1)).tolist()
+    return {"loss": round(float(m.loss), 4), "expected_tau": round(m.expected_tau, 3),
+            "accuracy": [round(a, 3) for a in acc]}
+
+
+def export(cfg: TrainConfig, spec: DrafterSpec, target: TargetModel, drafter: DrafterModel, log_doc: dict,
+           data_summary: dict, work: Path) -> None:
+    """The z-lab checkpoint plus its provenance: resolved config, training log and the exact training prompts."""
+    out = Path(cfg.out)
+    state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
+    write_drafter(out, spec, target.spec, state)
+    training_config = cfg.to_dict() | {
+        "target_layer_ids": list(spec.target_layer_ids),
+        "data": data_summary,
+        "command": "python -m trtllm_dflash.train.cli " + " ".join(_cli_flags(cfg)),
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+    }
+    (out / "training_config.json").write_text(json.dumps(training_config, indent=2) + "\n")
+    (out / "training_log.json").write_text(json.dumps(log_doc, indent=1) + "\n")
+    if (work / "prompts.jsonl").is_file():
+        shutil.copyfile(work / "prompts.jsonl", out / "training_prompts.jsonl")
+
+
+def _cli_flags(cfg: TrainConfig) -> list[str]:
+    flags = []
+    for k, v in cfg.to_dict().items():
+        if v is None or k == "work_dir":
+            continue
+        flag = "--" + k.replace("_", "-")
+        flags += [flag, *map(str, v)] if isinstance(v, list) else [flag, str(v)]
+    return flags
+
+
+def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
+          resume: bool) -> DrafterModel:
+    from tqdm import tqdm
+
+    samples = [s for p in shards for s in read_shard(p) if len(s.ids) - s.prompt_len >= 2]
+    if not samples:
+        raise ConfigError("data", len(samples), "no sequence has a response of >= 2 tokens")
+    train_set, held_out = split(samples, cfg.seed)
+    steps = total_steps(cfg, len(train_set))
+    data_summary = {
+        "num_sequences": len(samples), "num_train": len(train_set), "num_held_out": len(held_out),
+        "num_response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
+        "num_prompt_tokens": sum(s.prompt_len for s in samples),
+    }
+    vocab = None
+    if cfg.loss_vocab == "data":
+        vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
+        data_summary["loss_vocab_size"] = len(vocab)
+    drafter = DrafterModel(spec, device=cfg.device,
+                           max_positions=target.spec.max_position_embeddings + SCRATCH_POSITIONS)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    ckpt_path = work / CKPT
+    log_doc = {"config": cfg.to_dict(), "data": data_summary, "total_steps": steps, "records": [], "held_out": []}
+    start = 0
+    if ckpt_path.is_file():
+        if not resume:
+            raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
+        ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
+        drafter.load_state_dict(ck["drafter"])
+        opt.load_state_dict(ck["optimizer"])
+        start, log_doc = ck["step"], ck["log"]
+        log_doc["total_steps"] = steps
+        log.info("resumed from %s at step %d", ckpt_path, start)
+    else:
+        drafter.load_state_dict(random_drafter_state(spec, cfg.seed))
+    drafter.train()
+    log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)
+
+    def save(step: int) -> None:
+        ev = evaluate(drafter, target, held_out, cfg)
+        log_doc["held_out"].append({"step": step, **ev})
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc}, tmp)
+        os.replace(tmp, ckpt_path)
+        export(cfg, spec, target, drafter, log_doc, data_summary, work)
+        log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
+
+    window: list = []
+    t_last = time.perf_counter()
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
+    for step in bar:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        picked = [train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)]
+        anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
+        lr = lr_at(step, steps, cfg.lr, cfg.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        m = dflash_loss(drafter, target.embed, target.lm_head, collate(picked, anchors, cfg.device), cfg.gamma, vocab)
+        opt.zero_grad(set_to_none=True)
+        m.loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))
+        opt.step()
+        window.append((float(m.loss.detach()), m.correct, m.counted, m.expected_tau, grad_norm))
+        bar.set_postfix(loss=f"{window[-1][0]:.3f}", tau=f"{m.expected_tau:.2f}", refresh=False)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == steps:
+            now = time.perf_counter()
+            correct = sum(w[1] for w in window)
+            counted = sum(w[2] for w in window)
+            log_doc["records"].append({
+                "step": done,
+                "loss": round(sum(w[0] for w in window) / len(window), 4),
+                "expected_tau": round(sum(w[3] for w in window) / len(window), 3),
+                "accuracy": [round(a, 3) for a in (correct.float() / counted.clamp(min=1)).tolist()],
+                "lr": lr,
+                "grad_norm": round(sum(w[4] for w in window) / len(window), 3),
+                "seconds_per_step": round((now - t_last) / len(window), 3),
+            })
+            log.info("step %d %s", done, {k: v for k, v in log_doc["records"][-1].items() if k != "accuracy"})
+            window, t_last = [], now
+        if done % cfg.ckpt_every == 0 or done == steps:
+            drafter.eval()
+            save(done)
+            drafter.train()
+    bar.close()
+    if start >= steps and not (Path(cfg.out) / "model.safetensors").is_file():
+        save(steps)
+    return drafter.eval()

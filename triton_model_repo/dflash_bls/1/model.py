@@ -1,0 +1,16 @@
+"""dflash_bls: the decoupled speculative loop; one coroutine per request, BLS calls to the step models
+(logic: trtllm_dflash.serve.bls)."""
+
+import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash.serve.bls import LoopModel
+from trtllm_dflash.serve.triton_io import model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.loop = LoopModel(model_parameters(args), pb_utils)
+
+    async def execute(self, requests):
+        await self.loop.execute(requests)
+        return None

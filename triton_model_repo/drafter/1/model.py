@@ -1,0 +1,14 @@
+"""drafter: one DFlash step for a dynamically batched list of requests (logic: trtllm_dflash.serve.handlers)."""
+
+import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash.serve.handlers import DrafterStepModel
+from trtllm_dflash.serve.triton_io import model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model = DrafterStepModel(model_parameters(args))
+
+    def execute(self, requests):
+        return self.model.execute(pb_utils, requests)

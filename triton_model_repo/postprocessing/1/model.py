@@ -1,0 +1,20 @@
+"""postprocessing: token ids -> the text delta of this response (logic: trtllm_dflash.serve.handlers)."""
+
+import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash.serve.handlers import Postprocessor
+from trtllm_dflash.serve.triton_io import error_response, model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.post = Postprocessor(model_parameters(args))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self.post(pb_utils, request)))
+            except Exception as exc:
+                responses.append(error_response(pb_utils, exc))
+        return responses

@@ -1,0 +1,14 @@
+"""target_verify: one DFlash step for a dynamically batched list of requests (logic: trtllm_dflash.serve.handlers)."""
+
+import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash.serve.handlers import TargetVerifyModel
+from trtllm_dflash.serve.triton_io import model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model = TargetVerifyModel(model_parameters(args))
+
+    def execute(self, requests):
+        return self.model.execute(pb_utils, requests)

@@ -1,0 +1,192 @@
+"""The one place that talks to the served ensembles over gRPC: input tensors, the streaming callback, error mapping.
+
+The ``dflash`` and ``baseline`` ensembles are decoupled, so every request goes over a bidirectional stream
+(``start_stream`` / ``async_stream_infer``); the last response of a request carries ``triton_final_response``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from trtllm_dflash.errors import DFlashError
+
+
+class ServerError(DFlashError):
+    """The server rejected or failed a request; ``status`` is the gRPC status name (e.g. INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, status: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    prompt: str
+    max_tokens: int = 128
+    stream: bool = True
+    chat: bool = True
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    end_id: int | None = None
+    stop_words: tuple[str, ...] = ()
+
+
+@dataclass
+class Chunk:
+    text: str  # text delta
+    acceptance_lengths: list[int]
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    output_ids: list[int]
+    t: float  # perf_counter when it arrived
+
+
+@dataclass
+class Completion:
+    chunks: list[Chunk] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.chunks[-1].output_ids if self.chunks else []
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return [t for c in self.chunks for t in c.acceptance_lengths]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        taus = self.acceptance_lengths
+        return sum(taus) / len(taus) if taus else 0.0
+
+    @property
+    def ttft_ms(self) -> float:
+        first = next((c.t for c in self.chunks if c.output_ids), self.end)
+        return (first - self.start) * 1e3
+
+    @property
+    def tokens_per_second(self) -> float:
+        dt = self.end - self.start
+        return len(self.token_ids) / dt if dt > 0 else 0.0
+
+
+def build_inputs(p: GenerateParams):
+    import tritonclient.grpc as grpcclient
+
+    def make(name, arr, dtype):
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+
+    inputs = [
+        make("text_input", np.array([[p.prompt.encode("utf-8")]], dtype=object), "BYTES"),
+        make("max_tokens", np.array([[p.max_tokens]], dtype=np.int32), "INT32"),
+        make("stream", np.array([[p.stream]], dtype=bool), "BOOL"),
+        make("apply_chat_template", np.array([[p.chat]], dtype=bool), "BOOL"),
+    ]
+    optional = [("temperature", p.temperature, np.float32, "FP32"), ("top_k", p.top_k, np.int32, "INT32"),
+                ("top_p", p.top_p, np.float32, "FP32"), ("seed", p.seed, np.uint64, "UINT64"),
+                ("end_id", p.end_id, np.int32, "INT32")]
+    for name, value, np_type, dtype in optional:
+        if value is not None:
+            inputs.append(make(name, np.array([[value]], dtype=np_type), dtype))
+    if p.stop_words:
+        inputs.append(make("stop_words", np.array([[w.encode() for w in p.stop_words]], dtype=object), "BYTES"))
+    return inputs
+
+
+def _chunk(result) -> Chunk:
+    def arr(name):
+        a = result.as_numpy(name)
+        return np.zeros(0) if a is None else a.reshape(-1)
+
+    text = arr("text_output")
+    return Chunk(
+        text=text[0].decode("utf-8") if len(text) else "",
+        acceptance_lengths=arr("acceptance_lengths").astype(int).tolist(),
+        num_draft_tokens=int(arr("num_draft_tokens")[0]) if len(arr("num_draft_tokens")) else 0,
+        num_accepted_draft_tokens=int(arr("num_accepted_draft_tokens")[0]) if len(arr("num_accepted_draft_tokens")) else 0,
+        output_ids=arr("output_ids").astype(int).tolist(),
+        t=time.perf_counter(),
+    )
+
+
+class DFlashClient:
+    """A gRPC stream to one server; ``generate`` many requests concurrently over it."""
+
+    def __init__(self, url: str = "127.0.0.1:8001") -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.results: dict[str, queue.Queue] = {}
+        self.client.start_stream(callback=self._on_response)
+        self._next = 0
+
+    def _on_response(self, result, error) -> None:
+        if error is not None:
+            rid = getattr(error, "request_id", None) or ""
+            q = self.results.get(rid) or next(iter(self.results.values()), None)
+            if q is not None:
+                q.put(("error", error))
+            return
+        resp = result.get_response()
+        final = resp.parameters.get("triton_final_response")
+        self.results[resp.id].put(("data", result, bool(final and final.bool_param)))
+
+    def submit(self, model: str, params: GenerateParams) -> str:
+        self._next += 1
+        rid = f"r{self._next}"
+        self.results[rid] = queue.Queue()
+        self.client.async_stream_infer(model, build_inputs(params), request_id=rid, enable_empty_final_response=True)
+        return rid
+
+    def responses(self, rid: str, timeout_s: float = 600.0) -> Iterator[Chunk]:
+        """Chunks of request ``rid`` as they arrive; raises ServerError on a server-side error."""
+        q = self.results[rid]
+        try:
+            while True:
+                item = q.get(timeout=timeout_s)
+                if item[0] == "error":
+                    err = item[1]
+                    status = err.status() if callable(getattr(err, "status", None)) else ""
+                    raise ServerError(err.message() if callable(getattr(err, "message", None)) else str(err), status)
+                _, result, final = item
+                chunk = _chunk(result)
+                if chunk.output_ids or chunk.text or chunk.acceptance_lengths:
+                    yield chunk
+                if final:
+                    return
+        finally:
+            self.results.pop(rid, None)
+
+    def generate(self, model: str, params: GenerateParams, on_chunk: Callable[[Chunk], None] | None = None,
+                 timeout_s: float = 600.0) -> Completion:
+        done = Completion(start=time.perf_counter())
+        for chunk in self.responses(self.submit(model, params), timeout_s):
+            done.chunks.append(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+        done.end = time.perf_counter()
+        return done
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+    def __enter__(self) -> "DFlashClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

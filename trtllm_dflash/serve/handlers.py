@@ -1,0 +1,242 @@
+"""The logic behind the python-backend models of the repository (the ``model.py`` files only delegate here).
+
+Step-model protocol (tensors carry a leading batch dimension of 1 per request):
+
+    target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
+                                   1 VERIFY (tokens = [bonus, d_1..d_{B−1}], want_taps) -> out_tokens = emitted, taps
+                                   2 FREE, 3 STATS                         -> num_active, freed, timed_out
+    kv_inject      taps FP32 [T, K·H], start INT32 [1] -> ctx_k, ctx_v FP32 [L, T, kv_heads, head_dim]
+    drafter        mode INT32 [1]: 0 DRAFT (ctx_k, ctx_v, bonus, block_size) -> drafts INT32 [block_size − 1]
+                                   2 FREE, 3 STATS
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trtllm_dflash.errors import ConfigError, require
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.protocol import decode_text, encode_stops, validate_generation
+from trtllm_dflash.serve.triton_io import error_response, get, scalar, tensor
+
+START, VERIFY, FREE, STATS = 0, 1, 2, 3
+
+
+def _threads(params: dict[str, str]) -> None:
+    n = int(params.get("torch_threads", "0") or 0)
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sampling_from(pb_utils, request) -> SamplingParams:
+    return SamplingParams(
+        temperature=scalar(pb_utils, request, "temperature", 0.0, float),
+        top_k=scalar(pb_utils, request, "top_k", 0, int),
+        top_p=scalar(pb_utils, request, "top_p", 1.0, float),
+        seed=scalar(pb_utils, request, "seed", 0, int),
+    )
+
+
+class Preprocessor:
+    """text_input (+ options) -> input_ids and normalised generation inputs for the loop."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.runtime.text import load_tokenizer
+        from trtllm_dflash.specs import TargetSpec
+
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+        self.max_seq_len = int(params["max_seq_len"])
+        eos = set(TargetSpec.load(params["tokenizer_dir"]).eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.default_stops = [[e] for e in sorted(eos)]
+
+    def __call__(self, pb_utils, request) -> list:
+        from trtllm_dflash.runtime.text import encode_prompt
+
+        raw = get(pb_utils, request, "text_input")
+        require(raw is not None, "text_input", None, "is required")
+        flat = np.asarray(raw).reshape(-1)
+        require(flat.size == 1, "text_input", list(np.asarray(raw).shape), "must hold exactly one string")
+        text = decode_text(flat[0], "text_input")
+        require(text != "", "text_input", "", "must not be empty")
+        chat = bool(scalar(pb_utils, request, "apply_chat_template", False, bool))
+        ids = encode_prompt(self.tokenizer, text, chat)
+        max_tokens = scalar(pb_utils, request, "max_tokens", None, int)
+        require(max_tokens is not None, "max_tokens", None, "is required")
+        sampling = sampling_from(pb_utils, request)
+        validate_generation(max_tokens, sampling, len(ids), self.max_seq_len)
+        stops = self.default_stops
+        end_id = scalar(pb_utils, request, "end_id", None, int)
+        if end_id is not None:
+            require(0 <= end_id < len(self.tokenizer), "end_id", end_id, f"must be a token id in [0, {len(self.tokenizer)})")
+            stops = [[end_id]]
+        words = get(pb_utils, request, "stop_words")
+        if words is not None:
+            for i, w in enumerate(np.asarray(words).reshape(-1)):
+                word = decode_text(w, f"stop_words[{i}]")
+                if word:
+                    stops = stops + [self.tokenizer.encode(word, add_special_tokens=False)]
+        stream = bool(scalar(pb_utils, request, "stream", False, bool))
+        return [
+            tensor(pb_utils, "input_ids", np.array(ids, dtype=np.int32)),
+            tensor(pb_utils, "out_max_tokens", np.array([max_tokens], dtype=np.int32)),
+            tensor(pb_utils, "out_stream", np.array([stream], dtype=bool)),
+            tensor(pb_utils, "out_temperature", np.array([sampling.temperature], dtype=np.float32)),
+            tensor(pb_utils, "out_top_k", np.array([sampling.top_k], dtype=np.int32)),
+            tensor(pb_utils, "out_top_p", np.array([sampling.top_p], dtype=np.float32)),
+            tensor(pb_utils, "out_seed", np.array([sampling.seed], dtype=np.uint64)),
+            tensor(pb_utils, "stop_sequences", np.array(encode_stops(stops), dtype=np.int32)),
+        ]
+
+
+class Postprocessor:
+    """output_ids (all so far) + prev_len + is_final -> this response's text delta."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.runtime.text import load_tokenizer
+
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+
+    def __call__(self, pb_utils, request) -> list:
+        from trtllm_dflash.runtime.text import text_delta
+
+        ids = np.asarray(get(pb_utils, request, "output_ids")).reshape(-1).tolist()
+        prev = scalar(pb_utils, request, "prev_len", 0, int)
+        final = bool(scalar(pb_utils, request, "is_final", False, bool))
+        delta = text_delta(self.tokenizer, ids, prev, final)
+        return [tensor(pb_utils, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
+
+
+def _stats(slots) -> list[tuple[str, np.ndarray]]:
+    return [("num_active", np.array([len(slots.rows)], dtype=np.int32)),
+            ("freed", np.array([slots.freed], dtype=np.int32)),
+            ("timed_out", np.array([slots.timed_out], dtype=np.int32))]
+
+
+class TargetVerifyModel:
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.models.target import TargetModel
+        from trtllm_dflash.serve.steps import TargetVerifier
+
+        _threads(params)
+        target = TargetModel.from_pretrained(params["target_dir"], device=_device())
+        taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
+        self.verifier = TargetVerifier(target, taps, int(params["max_sequences"]), int(params["max_seq_len"]),
+                                       int(params["max_block_size"]), float(params["idle_timeout_s"]))
+        self.tap_width = len(taps) * target.spec.hidden_size
+
+    def _outputs(self, pb_utils, tokens, taps, extra=()):
+        taps = np.zeros((0, self.tap_width), np.float32) if taps is None else taps.float().cpu().numpy()
+        outs = [("out_tokens", np.array(tokens, dtype=np.int32)), ("taps", taps), *extra]
+        return pb_utils.InferenceResponse(output_tensors=[tensor(pb_utils, n, a) for n, a in outs])
+
+    def execute(self, pb_utils, requests) -> list:
+        self.verifier.expire()
+        responses: list = [None] * len(requests)
+        groups: dict[tuple[int, bool], list[int]] = {}
+        parsed = []
+        for i, req in enumerate(requests):
+            try:
+                mode = scalar(pb_utils, req, "mode", None, int)
+                seq = scalar(pb_utils, req, "seq_id", 0, int)
+                tokens = np.asarray(get(pb_utils, req, "tokens", np.zeros(0, np.int32))).reshape(-1).tolist()
+                want = bool(scalar(pb_utils, req, "want_taps", False, bool))
+                parsed.append((mode, seq, tokens, want))
+                if mode == START:
+                    r = self.verifier.start(seq, tokens, sampling_from(pb_utils, req), want)
+                    responses[i] = self._outputs(pb_utils, [r.first_token], r.taps)
+                elif mode == VERIFY:
+                    groups.setdefault((len(tokens), want), []).append(i)
+                elif mode in (FREE, STATS):
+                    if mode == FREE:
+                        self.verifier.free(seq)
+                    responses[i] = self._outputs(pb_utils, [], None, _stats(self.verifier.slots))
+                else:
+                    raise ConfigError("mode", mode, "must be 0 (start), 1 (verify), 2 (free) or 3 (stats)")
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, exc)
+        for (_, want), idx in groups.items():
+            try:  # one batched forward for all verify requests of the same block length
+                results = self.verifier.verify([parsed[i][1] for i in idx], [parsed[i][2] for i in idx], want)
+                for i, r in zip(idx, results):
+                    responses[i] = self._outputs(pb_utils, r.emitted, r.taps)
+            except Exception as exc:
+                for i in idx:
+                    responses[i] = error_response(pb_utils, exc)
+        return responses
+
+
+class KVInjectModel:
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.checkpoints import load_pair
+        from trtllm_dflash.serve.steps import KVInjector
+
+        _threads(params)
+        _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
+        self.inject = KVInjector(drafter)
+        self.dtype = drafter.dtype
+
+    def execute(self, pb_utils, requests) -> list:
+        responses = []
+        for req in requests:
+            try:
+                taps = torch.from_numpy(np.asarray(get(pb_utils, req, "taps"))).to(self.dtype)
+                k, v = self.inject(taps, scalar(pb_utils, req, "start", 0, int))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    tensor(pb_utils, "ctx_k", k.float().cpu().numpy()), tensor(pb_utils, "ctx_v", v.float().cpu().numpy())]))
+            except Exception as exc:
+                responses.append(error_response(pb_utils, exc))
+        return responses
+
+
+class DrafterStepModel:
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.checkpoints import load_pair
+        from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
+
+        _threads(params)
+        _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
+        head = TargetHead(params["target_dir"], device=_device())
+        self.drafter = BlockDrafter(drafter, head, int(params["max_sequences"]), int(params["max_seq_len"]),
+                                    float(params["idle_timeout_s"]))
+
+    def execute(self, pb_utils, requests) -> list:
+        self.drafter.expire()
+        responses: list = [None] * len(requests)
+        groups: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, int]]] = {}
+        for i, req in enumerate(requests):
+            try:
+                mode = scalar(pb_utils, req, "mode", None, int)
+                seq = scalar(pb_utils, req, "seq_id", 0, int)
+                if mode == 0:
+                    k = torch.from_numpy(np.asarray(get(pb_utils, req, "ctx_k")))
+                    v = torch.from_numpy(np.asarray(get(pb_utils, req, "ctx_v")))
+                    block = scalar(pb_utils, req, "block_size", None, int)
+                    groups.setdefault(block, []).append((i, seq, k, v, scalar(pb_utils, req, "bonus", None, int)))
+                elif mode in (FREE, STATS):
+                    if mode == FREE:
+                        self.drafter.free(seq)
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                        tensor(pb_utils, "drafts", np.zeros(0, np.int32)),
+                        *(tensor(pb_utils, n, a) for n, a in _stats(self.drafter.slots))])
+                else:
+                    raise ConfigError("mode", mode, "must be 0 (draft), 2 (free) or 3 (stats)")
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, exc)
+        for block, items in groups.items():
+            try:  # one block forward for all sequences drafting the same block size
+                drafts = self.drafter.draft([s for _, s, *_ in items], [k for *_, k, _, _ in items],
+                                            [v for *_, v, _ in items], [b for *_, b in items], block)
+                for (i, *_), d in zip(items, drafts):
+                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                        tensor(pb_utils, "drafts", d.numpy().astype(np.int32))])
+            except Exception as exc:
+                for i, *_ in items:
+                    responses[i] = error_response(pb_utils, exc)
+        return responses

@@ -1,0 +1,147 @@
+"""The speculative loop of one request, independent of where the steps run.
+
+The Triton ``dflash_bls`` model runs it over BLS calls to ``target_verify`` / ``kv_inject`` / ``drafter``; tests
+run it over the step engines in-process; a TensorRT-LLM backend only needs another ``StepClient``. One step:
+
+    drafts  = drafter(seq, context K/V of the last committed tokens, bonus)        (block_size > 1 only)
+    emitted = target_verify(seq, [bonus, drafts...])                                -> τ tokens + their taps
+    K/V     = kv_inject(taps, position of the first of them)                       (block_size > 1 only)
+
+``block_size == 1`` is the autoregressive baseline through the same models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol
+
+import torch
+
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
+
+
+class StepClient(Protocol):
+    async def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams,
+                    want_taps: bool) -> tuple[int, torch.Tensor | None]: ...
+
+    async def verify(self, seq_id: int, block: list[int], want_taps: bool) -> tuple[list[int], torch.Tensor | None]: ...
+
+    async def inject(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    async def draft(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, bonus: int, block_size: int) -> list[int]: ...
+
+    async def free(self, seq_id: int, drafter: bool) -> None: ...
+
+
+@dataclass
+class Update:
+    """One streamed response: ``tokens`` = everything emitted so far, of which ``prev_len`` were reported before."""
+
+    tokens: list[int]
+    prev_len: int
+    acceptance_lengths: list[int]  # τ of the steps since the previous update
+    num_draft_tokens: int  # drafts proposed in those steps
+    num_accepted_draft_tokens: int
+    final: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Progress:
+    tokens: list[int] = field(default_factory=list)
+    reported: int = 0
+    taus: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    finish_reason: str | None = None
+
+
+async def run_generation(
+    steps: StepClient,
+    req: GenerateRequest,
+    block_size: int,
+    seq_id: int,
+    on_update: Callable[[Update], Awaitable[None]],
+    is_cancelled: Callable[[], bool] = lambda: False,
+) -> str:
+    """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled")."""
+    want_taps = block_size > 1
+    holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens
+    p = _Progress()
+
+    def add(new: list[int]) -> None:
+        checked = len(p.tokens)
+        p.tokens.extend(new)
+        cut = truncate_at_stop(p.tokens, req.stop_sequences, checked)
+        if cut is not None:
+            del p.tokens[cut:]
+            p.finish_reason = "stop"
+        if len(p.tokens) >= req.max_tokens:
+            del p.tokens[req.max_tokens:]
+            p.finish_reason = p.finish_reason or "length"
+
+    async def report(final: bool) -> None:
+        upto = len(p.tokens) if final else max(p.reported, len(p.tokens) - holdback)
+        if not final and (not req.stream or upto == p.reported):
+            return
+        await on_update(Update(p.tokens[:upto], p.reported, p.taus, p.proposed, p.accepted, final, p.finish_reason))
+        p.reported, p.taus, p.proposed, p.accepted = upto, [], 0, 0
+
+    started = False
+    try:
+        first, taps = await steps.start(seq_id, list(req.input_ids), req.sampling, want_taps)
+        started = True
+        committed = len(req.input_ids)
+        k, v = await steps.inject(taps, 0) if want_taps else (None, None)
+        add([first])
+        await report(False)
+        bonus = first
+        while p.finish_reason is None:
+            if is_cancelled():
+                p.finish_reason = "cancelled"
+                break
+            drafts = await steps.draft(seq_id, k, v, bonus, block_size) if want_taps else []
+            emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
+            p.taus.append(len(emitted))
+            p.proposed += len(drafts)
+            p.accepted += len(emitted) - 1
+            add(emitted)
+            if p.finish_reason is None:
+                if want_taps:
+                    k, v = await steps.inject(taps, committed)
+                committed += len(emitted)
+                bonus = emitted[-1]
+                await report(False)
+    finally:
+        if started:
+            await steps.free(seq_id, drafter=want_taps)
+    if p.finish_reason != "cancelled":
+        await report(True)
+    return p.finish_reason or "length"
+
+
+class LocalSteps:
+    """A StepClient over in-process step engines (tests, and a reference for other backends)."""
+
+    def __init__(self, verifier, injector, drafter) -> None:
+        self.verifier, self.injector, self.drafter = verifier, injector, drafter
+
+    async def start(self, seq_id, prompt_ids, sampling, want_taps):
+        r = self.verifier.start(seq_id, prompt_ids, sampling, want_taps)
+        return r.first_token, r.taps
+
+    async def verify(self, seq_id, block, want_taps):
+        r = self.verifier.verify([seq_id], [block], want_taps)[0]
+        return r.emitted, r.taps
+
+    async def inject(self, taps, start):
+        return self.injector(taps, start)
+
+    async def draft(self, seq_id, k, v, bonus, block_size):
+        return self.drafter.draft([seq_id], [k], [v], [bonus], block_size)[0].tolist()
+
+    async def free(self, seq_id, drafter):
+        self.verifier.free(seq_id)
+        if drafter:
+            self.drafter.free(seq_id)

@@ -1,0 +1,152 @@
+"""Starting and stopping a real Triton Inference Server on a rendered repository.
+
+Binary: a system ``tritonserver`` when one is on PATH (NVIDIA's containers), else the Triton 2.51 server bundled in
+the ``nvidia-pytriton`` wheel, set up as environment.md §3.2 describes: a private copy of the bundled server with
+this Python's backend stub, the interpreter's LIBDIR and the bundled libraries on LD_LIBRARY_PATH, and this
+environment's ``bin`` first on PATH (the stub finds its Python through ``python3`` on PATH, and needs numpy<2 there).
+Endpoints bind to 127.0.0.1 by default. ``stop`` ends the whole process group, so no stub is left behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtllm_dflash.assets import cache_dir
+from trtllm_dflash.errors import ArtifactError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def _bundled_server() -> tuple[Path, Path, Path]:
+    """(server root with this Python's stub, library dir, python LIBDIR) from the nvidia-pytriton wheel."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ArtifactError("tritonserver", "not on PATH and nvidia-pytriton is not installed",
+                            "pip install nvidia-pytriton==0.7.0 (or run inside an NVIDIA Triton container)")
+    pkg = Path(spec.submodule_search_locations[0])
+    libs = pkg.parent / "nvidia_pytriton.libs"
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = pkg / "tritonserver" / "python_backend_stubs" / pyver / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ArtifactError(stub, f"no Triton python-backend stub for Python {pyver}", "use Python 3.8-3.13")
+    root = cache_dir() / f"tritonserver-py{pyver}"
+    if not (root / "backends" / "python" / "triton_python_backend_stub").is_file():
+        tmp = root.with_name(root.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(pkg / "tritonserver", tmp, ignore=shutil.ignore_patterns("python_backend_stubs"))
+        shutil.copy2(stub, tmp / "backends" / "python" / "triton_python_backend_stub")
+        shutil.rmtree(root, ignore_errors=True)
+        os.replace(tmp, root)
+    return root, libs, Path(sysconfig.get_config_var("LIBDIR"))
+
+
+def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int, host: str = "127.0.0.1",
+                   log_verbose: int = 0) -> ServerCommand:
+    common = [
+        f"--model-repository={repo}", f"--http-address={host}", f"--http-port={http_port}",
+        f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--metrics-address={host}",
+        f"--metrics-port={metrics_port}", "--exit-timeout-secs=5", f"--log-verbose={log_verbose}",
+        # distinct shared-memory names, so several servers (tests, demo) can run side by side
+        f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{grpc_port}",
+    ]
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    system = shutil.which("tritonserver")
+    if system:
+        return ServerCommand([system, *common], env)
+    root, libs, libdir = _bundled_server()
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), str(libdir), env.get("LD_LIBRARY_PATH")]))
+    argv = [str(root / "bin" / "tritonserver"), *common, f"--backend-directory={root / 'backends'}",
+            f"--cache-directory={root / 'caches'}"]
+    return ServerCommand(argv, env)
+
+
+class TritonServer:
+    """``with TritonServer(repo) as server:`` starts the server, waits until ready, and stops it cleanly."""
+
+    def __init__(self, repo: str | Path, http_port: int | None = None, grpc_port: int | None = None,
+                 metrics_port: int | None = None, host: str = "127.0.0.1", log_path: str | Path | None = None):
+        self.repo = Path(repo).resolve()
+        if not (self.repo / "manifest.json").is_file() and not any(self.repo.glob("*/config.pbtxt")):
+            raise ArtifactError(self.repo, "is not a model repository", "render one with trtllm-dflash make-repo")
+        self.host = host
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{self.http_port}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def start(self, timeout_s: float = 600.0) -> "TritonServer":
+        cmd = server_command(self.repo, self.http_port, self.grpc_port, self.metrics_port, self.host)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd.argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-3000:] if self.log_path else "(no log; pass log_path)"
+                raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n{tail}")
+            if self._ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ArtifactError(self.repo, f"tritonserver not ready after {timeout_s:.0f} s", "see the server log")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # graceful: Triton unloads models and ends the stubs
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the process group (stubs included)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

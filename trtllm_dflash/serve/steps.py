@@ -1,0 +1,202 @@
+"""The three DFlash step engines behind the Triton models, free of any Triton import (unit-testable):
+
+``TargetVerifier``  stateful: one target KV-cache row per live sequence. ``start`` prefills a prompt and samples the
+                    first token; ``verify`` runs [bonus, d_1..d_{B−1}] for a batch of sequences in one forward,
+                    samples, accepts (runtime.sampling) and commits τ tokens, returning their taps.
+``KVInjector``      stateless: taps -> per-layer context K/V (drafter.context_kv).
+``BlockDrafter``    stateful: one drafter context-cache row per live sequence. ``draft`` appends the injected K/V and
+                    runs one non-causal block forward per batch of sequences -> drafts (greedy, target LM head).
+
+Sequences are keyed by a client-chosen integer ``seq_id``; rows are allocated on ``start``/first use and freed by
+``free`` or after ``idle_timeout_s`` without use. All math is the in-process decoder's (runtime/decoder.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trtllm_dflash.errors import ConfigError, require
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.layers import KVCache
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.models.weights import read_state_dict
+from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
+
+
+class SlotsExhausted(ConfigError):
+    pass
+
+
+@dataclass
+class SlotTable:
+    """seq_id -> cache row, with idle-time bookkeeping; counts what it freed and why (telemetry)."""
+
+    num_rows: int
+    idle_timeout_s: float
+    rows: dict[int, int] = field(default_factory=dict)
+    last_used: dict[int, float] = field(default_factory=dict)
+    freed: int = 0
+    timed_out: int = 0
+
+    def get(self, seq_id: int) -> int:
+        if seq_id not in self.rows:
+            raise ConfigError("seq_id", seq_id, "is not a live sequence (finished, cancelled or timed out)",
+                              "start the sequence first")
+        self.last_used[seq_id] = time.monotonic()
+        return self.rows[seq_id]
+
+    def allocate(self, seq_id: int) -> int:
+        require(seq_id not in self.rows, "seq_id", seq_id, "is already live", "use a fresh sequence id")
+        self.expire()
+        used = set(self.rows.values())
+        free = next((r for r in range(self.num_rows) if r not in used), None)
+        if free is None:
+            raise SlotsExhausted("live sequences", len(self.rows), f"all {self.num_rows} slots are in use",
+                                 "retry later or render the repository with a larger --max-sequences")
+        self.rows[seq_id] = free
+        self.last_used[seq_id] = time.monotonic()
+        return free
+
+    def free(self, seq_id: int) -> bool:
+        if self.rows.pop(seq_id, None) is None:
+            return False
+        self.last_used.pop(seq_id, None)
+        self.freed += 1
+        return True
+
+    def expire(self) -> list[int]:
+        now = time.monotonic()
+        stale = [s for s, t in self.last_used.items() if now - t > self.idle_timeout_s]
+        for s in stale:
+            self.free(s)
+            self.timed_out += 1
+        return stale
+
+
+@dataclass(frozen=True, slots=True)
+class StartResult:
+    first_token: int
+    taps: torch.Tensor | None  # [P, K·H] of the prompt, or None when taps were not requested
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyResult:
+    emitted: list[int]  # x_0..x_a: accepted drafts + bonus (τ = len)
+    taps: torch.Tensor | None  # [τ, K·H] of the committed tokens [bonus, d_1..d_a]
+
+
+class TargetVerifier:
+    def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
+                 max_block_size: int, idle_timeout_s: float = 120.0) -> None:
+        self.target, self.tap_layers = target, tap_layers
+        self.max_seq_len = max_seq_len
+        self.cache = target.new_cache(max_sequences, max_seq_len + max_block_size)
+        self.slots = SlotTable(max_sequences, idle_timeout_s)
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+
+    def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
+        require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
+                f"must be in [1, {self.max_seq_len}) tokens (the repository's max_seq_len)", "shorten the prompt")
+        sampling.validate()
+        row = self.slots.allocate(seq_id)
+        gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+        self.sampling[seq_id] = (sampling, gen)
+        rows = torch.tensor([row])
+        self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
+        ids = torch.tensor([prompt_ids], device=self.target.device)
+        with torch.inference_mode():
+            hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
+            first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen])[0, 0]
+        self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
+        return StartResult(int(first), taps[0] if want_taps else None)
+
+    def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool) -> list[VerifyResult]:
+        """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences."""
+        require(len({len(b) for b in blocks}) == 1, "blocks", [len(b) for b in blocks], "must share one length")
+        rows = torch.tensor([self.slots.get(s) for s in seq_ids])
+        ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
+        params = [self.sampling[s] for s in seq_ids]
+        with torch.inference_mode():
+            hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
+            samples = target_samples(self.target.logits(hidden), [p for p, _ in params], [g for _, g in params])
+            acc = accepted_lengths(ids[:, 1:], samples)  # [b]
+        self.cache.commit(rows, acc + 1)
+        return [
+            VerifyResult(samples[j, : int(acc[j]) + 1].tolist(), taps[j, : int(acc[j]) + 1] if want_taps else None)
+            for j in range(len(seq_ids))
+        ]
+
+    def free(self, seq_id: int) -> bool:
+        self.sampling.pop(seq_id, None)
+        return self.slots.free(seq_id)
+
+    def expire(self) -> None:
+        for s in self.slots.expire():
+            self.sampling.pop(s, None)
+
+
+class KVInjector:
+    def __init__(self, drafter: DrafterModel) -> None:
+        self.drafter = drafter
+
+    def __call__(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """taps [T, K·H] of tokens at positions start..start+T−1 -> K, V [num_layers, T, num_kv_heads, head_dim]."""
+        positions = torch.arange(start, start + taps.shape[0])[None]  # [1, T]
+        with torch.inference_mode():
+            k, v = self.drafter.context_kv(taps[None], positions)
+        return k[:, 0], v[:, 0]
+
+
+class TargetHead:
+    """The target's embedding table and LM head, loaded alone (the drafter model needs both, nothing else)."""
+
+    def __init__(self, target_dir, dtype=torch.float32, device="cpu") -> None:
+        from trtllm_dflash.specs import TargetSpec
+
+        spec = TargetSpec.load(target_dir)
+        state = read_state_dict(target_dir)
+        self.embed = state["model.embed_tokens.weight"].to(dtype=dtype, device=device)  # [V, H]
+        head = self.embed if spec.tie_word_embeddings else state["lm_head.weight"]
+        self.lm_head = head.to(dtype=dtype, device=device)  # [V, H]
+
+
+class BlockDrafter:
+    def __init__(self, drafter: DrafterModel, head: TargetHead, max_sequences: int, max_seq_len: int,
+                 idle_timeout_s: float = 120.0) -> None:
+        self.drafter, self.head = drafter, head
+        self.cache = drafter.new_cache(max_sequences, max_seq_len + drafter.spec.block_size)
+        self.slots = SlotTable(max_sequences, idle_timeout_s)
+
+    def draft(self, seq_ids: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor],
+              bonus: list[int], block_size: int) -> torch.Tensor:  # [b, block_size − 1] drafts
+        """Append each sequence's injected context K/V ([L, T_i, kv, d], T_i may differ), then draft a block."""
+        require(1 < block_size <= self.drafter.spec.block_size, "block_size", block_size,
+                f"must be in [2, {self.drafter.spec.block_size}] (the drafter's trained block size)")
+        rows = []
+        for s, k, v in zip(seq_ids, new_k, new_v):
+            if s in self.slots.rows:
+                row = self.slots.get(s)
+            else:  # first draft of this sequence: a fresh row, emptied
+                row = self.slots.allocate(s)
+                self.cache.crop(torch.tensor([row]), torch.zeros(1, dtype=torch.long))
+            if k.shape[1]:
+                r = torch.tensor([row])
+                if int(self.cache.lengths[row]) + k.shape[1] + block_size > self.cache.max_len:
+                    raise ConfigError("sequence length", int(self.cache.lengths[row]) + k.shape[1],
+                                      f"exceeds the drafter cache ({self.cache.max_len} tokens)")
+                self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache, r)
+            rows.append(row)
+        block = torch.full((len(rows), block_size), self.drafter.spec.mask_token_id)
+        block[:, 0] = torch.tensor(bonus)
+        with torch.inference_mode():
+            h = self.drafter.draft(self.head.embed[block], self.cache, torch.tensor(rows))  # [b, B, H]
+            return (h[:, 1:].to(self.head.lm_head.dtype) @ self.head.lm_head.T).argmax(-1)
+
+    def free(self, seq_id: int) -> bool:
+        return self.slots.free(seq_id)
+
+    def expire(self) -> None:
+        self.slots.expire()

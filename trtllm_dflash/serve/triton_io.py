@@ -1,0 +1,50 @@
+"""Glue shared by the python-backend ``model.py`` shells: config parameters, input access, error responses.
+
+``pb_utils`` (``triton_python_backend_utils``) only exists inside the Triton stub, so it is passed in, never
+imported here; everything else in the serving path is plain, testable Python.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from trtllm_dflash.errors import DFlashError
+
+
+def model_parameters(args: dict[str, str]) -> dict[str, str]:
+    """The ``parameters`` of a model's config.pbtxt as {key: string_value}."""
+    cfg = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
+
+
+def get(pb_utils, request, name: str, default: Any = None) -> np.ndarray | None:
+    """Input ``name`` of ``request`` without its batch dimension, or ``default`` when the optional input is absent."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    arr = t.as_numpy()
+    return arr[0] if arr.ndim >= 1 and arr.shape[0] == 1 else arr
+
+
+def scalar(pb_utils, request, name: str, default: Any = None, kind=float) -> Any:
+    arr = get(pb_utils, request, name)
+    if arr is None:
+        return default
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size != 1:
+        raise DFlashError(f"{name}: expected one value, got shape {list(np.asarray(arr).shape)}")
+    return kind(flat[0])
+
+
+def tensor(pb_utils, name: str, array) -> Any:
+    """An output tensor with a leading batch dimension of 1."""
+    return pb_utils.Tensor(name, np.ascontiguousarray(np.asarray(array)[None]))
+
+
+def error_response(pb_utils, exc: BaseException):
+    """INVALID_ARGUMENT for bad input (DFlashError), INTERNAL otherwise; the message names the problem."""
+    code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, DFlashError) else pb_utils.TritonError.INTERNAL
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc), code))

@@ -16,7 +16,23 @@ SUBCOMMANDS = {
     "demo-assets": ("trtllm_dflash.commands.assets", "prepare the SmolLM2 demo target and drafter; print their paths"),
     "generate": ("trtllm_dflash.commands.generate", "generate text in-process with DFlash speculative decoding"),
     "demo": ("trtllm_dflash.commands.demo", "the end-to-end demo on the embedded default model"),
+    "make-repo": ("trtllm_dflash.commands.serving:make_repo", "render the Triton model repository"),
+    "serve": ("trtllm_dflash.commands.serving:serve", "run a Triton server on a rendered repository"),
+    "client": ("trtllm_dflash.commands.serving:client", "stream one generation from a served ensemble over gRPC"),
+    "convert": ("trtllm_dflash.convert.cli", "HF target + DFlash drafter -> TensorRT-LLM checkpoints"),
+    "quantize": ("trtllm_dflash.convert.cli", "TensorRT-LLM checkpoint -> FP8 / NVFP4 checkpoint (modelopt)"),
+    "inspect": ("trtllm_dflash.convert.cli", "summarise a TensorRT-LLM checkpoint"),
 }
+
+
+def _entry(name: str, attr: str):
+    """The subcommand's function: ``module`` exposes add_arguments/main; ``module:prefix`` exposes
+    add_<prefix>_arguments / <prefix>_main."""
+    module, _, prefix = SUBCOMMANDS[name][0].partition(":")
+    mod = importlib.import_module(module)
+    if not prefix:
+        return getattr(mod, attr)
+    return getattr(mod, f"add_{prefix}_arguments" if attr == "add_arguments" else f"{prefix}_main")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -27,10 +43,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (_, help_text) in SUBCOMMANDS.items():
         sub = subs.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            importlib.import_module(module).add_arguments(sub)
+            _entry(name, "add_arguments")(sub)
     return parser
 
 
@@ -41,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from trtllm_dflash.errors import DFlashError
 
     try:
-        return importlib.import_module(SUBCOMMANDS[args.command][0]).main(args)
+        return _entry(args.command, "main")(args)
     except DFlashError as exc:
         print(f"trtllm-dflash {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,119 @@
+"""make-repo: strict rendering, every placeholder filled and every key used; loop logic over in-process steps."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from conftest import greedy_reference
+from trtllm_dflash.cli import main
+from trtllm_dflash.errors import ArtifactError, ConfigError
+from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.loop import LocalSteps, run_generation
+from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, truncate_at_stop
+from trtllm_dflash.serve.render import MODELS, RepoConfig, make_repo, render_text
+from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+
+
+def test_render_text_is_strict():
+    assert render_text("a: ${x} b: ${y}", {"x": 1, "y": "z"}, "t") == "a: 1 b: z"
+    with pytest.raises(ConfigError, match=r"t placeholders=\['y'\]: have no value"):
+        render_text("a: ${x} b: ${y}", {"x": 1}, "t")
+    with pytest.raises(ConfigError, match=r"t values=\['extra'\]: are not used by the template"):
+        render_text("a: ${x}", {"x": 1, "extra": 2}, "t")
+    with pytest.raises(ConfigError, match="malformed placeholder"):
+        render_text("a: ${x} $y", {"x": 1}, "t")
+
+
+def test_make_repo_renders_every_model_without_placeholders(tiny_dirs, tmp_path):
+    t, d = tiny_dirs["llama"]
+    out = make_repo(RepoConfig(str(t), str(d), block_size=8, max_seq_len=256), tmp_path / "repo")
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(MODELS)
+    for model in MODELS:
+        text = (out / model / "config.pbtxt").read_text()
+        assert "${" not in text and f'name: "{model}"' in text
+    assert 'string_value: "1"' in (out / "baseline_bls" / "config.pbtxt").read_text()  # block size 1
+    assert (out / "dflash_bls" / "1" / "model.py").is_file()
+    assert json.loads((out / "manifest.json").read_text())["repo_config"]["block_size"] == 8
+    with pytest.raises(ArtifactError, match="already exists; pass --force"):
+        make_repo(RepoConfig(str(t), str(d)), out)
+
+
+def test_make_repo_template_with_missing_or_extra_key_fails(tiny_dirs, tmp_path):
+    t, d = tiny_dirs["llama"]
+    templates = tmp_path / "templates"
+    import shutil
+
+    from trtllm_dflash.serve.render import TEMPLATES
+
+    shutil.copytree(TEMPLATES, templates)
+    cfg = templates / "kv_inject" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("${torch_threads}", "1"))  # a key the renderer gives is now unused
+    with pytest.raises(ConfigError, match=r"kv_inject/config.pbtxt values=\['torch_threads'\]"):
+        make_repo(RepoConfig(str(t), str(d), max_seq_len=256), tmp_path / "r1", templates=templates)
+    cfg.write_text(cfg.read_text() + '\nparameters { key: "x" value: { string_value: "${unknown_key}" } }\n')
+    with pytest.raises(ConfigError, match=r"placeholders=\['unknown_key'\]: have no value"):
+        make_repo(RepoConfig(str(t), str(d), max_seq_len=256), tmp_path / "r2", templates=templates)
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_make_repo_cli_bad_values_exit_2(tiny_dirs, tmp_path, capsys):
+    t, d = tiny_dirs["llama"]
+    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "r"),
+                 "--block-size", "32"]) == 2
+    assert "--block-size=32: must be in [2, 16]" in capsys.readouterr().err
+    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "r"),
+                 "--backend", "trtllm-engine"]) == 2
+    assert "--backend='trtllm-engine'" in capsys.readouterr().err
+
+
+def test_stop_sequences_roundtrip_and_truncation():
+    stops = ((5,), (7, 8))
+    assert decode_stops(encode_stops([list(s) for s in stops])) == stops
+    assert truncate_at_stop([1, 2, 7, 8, 9], stops, 0) == 2
+    assert truncate_at_stop([1, 2, 7], stops, 2) is None
+    assert truncate_at_stop([1, 2, 7, 8], stops, 3) == 2  # a stop spanning the previous chunk
+
+
+class OracleSteps(LocalSteps):
+    """Drafts = the known continuation, partly corrupted: exercises every accepted length through the loop."""
+
+    def __init__(self, *a, ref, prompt_len, seed=0):
+        super().__init__(*a)
+        self.ref, self.prompt_len = ref, prompt_len
+        self.gen = torch.Generator().manual_seed(seed)
+
+    async def draft(self, seq_id, k, v, bonus, block_size):
+        real = await super().draft(seq_id, k, v, bonus, block_size)
+        row = self.verifier.slots.rows[seq_id]
+        emitted = int(self.verifier.cache.lengths[row]) - self.prompt_len + 1
+        out = []
+        for i in range(block_size - 1):
+            tok = self.ref[emitted + i] if emitted + i < len(self.ref) else real[i]
+            out.append(tok if torch.rand(1, generator=self.gen).item() > 0.3 else 3)
+        return out
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
+    target, drafter = tiny_models["qwen3"]
+    prompt = [9, 8, 7, 6, 5, 4]
+    ref = list(greedy_reference(target, [prompt], 40)[0])
+    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16)
+    steps = OracleSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["qwen3"][0],
+                        torch.float64), 2, 256), ref=ref, prompt_len=len(prompt))
+    updates = []
+
+    async def on_update(u):
+        updates.append(u)
+
+    req = GenerateRequest(tuple(prompt), 40, SamplingParams(), ((ref[30],),) if block_size == 4 else (), True)
+    reason = asyncio.run(run_generation(steps, req, block_size, 7, on_update))
+    expect = ref[: ref.index(ref[30])] if block_size == 4 else ref
+    assert updates[-1].final and updates[-1].tokens == expect
+    assert reason == ("stop" if block_size == 4 else "length")
+    taus = [t for u in updates for t in u.acceptance_lengths]
+    assert all(1 <= t <= block_size for t in taus) and (block_size == 1 or max(taus) > 1)
+    assert [u.prev_len for u in updates[1:]] == [len(u.tokens) for u in updates[:-1]]
+    assert not verifier.slots.rows and not steps.drafter.slots.rows  # state freed

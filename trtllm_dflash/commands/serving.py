@@ -1,0 +1,100 @@
+"""``make-repo``, ``serve`` and ``client``: render the Triton repository, run a real Triton server on it, talk to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+
+def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
+    from trtllm_dflash.serve.render import BACKENDS, RepoConfig
+
+    d = RepoConfig("", "")
+    parser.add_argument("--target", required=True, help="Hugging Face target directory")
+    parser.add_argument("--drafter", required=True, help="z-lab DFlash drafter directory")
+    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="step-model implementation (default torch)")
+    parser.add_argument("--out", required=True, help="directory to render the repository into")
+    parser.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
+    parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
+    parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
+    parser.add_argument("--max-sequences", type=int, default=d.max_sequences, help="live sequences per step model")
+    parser.add_argument("--queue-delay-us", type=int, default=d.queue_delay_us, help="dynamic batcher delay")
+    parser.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s, help="free idle sequence state")
+    parser.add_argument("--torch-threads", type=int, default=d.torch_threads, help="threads per step model (0 = auto)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+
+
+def make_repo_main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.specs import DrafterSpec
+
+    block = args.block_size or DrafterSpec.load(args.drafter).block_size
+    cfg = RepoConfig(args.target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
+                     args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads)
+    out = make_repo(cfg, args.out, force=args.force)
+    print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
+    return 0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repo", required=True, help="a repository rendered by make-repo")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--log", default=None, help="server log file (default: discard)")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.serve.server import TritonServer
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = TritonServer(args.repo, args.http_port, args.grpc_port, args.metrics_port, args.host, args.log)
+    try:
+        server.start()
+        print(json.dumps({"grpc": server.grpc_url, "http": f"{args.host}:{server.http_port}",
+                          "metrics": server.metrics_url}), flush=True)
+        while not stop.is_set() and server.proc is not None and server.proc.poll() is None:
+            stop.wait(1.0)
+        return 0 if stop.is_set() else 1
+    finally:
+        server.stop()
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC endpoint")
+    parser.add_argument("--model", default="dflash", help="ensemble to call: dflash or baseline")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="stream text deltas")
+    parser.add_argument("--raw", action="store_true", help="send the prompt as is (default: chat template)")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def client_main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+
+    params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
+                            args.top_p, args.seed)
+    with DFlashClient(args.url) as client:
+        on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
+        done = client.generate(args.model, params, on_chunk)
+    stats = {"model": args.model, "ttft_ms": round(done.ttft_ms, 1), "tokens_per_second": round(done.tokens_per_second, 2),
+             "mean_acceptance_length": round(done.mean_acceptance_length, 3), "num_new_tokens": len(done.token_ids)}
+    if args.json:
+        print(json.dumps({"text": done.text, "token_ids": done.token_ids,
+                          "acceptance_lengths": done.acceptance_lengths, **stats}))
+    else:
+        print()
+        print(json.dumps(stats), file=sys.stderr)
+    return 0

@@ -83,3 +83,26 @@ def test_loss_falls_on_a_tiny_target(tmp_path):
         losses.append(float(m.loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(p.grad is None for p in target.parameters())  # the target stays frozen
+
+
+def test_tap_standardisation_folds_into_fc(tmp_path):
+    """Training on standardised taps with weight W == the exported drafter (W · scale) on raw taps."""
+    from trtllm_dflash.train.objective import tap_standardizer
+    from trtllm_dflash.train.trainer import exported_state
+
+    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    ids = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, taps = target(ids[None], target.new_cache(1, 20), tap_layers=drafter.spec.target_layer_ids)
+    taps[0, :, 3] *= 1000.0  # a "massive activation" channel
+    samples = [Sample(ids, taps[0], prompt_len=2)]
+    scale = tap_standardizer(samples).double()
+    assert scale[3] < 1e-2 * scale[4]
+    anchors = [torch.tensor([2, 6, 11])]
+    exported = DrafterModel(drafter.spec, dtype=torch.float64)
+    exported.load_state_dict(exported_state(drafter, scale))
+    with torch.no_grad():
+        trained_view = drafter_blocks(drafter, target.embed, collate(samples, anchors, "cpu", torch.float64, scale))
+        shipped_view = drafter_blocks(exported, target.embed, collate(samples, anchors, "cpu", torch.float64))
+    torch.testing.assert_close(trained_view, shipped_view)

@@ -53,8 +53,10 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
     return candidates[pick].sort().values
 
 
-def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = torch.float32) -> Batch:
-    """samples: list of data.Sample; anchors[i]: [a_i] positions from ``sample_anchors``; taps cast to ``dtype``."""
+def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = torch.float32,
+            tap_scale: torch.Tensor | None = None) -> Batch:
+    """samples: list of data.Sample; anchors[i]: [a_i] positions from ``sample_anchors``; taps cast to ``dtype`` and
+    multiplied by ``tap_scale`` [K·H] if given (see ``tap_standardizer``)."""
     n, s_max, a_max = len(samples), max(len(x.ids) for x in samples), max(1, max(len(a) for a in anchors))
     width = samples[0].taps.shape[1]
     ids = torch.zeros(n, s_max, dtype=torch.long)
@@ -66,8 +68,29 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
         taps[i, : len(x.ids)] = x.taps.to(dtype)
         anc[i, : len(a)] = a
         valid[i, : len(a)] = True
+    if tap_scale is not None:
+        taps = taps * tap_scale.to(dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
     return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device))
+
+
+def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
+    """Per-channel 1 / RMS of the target taps over ``samples``.
+
+    Transformer residual streams carry a few "massive activation" channels (SmolLM2: channel 507 at RMS ≈ 1760 against
+    a median of 5-16; six channels hold 96 % of the energy). Through a randomly initialised ``fc`` and
+    ``hidden_norm`` they would make every context feature nearly the same vector, and Adam's per-weight steps on
+    those columns would be huge. Training therefore feeds standardised taps (taps · scale) to ``fc`` and the export
+    folds the scale into its weight (``fc.weight · scale``), so the shipped drafter reads raw taps with exactly the
+    same result."""
+    total, count = None, 0
+    for x in samples:
+        t = x.taps[:-1].float()  # the last row holds no taps (data.py)
+        sq = t.pow(2).sum(0)
+        total = sq if total is None else total + sq
+        count += t.shape[0]
+    rms = (total / max(count, 1)).sqrt()
+    return 1.0 / rms.clamp(min=1e-3)
 
 
 def block_visibility(

@@ -26,7 +26,7 @@ from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.specs import DrafterSpec
 from trtllm_dflash.train.config import TrainConfig
 from trtllm_dflash.train.data import Sample, read_shard
-from trtllm_dflash.train.objective import collate, dflash_loss, sample_anchors
+from trtllm_dflash.train.objective import collate, dflash_loss, sample_anchors, tap_standardizer
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +66,32 @@ def total_steps(cfg: TrainConfig, num_train: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(drafter: DrafterModel, target: TargetModel, samples: list[Sample], cfg: TrainConfig) -> dict:
+def evaluate(drafter: DrafterModel, target: TargetModel, samples: list[Sample], cfg: TrainConfig,
+             tap_scale: torch.Tensor) -> dict:
     """Held-out loss, per-slot accuracy and expected τ over fixed anchors."""
     if not samples:
         return {}
     g = torch.Generator().manual_seed(cfg.seed + 7)
     anchors = [sample_anchors(s.prompt_len, len(s.ids), HELD_OUT_ANCHORS, g) for s in samples]
-    m = dflash_loss(drafter, target.embed, target.lm_head, collate(samples, anchors, target.device), cfg.gamma)
+    batch = collate(samples, anchors, target.device, tap_scale=tap_scale)
+    m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma)
     acc = (m.correct.float() / m.counted.clamp(min=1)).tolist()
     return {"loss": round(float(m.loss), 4), "expected_tau": round(m.expected_tau, 3),
             "accuracy": [round(a, 3) for a in acc]}
 
 
+def exported_state(drafter: DrafterModel, tap_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The drafter's weights for raw taps: the training-time tap standardisation folded into ``fc``."""
+    state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
+    state["fc.weight"] = state["fc.weight"] * tap_scale.cpu()[None, :]
+    return state
+
+
 def export(cfg: TrainConfig, spec: DrafterSpec, target: TargetModel, drafter: DrafterModel, log_doc: dict,
-           data_summary: dict, work: Path) -> None:
+           data_summary: dict, work: Path, tap_scale: torch.Tensor) -> None:
     """The z-lab checkpoint plus its provenance: resolved config, training log and the exact training prompts."""
     out = Path(cfg.out)
-    state = {k: v.detach().cpu() for k, v in drafter.state_dict().items()}
+    state = exported_state(drafter, tap_scale)
     write_drafter(out, spec, target.spec, state)
     training_config = cfg.to_dict() | {
         "target_layer_ids": list(spec.target_layer_ids),
@@ -95,6 +104,9 @@ def export(cfg: TrainConfig, spec: DrafterSpec, target: TargetModel, drafter: Dr
     (out / "training_log.json").write_text(json.dumps(log_doc, indent=1) + "\n")
     if (work / "prompts.jsonl").is_file():
         shutil.copyfile(work / "prompts.jsonl", out / "training_prompts.jsonl")
+    out.chmod(0o755)  # write_drafter's atomic temp dir is private (mkdtemp); the export is meant to be shared
+    for f in out.iterdir():
+        f.chmod(0o644)
 
 
 def _cli_flags(cfg: TrainConfig) -> list[str]:
@@ -121,6 +133,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         "num_response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
         "num_prompt_tokens": sum(s.prompt_len for s in samples),
     }
+    tap_scale = tap_standardizer(train_set).to(cfg.device)  # [K·H]
     vocab = None
     if cfg.loss_vocab == "data":
         vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
@@ -141,17 +154,19 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         log_doc["total_steps"] = steps
         log.info("resumed from %s at step %d", ckpt_path, start)
     else:
-        drafter.load_state_dict(random_drafter_state(spec, cfg.seed))
+        init = random_drafter_state(spec, cfg.seed)
+        init["norm.weight"] = target.model.norm.weight.detach().clone().float()  # the head's own input scale
+        drafter.load_state_dict(init)
     drafter.train()
     log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)
 
     def save(step: int) -> None:
-        ev = evaluate(drafter, target, held_out, cfg)
+        ev = evaluate(drafter, target, held_out, cfg, tap_scale)
         log_doc["held_out"].append({"step": step, **ev})
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc}, tmp)
         os.replace(tmp, ckpt_path)
-        export(cfg, spec, target, drafter, log_doc, data_summary, work)
+        export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
 
     window: list = []
@@ -164,7 +179,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
-        m = dflash_loss(drafter, target.embed, target.lm_head, collate(picked, anchors, cfg.device), cfg.gamma, vocab)
+        batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
+        m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, vocab)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))

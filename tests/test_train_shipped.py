@@ -1,0 +1,50 @@
+"""The shipped SmolLM2 drafter: a loadable z-lab checkpoint within the size budget, with its provenance, that the
+real decoder accepts well above chance on HumanEval prompts (an acceptance-length floor, SGLang-test style)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trtllm_dflash.assets import MASK_TOKEN_ID, SHIPPED_DRAFTER
+from trtllm_dflash.specs import DrafterSpec
+
+pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER / "model.safetensors").is_file(), reason="no shipped drafter")
+
+TAU_FLOOR = 2.0  # B = 16, first 3 HumanEval prompts, 64 new tokens, greedy; set a little under the measured value
+
+
+def test_shipped_drafter_files_and_config():
+    files = {p.name for p in SHIPPED_DRAFTER.iterdir()}
+    assert {"config.json", "model.safetensors", "training_config.json", "training_log.json"} <= files
+    assert (SHIPPED_DRAFTER / "model.safetensors").stat().st_size <= 25 * 2**20
+    spec = DrafterSpec.load(SHIPPED_DRAFTER)
+    assert spec.mask_token_id == MASK_TOKEN_ID and spec.num_target_layers == 30
+    log = json.loads((SHIPPED_DRAFTER / "training_log.json").read_text())
+    assert log["records"] and log["held_out"]
+    assert log["records"][-1]["loss"] < log["records"][0]["loss"]
+
+
+@pytest.mark.slow
+def test_shipped_drafter_acceptance_on_humaneval(smollm2):
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import humaneval_prompts
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    assert smollm2["drafter_trained"] and smollm2["drafter"] == str(SHIPPED_DRAFTER)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared 2-core machine: one thread is faster for these small GEMMs
+    try:
+        target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+        tok = load_tokenizer(smollm2["target"])
+        stops = stop_token_ids(tok, target.spec.eos_token_ids)
+        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), 64, stop_token_ids=stops)
+                for p in humaneval_prompts()[:3]]
+        results = SpeculativeDecoder(target, drafter, 16).generate(reqs)
+    finally:
+        torch.set_num_threads(before)
+    taus = [t for r in results for t in r.acceptance_lengths]
+    assert sum(taus) / len(taus) >= TAU_FLOOR, taus

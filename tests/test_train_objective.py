@@ -106,3 +106,25 @@ def test_tap_standardisation_folds_into_fc(tmp_path):
         trained_view = drafter_blocks(drafter, target.embed, collate(samples, anchors, "cpu", torch.float64, scale))
         shipped_view = drafter_blocks(exported, target.embed, collate(samples, anchors, "cpu", torch.float64))
     torch.testing.assert_close(trained_view, shipped_view)
+
+
+def test_init_from_target_copies_the_layers_after_the_first_tap(tmp_path):
+    """Drafter layer i <- target layer first_tap + 1 + i; fc passes the first tap through (undoing the standardiser)."""
+    from trtllm_dflash.train.init import init_from_target
+    from trtllm_dflash.train.objective import tap_standardizer
+
+    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
+    target, drafter = load_pair(tdir, ddir)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, taps = target(ids[None], target.new_cache(1, 12), tap_layers=drafter.spec.target_layer_ids)
+    scale = tap_standardizer([Sample(ids, taps[0], prompt_len=2)])
+    state = init_from_target(drafter.state_dict(), target, drafter.spec, scale, ids)
+    first = drafter.spec.target_layer_ids[0]
+    src = target.model.layers[first + 1]
+    assert torch.equal(state["layers.0.self_attn.k_proj.weight"], src.self_attn.k_proj.weight)
+    assert torch.equal(state["hidden_norm.weight"], src.input_layernorm.weight)
+    h = drafter.spec.hidden_size
+    x = taps[0, :, :] * scale
+    torch.testing.assert_close(x @ state["fc.weight"].T, taps[0, :, :h], rtol=1e-5, atol=1e-5)
+    drafter.load_state_dict(state)  # every key present, every shape right

@@ -52,7 +52,7 @@ def config(tmp_path, tdir, steps, **kw) -> TrainConfig:
         block_size=BLOCK, target_layer_ids=None, intermediate_size=None, mask_token_id=0, data="mined",
         num_code_prompts=0, num_chat_prompts=0, max_new_tokens=40, max_prompt_len=64, gen_batch_size=8, max_shards=None,
         steps=steps, epochs=None, samples_per_step=4, anchors_per_sample=8, lr=3e-3, warmup=0.05,
-        weight_decay=0.0, gamma=2.0, loss_vocab="full", seed=0, device="cpu", threads=1, log_every=20, ckpt_every=100,
+        weight_decay=0.0, gamma=2.0, loss_vocab="full", loss_negatives=0, init="random", seed=0, device="cpu", threads=1, log_every=20, ckpt_every=100,
     )
     return TrainConfig(**(values | kw))
 

@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-vocab", choices=("full", "data"), default="full",
                    help="softmax over the full vocabulary, or only the tokens present in the training sequences "
                         "(a CPU economy: the target's LM head over every slot dominates the step; default full)")
+    p.add_argument("--loss-negatives", type=int, default=8192,
+                   help="with --loss-vocab data: random tokens absent from the data added to each step's softmax, "
+                        "so the full-vocabulary argmax at inference does not pick them (default 8192)")
+    p.add_argument("--init", choices=("target", "random"), default="target",
+                   help="drafter initialisation: the target's early layers (train/init.py; default) or random")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1,

@@ -41,7 +41,9 @@ class TrainConfig:
     warmup: float
     weight_decay: float
     gamma: float
-    loss_vocab: str  # "full" | "data" (softmax over the tokens present in the training sequences)
+    loss_vocab: str  # "full" | "data" (softmax over the tokens present in the training sequences + negatives)
+    loss_negatives: int  # with loss_vocab "data": random absent tokens added to the softmax each step
+    init: str  # "target" (layers copied from the target, train/init.py) | "random"
     seed: int
     device: str
     threads: int
@@ -79,6 +81,8 @@ class TrainConfig:
         require(0 <= self.warmup < 1, "warmup", self.warmup, "must be in [0, 1)")
         require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", self.gamma, "must be a positive number")
         require(self.loss_vocab in ("full", "data"), "loss_vocab", self.loss_vocab, "must be 'full' or 'data'")
+        require(self.init in ("target", "random"), "init", self.init, "must be 'target' or 'random'")
+        require(self.loss_negatives >= 0, "loss_negatives", self.loss_negatives, "must be >= 0")
         require(self.mask_token_id >= 0, "mask_token_id", self.mask_token_id, "must be >= 0")
 
     def to_dict(self) -> dict:

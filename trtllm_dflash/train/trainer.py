@@ -26,6 +26,7 @@ from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.specs import DrafterSpec
 from trtllm_dflash.train.config import TrainConfig
 from trtllm_dflash.train.data import Sample, read_shard
+from trtllm_dflash.train.init import init_from_target
 from trtllm_dflash.train.objective import collate, dflash_loss, sample_anchors, tap_standardizer
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,18 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     if cfg.loss_vocab == "data":
         vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
         data_summary["loss_vocab_size"] = len(vocab)
+    others = None if vocab is None else torch.ones(target.spec.vocab_size, dtype=torch.bool, device=cfg.device)
+    if others is not None:
+        others[vocab] = False
+        others = others.nonzero()[:, 0]  # [V − V'] tokens absent from the data
+
+    def candidates(vocab, g):
+        """The data's tokens plus ``loss_negatives`` random absent ones: without those, nothing would keep the
+        absent tokens' logits down and the drafter's full-vocabulary argmax at inference would pick them."""
+        if vocab is None:
+            return None
+        pick = torch.randperm(len(others), generator=g)[: cfg.loss_negatives].to(cfg.device)
+        return torch.cat([vocab, others[pick]]).sort().values
     drafter = DrafterModel(spec, device=cfg.device,
                            max_positions=target.spec.max_position_embeddings + SCRATCH_POSITIONS)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -155,7 +168,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         log.info("resumed from %s at step %d", ckpt_path, start)
     else:
         init = random_drafter_state(spec, cfg.seed)
-        init["norm.weight"] = target.model.norm.weight.detach().clone().float()  # the head's own input scale
+        if cfg.init == "target":
+            init = init_from_target(init, target, spec, tap_scale, train_set[0].ids[:512].to(cfg.device))
         drafter.load_state_dict(init)
     drafter.train()
     log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)
@@ -180,7 +194,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
-        m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, vocab)
+        m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g))
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))

@@ -3,7 +3,11 @@ demo target, and an oracle decoder that injects chosen drafts so every accepted 
 
 from __future__ import annotations
 
-import random
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads sleep, not spin
+
+import random  # noqa: E402
 
 import pytest
 import torch

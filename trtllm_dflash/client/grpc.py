@@ -143,7 +143,9 @@ class DFlashClient:
             return
         resp = result.get_response()
         final = resp.parameters.get("triton_final_response")
-        self.results[resp.id].put(("data", result, bool(final and final.bool_param)))
+        q = self.results.get(resp.id)
+        if q is not None:  # responses of requests nobody waits for any more (cancelled) are dropped
+            q.put(("data", result, bool(final and final.bool_param)))
 
     def submit(self, model: str, params: GenerateParams) -> str:
         self._next += 1

@@ -17,6 +17,7 @@ from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.loop import Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
+from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.triton_io import error_response, get, scalar, tensor
 
 START, VERIFY, FREE = 0, 1, 2
@@ -34,6 +35,7 @@ class TritonSteps:
         self.target = params["target_verify_model"]
         self.injector = params.get("kv_inject_model", "kv_inject")
         self.drafter = params.get("drafter_model", "drafter")
+        self.slot_wait_s = float(params.get("slot_wait_s", "300"))
 
     async def _call(self, model: str, outputs: list[str], **inputs: np.ndarray) -> dict[str, np.ndarray]:
         pb = self.pb
@@ -50,6 +52,18 @@ class TritonSteps:
         return np.array([seq_id], dtype=np.uint64)
 
     async def start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
+        """Waits (up to ``slot_wait_s``) for a free sequence slot rather than failing: concurrency above the
+        repository's max_sequences queues instead of erroring."""
+        deadline = asyncio.get_running_loop().time() + self.slot_wait_s
+        while True:
+            try:
+                return await self._start(seq_id, prompt_ids, sampling, want_taps)
+            except StepError as exc:
+                if SLOTS_EXHAUSTED not in str(exc) or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._call(
             self.target, ["out_tokens", "taps"], mode=np.array([START], np.int32), seq_id=self._seq(seq_id),
             tokens=np.array(prompt_ids, np.int32), want_taps=np.array([want_taps]),

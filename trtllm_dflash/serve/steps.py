@@ -26,6 +26,9 @@ from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
 
 
+SLOTS_EXHAUSTED = "slots are in use"  # message marker the BLS loop waits on (serve/bls.py)
+
+
 class SlotsExhausted(ConfigError):
     pass
 
@@ -54,7 +57,7 @@ class SlotTable:
         used = set(self.rows.values())
         free = next((r for r in range(self.num_rows) if r not in used), None)
         if free is None:
-            raise SlotsExhausted("live sequences", len(self.rows), f"all {self.num_rows} slots are in use",
+            raise SlotsExhausted("live sequences", len(self.rows), f"all {self.num_rows} {SLOTS_EXHAUSTED}",
                                  "retry later or render the repository with a larger --max-sequences")
         self.rows[seq_id] = free
         self.last_used[seq_id] = time.monotonic()

@@ -1,0 +1,184 @@
+"""A real Triton server (the one bundled in nvidia-pytriton) on a rendered repository with the real SmolLM2 target:
+streaming over gRPC, identity with the in-process runtime, batching, bad requests, cancellation."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from trtllm_dflash.checkpoints import load_pair
+from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, ServerError
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+from trtllm_dflash.serve.render import RepoConfig, make_repo
+from trtllm_dflash.serve.server import TritonServer
+
+pytestmark = pytest.mark.slow
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+PROMPTS = ["What is the capital of Italy?", "Write a haiku about rain.", "List three prime numbers.",
+           "Explain recursion in one sentence.", "def add(a, b):", "Translate 'good morning' to French.",
+           "What is 7 times 8?", "Name a famous physicist."]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512,
+                                max_sequences=12, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with TritonServer(repo, log_path=log) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm2):
+    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+
+    def run(prompt, max_tokens, block_size):
+        ids = encode_prompt(tok, prompt, chat=True)
+        dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size)
+        return dec.generate([Request(tuple(ids), max_tokens, stop_token_ids=stops)])[0]
+
+    return run, tok
+
+
+def active_states(server) -> tuple[int, int]:
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    counts = []
+    for model in ("target_verify", "drafter"):
+        mode = grpcclient.InferInput("mode", [1, 1], "INT32")
+        mode.set_data_from_numpy(np.array([[3]], dtype=np.int32))
+        seq = grpcclient.InferInput("seq_id", [1, 1], "UINT64")
+        seq.set_data_from_numpy(np.array([[0]], dtype=np.uint64))
+        counts.append(int(c.infer(model, [mode, seq]).as_numpy("num_active")[0, 0]))
+    return tuple(counts)
+
+
+@pytest.mark.parametrize("model, block_size", [("dflash", 8), ("baseline", 1)])
+def test_streamed_output_equals_in_process_runtime(server, oracle, model, block_size):
+    run, tok = oracle
+    with DFlashClient(server.grpc_url) as client:
+        for prompt in PROMPTS[:3]:
+            chunks = []
+            done = client.generate(model, GenerateParams(prompt, 24), on_chunk=chunks.append)
+            ref = run(prompt, 24, block_size)
+            assert done.token_ids == list(ref.token_ids)
+            assert done.text == tok.decode(ref.token_ids, skip_special_tokens=True)
+            assert done.acceptance_lengths == list(ref.acceptance_lengths)
+            assert len(chunks) > 1, "streaming should deliver several responses"
+
+
+def test_non_streaming_gives_one_response(server, oracle):
+    run, _ = oracle
+    with DFlashClient(server.grpc_url) as client:
+        done = client.generate("dflash", GenerateParams(PROMPTS[0], 16, stream=False))
+    assert len(done.chunks) == 1 and done.token_ids == list(run(PROMPTS[0], 16, 8).token_ids)
+
+
+def test_eight_concurrent_streams_are_correct_and_batched(server, oracle):
+    run, _ = oracle
+    lengths = [8, 24, 16, 32, 12, 20, 28, 10]
+    stats = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def batched_executions() -> int:
+        s = stats.get_inference_statistics("target_verify", as_json=True)["model_stats"][0]
+        return sum(int(b["compute_infer"]["count"]) for b in s.get("batch_stats", []) if int(b["batch_size"]) > 1)
+
+    before = batched_executions()
+    with DFlashClient(server.grpc_url) as client:
+        rids = [client.submit("dflash", GenerateParams(p, n)) for p, n in zip(PROMPTS, lengths)]
+        results = {}
+
+        def drain(rid):
+            results[rid] = [c.output_ids for c in client.responses(rid)][-1]
+
+        threads = [threading.Thread(target=drain, args=(r,)) for r in rids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    for rid, prompt, n in zip(rids, PROMPTS, lengths):
+        assert results[rid] == list(run(prompt, n, 8).token_ids), prompt
+    assert batched_executions() > before, "target_verify never executed a batch larger than 1"
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (GenerateParams("hi", 0), "max_tokens=0: must be >= 1"),
+        (GenerateParams("hi", 10**6), "max_tokens=1000000: must be < the repository's max_seq_len (512)"),
+        (GenerateParams("hi", 8, temperature=-1.0), "temperature=-1.0: must be >= 0"),
+        (GenerateParams("hi", 8, top_p=1.5), "top_p=1.5: must be in (0, 1]"),
+        (GenerateParams("word " * 600, 8), "exceeds the context limit (512 tokens)"),
+        (GenerateParams("", 8), "text_input='': must not be empty"),
+    ],
+)
+def test_bad_requests_get_named_errors_and_server_stays_up(server, params, words):
+    with DFlashClient(server.grpc_url) as client:
+        with pytest.raises(ServerError, match=None) as exc:
+            client.generate("dflash", params)
+        assert words in str(exc.value)
+        assert client.generate("baseline", GenerateParams("Say yes.", 4)).token_ids  # still serving
+
+
+def test_malformed_tensors_are_rejected(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    errors = []
+    c.start_stream(callback=lambda result, error: errors.append(error))
+
+    def send(inputs):
+        c.async_stream_infer("dflash", inputs)
+
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"\xff\xfe bad utf8"]], dtype=object))
+    mt = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    mt.set_data_from_numpy(np.array([[4]], dtype=np.int32))
+    send([text, mt])  # invalid UTF-8
+    send([mt])  # missing text_input
+    good = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    good.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
+    bad_dtype = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    bad_dtype.set_data_from_numpy(np.array([[4.0]], dtype=np.float32))
+    send([good, bad_dtype])  # wrong dtype
+    bad_shape = grpcclient.InferInput("max_tokens", [1, 3], "INT32")
+    bad_shape.set_data_from_numpy(np.array([[4, 4, 4]], dtype=np.int32))
+    send([good, bad_shape])  # wrong shape
+    deadline = time.time() + 120
+    while len([e for e in errors if e is not None]) < 4 and time.time() < deadline:
+        time.sleep(0.2)
+    c.stop_stream()
+    messages = [str(e) for e in errors if e is not None]
+    assert any("text_input" in m and "not valid UTF-8" in m for m in messages), messages
+    assert any("text_input" in m for m in messages if "UTF-8" not in m), messages
+    assert any("max_tokens" in m and "FP32" in m for m in messages), messages
+    assert any("max_tokens" in m and "[1,3]" in m.replace(" ", "") for m in messages), messages
+    with DFlashClient(server.grpc_url) as client:
+        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
+
+
+def test_unary_call_maps_bad_input_to_invalid_argument(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
+    mt = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+    mt.set_data_from_numpy(np.array([[0]], dtype=np.int32))
+    with pytest.raises(Exception) as exc:
+        c.infer("preprocessing", [text, mt])
+    assert "INVALID_ARGUMENT" in str(exc.value.status()) and "max_tokens=0" in str(exc.value)
+
+
+def test_cancelled_streams_free_their_state(server):
+    for _ in range(10):
+        client = DFlashClient(server.grpc_url)
+        rids = [client.submit("dflash", GenerateParams(p, 200)) for p in PROMPTS[:5]]
+        next(client.responses(rids[0]))  # generation is under way
+        client.close(cancel=True)
+    deadline = time.time() + 180
+    while active_states(server) != (0, 0) and time.time() < deadline:
+        time.sleep(1.0)
+    assert active_states(server) == (0, 0)
+    with DFlashClient(server.grpc_url) as client:
+        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids

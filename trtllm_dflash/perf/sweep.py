@@ -75,7 +75,8 @@ class SweepConfig:
 # ---- perf_analyzer -------------------------------------------------------------------------------------------------
 
 def find_perf_analyzer(explicit: str = "") -> str:
-    for cand in (explicit, str(PROJECT / ".cache" / "perf_analyzer" / "bin" / "perf_analyzer"), shutil.which("perf_analyzer")):
+    installed = PROJECT / ".cache" / "perf_analyzer" / "bin" / "perf_analyzer"
+    for cand in (explicit, str(installed), shutil.which("perf_analyzer")):
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
     raise ArtifactError("perf_analyzer", "not found", "run build_scripts/install_perf_analyzer.sh")
@@ -165,7 +166,8 @@ def summarize_profile(profile: dict) -> dict:
 
 def git_commit() -> str:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, check=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True,
+                             check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT,
                                capture_output=True, text=True).stdout.strip()
         return sha + ("-dirty" if dirty else "")
@@ -206,6 +208,20 @@ def environment(pa_version: str, server_version: str, extra: dict) -> dict:
     return {"perf_analyzer": pa_version, "triton_server": server_version, "tritonclient": ver("tritonclient"),
             "torch": ver("torch"), "trtllm_dflash": ver("trtllm-dflash"), "python": platform.python_version(),
             "git_commit": git_commit(), "machine": machine(), **extra}
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 (first 16 hex digits) of a drafter's weights, so a record names the exact drafter; '' if not local."""
+    import hashlib
+
+    f = Path(path) / "model.safetensors"
+    if not f.is_file():
+        return ""
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def server_info(url: str) -> dict:
@@ -250,7 +266,8 @@ def run_point(cfg: SweepConfig, exe: str, url: str, metrics_url: str, model: str
 def _sweep_server(cfg: SweepConfig, exe: str, pa_version: str, url: str, metrics_url: str, out: Path,
                   input_data: Path, tag: str, drafter_trained, bar) -> list[PerfRecord]:
     info = server_info(url)
-    env = environment(pa_version, info["server_version"], cfg.extra)
+    env = environment(pa_version, info["server_version"],
+                      {"drafter_sha256": file_digest(info["drafter_dir"]) if info["drafter_dir"] else "", **cfg.extra})
     records = []
     for model in cfg.models:
         for c in cfg.concurrency:
@@ -265,8 +282,8 @@ def _sweep_server(cfg: SweepConfig, exe: str, pa_version: str, url: str, metrics
             records.append(rec)
             if bar is not None:
                 bar.update(1)
-                bar.write(f"{tag} {model:8s} c={c:<3d} {rec.output_tokens_per_s:8.2f} tok/s  "
-                          f"TTFT p50 {rec.ttft_ms_p50:9.1f} ms  ITL p50 {rec.itl_ms_p50:8.1f} ms  τ {rec.tau_mean:.2f}")
+                bar.write(f"{tag} {model:8s} c={c:<3d} {rec.output_tokens_per_s:8.2f} tok/s  TTFT p50 "
+                          f"{rec.ttft_ms_p50:9.1f} ms  ITL p50 {rec.itl_ms_p50:8.1f} ms  τ {rec.tau_mean:.2f}")
     return records
 
 
@@ -337,7 +354,8 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--label", default="", help="free text recorded in every record's env (e.g. the machine)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", required=True, help="sweep directory; records are appended to OUT/records.jsonl")
-    p.add_argument("--serve", action="store_true", help="render the demo repository and start the server per block size")
+    p.add_argument("--serve", action="store_true",
+                   help="render the demo repository and start the server, once per block size")
     a = p.parse_args(argv)
     return SweepConfig(out=a.out, repo_url=a.repo_url, metrics_url=a.metrics_url, models=a.models, dataset=a.dataset,
                        concurrency=a.concurrency, block_sizes=a.block_sizes, max_tokens=a.max_tokens,

@@ -1,5 +1,10 @@
-"""``trtllm-dflash demo``: prepare the demo assets, stream one chat answer with DFlash, then decode the same prompt
-autoregressively (block size 1, same code path) and report τ, the speed-up and whether the outputs are identical."""
+"""``trtllm-dflash demo``: the whole path on the embedded default model.
+
+Prepares the demo assets, renders the Triton repository, starts a real Triton server, streams one chat answer from
+the ``dflash`` ensemble over gRPC, asks the ``baseline`` ensemble (autoregressive, same models) the same question, and
+prints τ, both speeds, the speed-up and whether the outputs are identical; then stops the server.
+``--in-process`` skips Triton and runs the same comparison in this process.
+"""
 
 from __future__ import annotations
 
@@ -14,38 +19,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question to ask (chat template applied)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens (default 128)")
     parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    parser.add_argument("--in-process", action="store_true", help="run in this process instead of through Triton")
 
 
-def main(args: argparse.Namespace) -> int:
-    from trtllm_dflash.assets import prepare_demo_assets
+def _summary(block, dflash_ids, ar_ids, taus, dflash_tps, ar_tps, trained, path):
+    return {
+        "path": path,
+        "block_size": block,
+        "mean_acceptance_length": round(sum(taus) / len(taus), 3) if taus else None,
+        "dflash_tokens_per_second": round(dflash_tps, 2),
+        "baseline_tokens_per_second": round(ar_tps, 2),
+        "speedup": round(dflash_tps / ar_tps, 3) if ar_tps else None,
+        "lossless": list(dflash_ids) == list(ar_ids),
+        "num_new_tokens": len(dflash_ids),
+        "drafter_trained": trained,
+    }
+
+
+def _in_process(args, assets, block) -> dict:
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
 
-    assets = prepare_demo_assets()
     target, drafter = load_pair(assets["target"], assets["drafter"])
-    tokenizer = load_tokenizer(assets["target"])
-    block = args.block_size or drafter.spec.block_size
-    req = Request(tuple(encode_prompt(tokenizer, args.prompt, chat=True)), args.max_new_tokens,
-                  stop_token_ids=stop_token_ids(tokenizer, target.spec.eos_token_ids))
+    tok = load_tokenizer(assets["target"])
+    req = Request(tuple(encode_prompt(tok, args.prompt, chat=True)), args.max_new_tokens,
+                  stop_token_ids=stop_token_ids(tok, target.spec.eos_token_ids))
+    detok = IncrementalDetokenizer(tok)
+    d = SpeculativeDecoder(target, drafter, block).generate([req], lambda _i, ids: print(detok.push(ids), end="", flush=True))[0]
+    print(detok.flush(), flush=True)
+    a = SpeculativeDecoder(target, None, 1).generate([req])[0]
+    return _summary(block, d.token_ids, a.token_ids, d.acceptance_lengths, d.tokens_per_second, a.tokens_per_second,
+                    assets["drafter_trained"], "in-process")
+
+
+def _through_triton(args, assets, block) -> dict:
+    from trtllm_dflash.assets import cache_dir
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=block, max_seq_len=2048,
+                                max_sequences=4), cache_dir() / "demo-repo", force=True)
+    log = cache_dir() / "demo-server.log"
+    print(f"starting Triton on {repo} (log: {log}) ...", file=sys.stderr)
+    with TritonServer(repo, log_path=log) as server, DFlashClient(server.grpc_url) as client:
+        params = GenerateParams(args.prompt, args.max_new_tokens)
+        client.generate("baseline", GenerateParams("warm up", 2))  # first-request set-up stays out of the timing
+        d = client.generate("dflash", params, on_chunk=lambda c: print(c.text, end="", flush=True))
+        print(flush=True)
+        print("(asking the baseline ensemble the same question ...)", file=sys.stderr)
+        a = client.generate("baseline", params)
+    summary = _summary(block, d.token_ids, a.token_ids, d.acceptance_lengths, d.tokens_per_second,
+                       a.tokens_per_second, assets["drafter_trained"], f"triton grpc {server.grpc_url}")
+    summary["ttft_ms"] = round(d.ttft_ms, 1)
+    return summary
+
+
+def main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.specs import DrafterSpec
+
+    assets = prepare_demo_assets()
+    block = args.block_size or DrafterSpec.load(assets["drafter"]).block_size
     print(f"target  {assets['target']}\ndrafter {assets['drafter']}"
           f"{'' if assets['drafter_trained'] else '  (UNTRAINED random drafter: expect τ ≈ 1)'}\n", file=sys.stderr)
     print(f">>> {args.prompt}\n", file=sys.stderr)
-    detok = IncrementalDetokenizer(tokenizer)
-    dflash = SpeculativeDecoder(target, drafter, block).generate(
-        [req], lambda _i, ids: print(detok.push(ids), end="", flush=True))[0]
-    print(detok.flush(), flush=True)
-    print("\n(decoding the same prompt autoregressively for comparison ...)", file=sys.stderr)
-    ar = SpeculativeDecoder(target, None, 1).generate([req])[0]
-    summary = {
-        "block_size": block,
-        "mean_acceptance_length": round(dflash.mean_acceptance_length, 3),
-        "dflash_tokens_per_second": round(dflash.tokens_per_second, 2),
-        "ar_tokens_per_second": round(ar.tokens_per_second, 2),
-        "speedup": round(dflash.tokens_per_second / ar.tokens_per_second, 3) if ar.tokens_per_second else None,
-        "lossless": dflash.token_ids == ar.token_ids,
-        "num_new_tokens": dflash.num_new_tokens,
-        "drafter_trained": assets["drafter_trained"],
-    }
+    summary = (_in_process if args.in_process else _through_triton)(args, assets, block)
     print(json.dumps(summary))
     return 0 if summary["lossless"] else 1

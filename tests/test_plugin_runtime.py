@@ -5,7 +5,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from conftest import greedy_reference  # noqa: E402
 from trtllm_dflash.plugin.dispatch import Impl  # noqa: E402

@@ -15,8 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -49,11 +47,6 @@ def _gguf_path() -> Path:
     return path
 
 
-def _atomic_dir(final: Path):
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
-
-
 def prepare_demo_target(root: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct as an HF directory (config.json, tokenizer files, model.safetensors in bf16)."""
     out = (root or cache_dir()) / TARGET_NAME
@@ -64,8 +57,10 @@ def prepare_demo_target(root: Path | None = None) -> Path:
 
     gguf = _gguf_path()
     log.info("converting %s to a Hugging Face directory at %s (once, ~30 s)", gguf.name, out)
-    tmp = _atomic_dir(out)
-    try:
+    from trtllm_dflash.models.weights import write_state_dict
+    from trtllm_dflash.staging import staged_output
+
+    with staged_output(out, force=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer.save_pretrained(str(tmp))
@@ -74,17 +69,9 @@ def prepare_demo_target(root: Path | None = None) -> Path:
             cfg.pop(key, None)
         cfg.update(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16", dtype="bfloat16")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        from trtllm_dflash.models.weights import write_state_dict
-
         state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
         write_state_dict(state, tmp / "model.safetensors")
         (tmp / COMPLETE).write_text(f"converted from {GGUF_PACKAGE}/{GGUF_FILE}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

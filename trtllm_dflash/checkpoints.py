@@ -3,9 +3,6 @@ drafter, test fixtures) and tiny random Hugging Face targets (tests), plus loadi
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -62,19 +59,13 @@ def random_drafter_state(spec: DrafterSpec, seed: int, std: float = 0.02) -> dic
 def write_drafter(out_dir: str | Path, spec: DrafterSpec, target: TargetSpec, state: dict[str, torch.Tensor],
                   dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
     """Write a z-lab-format drafter directory (config.json + model.safetensors), atomically as a whole."""
+    from trtllm_dflash.staging import staged_output
+
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    try:
+    with staged_output(out_dir, force=True) as tmp:
         cfg = spec.to_hf_config(target=target) | {"torch_dtype": str(dtype).removeprefix("torch.")}
         write_json(cfg | (extra_config or {}), tmp / "config.json")
         write_state_dict({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out_dir
 
 

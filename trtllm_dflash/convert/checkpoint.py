@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from trtllm_dflash.convert import configs
 from trtllm_dflash.convert import manifest as mf
-from trtllm_dflash.convert import staging
+from trtllm_dflash import staging
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError, require
 from trtllm_dflash.models.weights import read_state_dict, write_json, write_state_dict

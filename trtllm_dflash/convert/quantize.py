@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trtllm_dflash.convert import configs, quant, staging
+from trtllm_dflash import staging
+from trtllm_dflash.convert import configs, quant
 from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.convert.loader import load_trtllm_target_state, read_config

@@ -8,14 +8,12 @@ defaults of tensorrtllm_backend's fill_template.py are exactly what this prevent
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trtllm_dflash.errors import ArtifactError, ConfigError, require
+from trtllm_dflash.errors import ArtifactError, require
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
@@ -101,14 +99,13 @@ class RepoConfig:
 
 def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: Path = TEMPLATES) -> Path:
     """Render every model of ``MODELS`` into ``out`` (atomically: a temporary sibling renamed at the end)."""
+    from trtllm_dflash.staging import refuse_existing, staged_output
+
     out = Path(out)
-    if out.exists() and not force:
-        raise ArtifactError(out, "already exists", "pass --force to replace it")
+    refuse_existing(out, force)
     _, drafter = cfg.validate()
     values = cfg.values(drafter.target_layer_ids)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with staged_output(out, force) as tmp:
         for model, (template, _) in MODELS.items():
             src = templates / template
             if not (src / "config.pbtxt").is_file():
@@ -120,10 +117,4 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
                 shutil.copy2(src / "1" / "model.py", tmp / model / "1" / "model.py")
         manifest = {"repo_config": asdict(cfg), "models": sorted(MODELS), "tap_layers": list(drafter.target_layer_ids)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out

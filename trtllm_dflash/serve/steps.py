@@ -20,7 +20,6 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel
-from trtllm_dflash.models.layers import KVCache
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples

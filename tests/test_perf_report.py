@@ -57,3 +57,11 @@ def test_recorded_numbers_come_from_the_recorded_exports(sweep):
         assert s["output_tokens"] == r.output_tokens and s["responses"] == r.responses
         assert s["output_tokens_per_s"] == pytest.approx(r.output_tokens_per_s)
         assert s["client_tau_mean"] == pytest.approx(r.client_tau_mean, nan_ok=True)
+
+
+def test_report_without_a_baseline(sweep):
+    lines = (sweep / "records.jsonl").read_text().splitlines()
+    (sweep / "records.jsonl").write_text("\n".join(line for line in lines if '"model": "dflash"' in line) + "\n")
+    rows = table(write_report(sweep).read_text())
+    assert [row["model"] for row in rows] == ["dflash"] * len(rows) and all(row["speed-up"] == "" for row in rows)
+    assert all((sweep / name).stat().st_size > 1000 for name in PLOTS)

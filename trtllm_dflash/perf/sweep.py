@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -257,6 +258,10 @@ def run_point(cfg: SweepConfig, exe: str, url: str, metrics_url: str, model: str
                            f"{(r.stdout + r.stderr)[-3000:]}")
     stats = summarize_profile(json.loads(profile.read_text()))
     d = after - before
+    if d.requests != stats["requests"] or d.steps != stats["client_steps"]:
+        warnings.warn(f"{model} c={concurrency}: the server counted {d.requests} requests / {d.steps} steps but "
+                      f"perf_analyzer saw {stats['requests']} / {stats['client_steps']}: other clients are using the "
+                      "server, so tau for this point is mixed with theirs")
     return {**stats, "draft_tokens": d.draft_tokens, "accepted_draft_tokens": d.accepted_draft_tokens,
             "steps": d.steps, "server_requests": d.requests, "tau_mean": d.mean_acceptance_length,
             "tau_hist": {str(t): n for t, n in d.by_tau.items()},

@@ -269,10 +269,11 @@ def run_point(cfg: SweepConfig, exe: str, url: str, metrics_url: str, model: str
 
 
 def _sweep_server(cfg: SweepConfig, exe: str, pa_version: str, url: str, metrics_url: str, out: Path,
-                  input_data: Path, tag: str, drafter_trained, bar) -> list[PerfRecord]:
+                  input_data: Path, tag: str, drafter_trained, bar, drafter_sha256: str = "") -> list[PerfRecord]:
     info = server_info(url)
-    env = environment(pa_version, info["server_version"],
-                      {"drafter_sha256": file_digest(info["drafter_dir"]) if info["drafter_dir"] else "", **cfg.extra})
+    if not drafter_sha256 and info["drafter_dir"]:
+        drafter_sha256 = file_digest(info["drafter_dir"])  # of a running server: hashed now, loaded earlier
+    env = environment(pa_version, info["server_version"], {"drafter_sha256": drafter_sha256, **cfg.extra})
     records = []
     for model in cfg.models:
         for c in cfg.concurrency:
@@ -326,9 +327,10 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
                                         max_sequences=cfg.max_sequences), out / "repos" / f"b{b}", force=True)
             if bar is not None:
                 bar.set_description(f"b{b}: starting the server")
+            digest = file_digest(assets["drafter"])  # before the server loads it
             with TritonServer(repo, log_path=out / f"server-b{b}.log") as server:
                 records += _sweep_server(cfg, exe, pa_version, server.grpc_url, server.metrics_url, out, input_data,
-                                         f"b{b}", assets["drafter_trained"], bar)
+                                         f"b{b}", assets["drafter_trained"], bar, digest)
         return records
     finally:
         if bar is not None:

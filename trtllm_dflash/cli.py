@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "convert": ("trtllm_dflash.convert.cli", "HF target + DFlash drafter -> TensorRT-LLM checkpoints"),
     "quantize": ("trtllm_dflash.convert.cli", "TensorRT-LLM checkpoint -> FP8 / NVFP4 checkpoint (modelopt)"),
     "inspect": ("trtllm_dflash.convert.cli", "summarise a TensorRT-LLM checkpoint"),
+    "train-drafter": ("trtllm_dflash.train.cli", "train a DFlash drafter for a target (the DFlash recipe)"),
 }
 
 

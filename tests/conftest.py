@@ -27,6 +27,16 @@ def make_tiny_pair(root, family="llama", seed=0, block_size=16, vocab_size=256, 
     return tdir, ddir
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny matmuls: on a shared 2-core machine a second thread made them
+    10-100x slower (measured), never faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """(target_dir, drafter_dir) for a tiny Llama and a tiny Qwen3."""

@@ -17,15 +17,7 @@ from trtllm_dflash.models.weights import read_state_dict
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_1_2_1" / "quantized_checkpoint.json").read_text())
 DTYPE_NAMES = {"float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32, "uint8": torch.uint8}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a shared, oversubscribed 2-core machine: intra-op threads make each one ~100x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_e2m1_rounding_by_hand():

@@ -19,16 +19,11 @@ from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.specs import TargetSpec
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a shared, oversubscribed 2-core machine: intra-op threads make each one ~100x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

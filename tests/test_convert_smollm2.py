@@ -13,16 +13,10 @@ from trtllm_dflash.models.target import TargetModel
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
-def out(smollm2, tmp_path_factory, _one_thread):
+def out(smollm2, tmp_path_factory, one_thread):
     return convert(smollm2["target"], smollm2["drafter"], tmp_path_factory.mktemp("smol") / "tp3", tp=3)
 
 

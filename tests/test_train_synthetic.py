@@ -14,7 +14,6 @@ import torch
 from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-from trtllm_dflash.specs import TargetSpec
 from trtllm_dflash.train.config import TrainConfig
 from trtllm_dflash.train.data import generate_with_taps, read_shard, write_shard
 from trtllm_dflash.train.trainer import train
@@ -57,13 +56,6 @@ def config(tmp_path, tdir, steps, **kw) -> TrainConfig:
     return TrainConfig(**(values | kw))
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """On a shared 2-core machine two intra-op threads make these small GEMMs ~20x slower (measured), not faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

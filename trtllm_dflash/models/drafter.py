@@ -23,7 +23,7 @@ from torch import nn
 
 from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
-from trtllm_dflash.specs import DrafterSpec
+from trtllm_dflash.specs import DrafterSpec, LayerType
 
 
 class DrafterAttention(nn.Module):
@@ -37,6 +37,15 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def block_qkv(self, h: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
+        """h: normed block hidden [b, B, hidden] -> Q (q_norm, RoPE) [b, B, heads, d], K (k_norm, RoPE), V
+        [b, B, kv_heads, d] at ``positions`` [b, B]."""
+        b, bs, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(b, bs, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(h).view(b, bs, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(h).view(b, bs, self.num_kv_heads, self.head_dim)
+        return rotary.apply(q, positions), rotary.apply(k, positions), v
 
     def context_kv(self, c: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
         """c: context features [b, T, hidden] -> K (normed, rotated), V: [b, T, num_kv_heads, head_dim]."""
@@ -134,14 +143,10 @@ class DrafterModel(nn.Module):
             allowed = in_range.expand(b, bs, kv_len)
             if self.spec.layer_causal[i]:
                 allowed = allowed & (key_pos <= q_pos)
-            if self.spec.sliding_window is not None and self.spec.layer_types[i].value == "sliding_attention":
+            if self.spec.sliding_window is not None and self.spec.layer_types[i] is LayerType.SLIDING:
                 allowed = allowed & (q_pos - key_pos < self.spec.sliding_window)
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(b, bs, attn.num_heads, attn.head_dim))
-            k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
-            v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
-            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+            q, k, v = attn.block_qkv(layer.input_layernorm(x), self.rotary, positions)
             cache.write(i, rows, positions, k, v)  # scratch: past ctx_len, never committed
             k_all, v_all = cache.read(i, rows, kv_len)
             x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))

@@ -65,11 +65,7 @@ def draft(
     x = block_embeds.to(drafter.dtype)
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).view(b, bs, attn.num_heads, attn.head_dim))
-        k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
-        v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
-        q, k = drafter.rotary.apply(q, positions), drafter.rotary.apply(k, positions)
+        q, k, v = attn.block_qkv(layer.input_layernorm(x), drafter.rotary, positions)
         sliding = spec.sliding_window is not None and spec.layer_types[i] is LayerType.SLIDING
         o = dispatch.block_attention(
             q.reshape(b * bs, attn.num_heads, attn.head_dim),

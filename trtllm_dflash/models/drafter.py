@@ -152,3 +152,19 @@ class DrafterModel(nn.Module):
             x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
+
+
+def draft_block(
+    bonus: torch.Tensor,  # [b] last emitted token of each sequence (its position = the drafter's context length)
+    block_size: int,
+    mask_token_id: int,
+    embed,  # ids [b, B] -> target embeddings [b, B, hidden]
+    forward,  # block embeddings [b, B, hidden] -> final-normed drafter hidden states [b, B, hidden]
+    head,  # hidden [b, B−1, hidden] -> target logits [b, B−1, vocab]
+) -> torch.Tensor:  # [b, B−1] greedy drafts d_1..d_{B−1}
+    """One DFlash draft: the block ``[bonus, MASK × (B−1)]`` through the drafter, then greedy through the target's
+    head. The callables say where the embedding, the drafter forward (torch or plugin kernels, which cache rows) and
+    the head come from; the in-process decoder and the Triton drafter model both draft through this one function."""
+    block = torch.full((bonus.shape[0], block_size), mask_token_id, dtype=torch.long, device=bonus.device)
+    block[:, 0] = bonus
+    return head(forward(embed(block))[:, 1:]).argmax(-1)

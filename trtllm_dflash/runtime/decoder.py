@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from trtllm_dflash.errors import ConfigError, require
-from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
 
@@ -236,10 +236,9 @@ class SpeculativeDecoder:
         Tests override this to inject chosen drafts and exercise every accepted length.
         """
         assert self.drafter is not None and self.mask_token_id is not None
-        block = torch.full((bonus.shape[0], self.block_size), self.mask_token_id, dtype=torch.long, device=bonus.device)
-        block[:, 0] = bonus  # [b, B]
-        draft_h = self._draft(self.target.embed(block), dcache, rows)  # [b, B, H]
-        return self.target.logits(draft_h[:, 1:].to(self.target.dtype)).argmax(-1)  # [b, B−1]
+        return draft_block(bonus, self.block_size, self.mask_token_id, self.target.embed,
+                           lambda e: self._draft(e, dcache, rows),
+                           lambda h: self.target.logits(h.to(self.target.dtype)))
 
     @staticmethod
     def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trtllm_dflash.errors import ConfigError, require
-from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
@@ -191,11 +191,11 @@ class BlockDrafter:
                                       f"exceeds the drafter cache ({self.cache.max_len} tokens)")
                 self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache, r)
             rows.append(row)
-        block = torch.full((len(rows), block_size), self.drafter.spec.mask_token_id)
-        block[:, 0] = torch.tensor(bonus)
+        rows_t, head = torch.tensor(rows), self.head.lm_head  # head: [V, H]
         with torch.inference_mode():
-            h = self.drafter.draft(self.head.embed[block], self.cache, torch.tensor(rows))  # [b, B, H]
-            return (h[:, 1:].to(self.head.lm_head.dtype) @ self.head.lm_head.T).argmax(-1)
+            return draft_block(torch.tensor(bonus), block_size, self.drafter.spec.mask_token_id,
+                               lambda ids: self.head.embed[ids], lambda e: self.drafter.draft(e, self.cache, rows_t),
+                               lambda h: h.to(head.dtype) @ head.T)
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)

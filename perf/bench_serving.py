@@ -58,7 +58,40 @@ def run_point(url, model, prompts, max_tokens, concurrency):
         t.start()
     for t in threads:
         t.join()
-    return tokens[0] / (time.perf_counter() - t0)
+    return tokens[0] / (time.perf_counter() - t0), time.perf_counter() - t0
+
+
+STEP_MODELS = ("target_verify", "kv_inject", "drafter", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing")
+
+
+def server_times(url) -> dict[str, dict[str, float]]:
+    """Cumulative per-model executions and server-side times (ms) from Triton's statistics extension."""
+    import tritonclient.grpc as grpcclient
+
+    out = {}
+    with grpcclient.InferenceServerClient(url) as client:
+        for model in STEP_MODELS:
+            s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+            inf = s["inference_stats"]
+            ms = {k: int(inf.get(k, {}).get("ns", 0)) / 1e6 for k in ("queue", "compute_input", "compute_infer",
+                                                                     "compute_output")}
+            out[model] = {"executions": int(s.get("execution_count", 0)), **ms}
+    return out
+
+
+def time_split(before, after, wall_s: float) -> dict:
+    """Where the wall time of a c=1 point went: server time per model (queue + compute) as a share of the wall time.
+    The BLS model's compute spans the whole loop, so it is reported alone and not added to the step models."""
+    split = {}
+    for m in STEP_MODELS:
+        d = {k: after[m][k] - before[m][k] for k in after[m]}
+        if d["executions"]:
+            busy = d["queue"] + d["compute_input"] + d["compute_infer"] + d["compute_output"]
+            split[m] = {"executions": d["executions"], "ms_per_execution": round(busy / d["executions"], 2),
+                        "share_of_wall": round(busy / (wall_s * 1e3), 3)}
+    steps = [m for m in ("target_verify", "kv_inject", "drafter", "preprocessing", "postprocessing") if m in split]
+    split["step_models_share_of_wall"] = round(sum(split[m]["share_of_wall"] for m in steps), 3)
+    return split
 
 
 def main(argv=None) -> int:
@@ -98,9 +131,15 @@ def main(argv=None) -> int:
                                     max_sequences=max(conc) + 2), Path(tmp) / "repo")
         with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
             run_point(server.grpc_url, "baseline", texts[:1], 4, 1)  # warm-up
+            results["server_time_c1"] = {}
             for model in ("dflash", "baseline"):
-                results["triton"][model] = {str(c): round(run_point(server.grpc_url, model, texts, args.max_tokens, c), 2)
-                                            for c in conc}
+                results["triton"][model] = {}
+                for c in conc:
+                    before = server_times(server.grpc_url)
+                    tps, wall = run_point(server.grpc_url, model, texts, args.max_tokens, c)
+                    results["triton"][model][str(c)] = round(tps, 2)
+                    if c == 1:
+                        results["server_time_c1"][model] = time_split(before, server_times(server.grpc_url), wall)
     tri1 = results["triton"]
     results["triton_over_in_process_c1"] = {m: round(tri1[m]["1"] / in_process[m], 3) for m in tri1 if "1" in tri1[m]}
     results["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"

@@ -65,7 +65,7 @@ def test_make_repo_cli_bad_values_exit_2(tiny_dirs, tmp_path, capsys):
     assert "--block-size=32: must be in [2, 16]" in capsys.readouterr().err
     assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "r"),
                  "--backend", "trtllm-engine"]) == 2
-    assert "--backend='trtllm-engine'" in capsys.readouterr().err
+    assert "--engines=None: is required by --backend trtllm-engine" in capsys.readouterr().err
 
 
 def test_stop_sequences_roundtrip_and_truncation():

@@ -13,9 +13,16 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     from trtllm_dflash.serve.render import BACKENDS, RepoConfig
 
     d = RepoConfig("", "")
-    parser.add_argument("--target", required=True, help="Hugging Face target directory")
+    parser.add_argument("--target", default=None,
+                        help="Hugging Face target directory (tokenizer, specs; torch and trtllm-engine need it; "
+                             "trtllm-pytorch defaults to --checkpoint)")
     parser.add_argument("--drafter", required=True, help="z-lab DFlash drafter directory")
-    parser.add_argument("--backend", choices=BACKENDS, default="torch", help="step-model implementation (default torch)")
+    parser.add_argument("--backend", choices=BACKENDS, default="torch",
+                        help="torch: step models in PyTorch; trtllm-engine: the TensorRT-LLM 1.2.1 engines of "
+                             "--engines; trtllm-pytorch: TensorRT-LLM >= 1.3's own DFlash (LLM API) on --checkpoint")
+    parser.add_argument("--engines", default="", help="trtllm-engine: output directory of `trtllm-dflash build`")
+    parser.add_argument("--checkpoint", default="",
+                        help="trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target directory")
     parser.add_argument("--out", required=True, help="directory to render the repository into")
     parser.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
@@ -32,9 +39,15 @@ def make_repo_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.serve.render import RepoConfig, make_repo
     from trtllm_dflash.specs import DrafterSpec
 
+    from trtllm_dflash.errors import require
+
+    target = args.target or (args.checkpoint if args.backend == "trtllm-pytorch" else None)
+    require(target is not None, "--target", None, f"is required by --backend {args.backend}",
+            "pass the Hugging Face target directory")
     block = args.block_size or DrafterSpec.load(args.drafter).block_size
-    cfg = RepoConfig(args.target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
-                     args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads)
+    cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
+                     args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
+                     engines_dir=args.engines, checkpoint_dir=args.checkpoint)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0
@@ -50,7 +63,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.server import TritonServer, check_backend_available
+
+    check_backend_available(args.repo)
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

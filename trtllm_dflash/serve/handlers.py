@@ -1,5 +1,8 @@
 """The logic behind the python-backend models of the repository (the ``model.py`` files only delegate here).
 
+The step models run the torch step engines (``steps.py``) or, when rendered with ``backend: trtllm-engine``, the
+TensorRT-LLM engines (``trtllm_engine.py``); only their construction differs, the Triton I/O below is the same.
+
 Step-model protocol (tensors carry a leading batch dimension of 1 per request):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
@@ -31,6 +34,13 @@ def _threads(params: dict[str, str]) -> None:
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _engine_backend(params: dict[str, str]) -> bool:
+    """The rendered ``backend`` parameter: ``torch`` (steps.py) or ``trtllm-engine`` (trtllm_engine.py)."""
+    backend = params.get("backend", "torch")
+    require(backend in ("torch", "trtllm-engine"), "backend", backend, "must be torch or trtllm-engine")
+    return backend == "trtllm-engine"
 
 
 def sampling_from(pb_utils, request) -> SamplingParams:
@@ -125,8 +135,18 @@ class TargetVerifyModel:
         from trtllm_dflash.serve.steps import TargetVerifier
 
         _threads(params)
-        target = TargetModel.from_pretrained(params["target_dir"], device=_device())
         taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
+        if _engine_backend(params):
+            from trtllm_dflash.serve.trtllm_engine import EngineTargetVerifier, load_engine_set
+            from trtllm_dflash.specs import TargetSpec
+
+            self.tap_width = len(taps) * TargetSpec.load(params["target_dir"]).hidden_size
+            self.verifier = EngineTargetVerifier(
+                load_engine_set(params["engine_dir"], int(params["max_block_size"])), self.tap_width,
+                int(params["max_sequences"]), int(params["max_seq_len"]), float(params["idle_timeout_s"]),
+                int(params["max_batch_size"]))
+            return
+        target = TargetModel.from_pretrained(params["target_dir"], device=_device())
         self.verifier = TargetVerifier(target, taps, int(params["max_sequences"]), int(params["max_seq_len"]),
                                        int(params["max_block_size"]), float(params["idle_timeout_s"]))
         self.tap_width = len(taps) * target.spec.hidden_size
@@ -178,6 +198,12 @@ class KVInjectModel:
         from trtllm_dflash.serve.steps import KVInjector
 
         _threads(params)
+        if _engine_backend(params):
+            from trtllm_dflash.serve.trtllm_engine import EngineKVInjector, load_engine_set
+
+            self.inject = EngineKVInjector(load_engine_set(params["engine_dir"], int(params["block_size"])))
+            self.dtype = self.inject.dtype
+            return
         _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
         self.inject = KVInjector(drafter)
         self.dtype = drafter.dtype
@@ -201,6 +227,14 @@ class DrafterStepModel:
         from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
 
         _threads(params)
+        if _engine_backend(params):
+            from trtllm_dflash.serve.trtllm_engine import EngineBlockDrafter, load_engine_set
+            from trtllm_dflash.specs import DrafterSpec
+
+            self.drafter = EngineBlockDrafter(load_engine_set(params["engine_dir"], int(params["block_size"])),
+                                              DrafterSpec.load(params["drafter_dir"]), int(params["max_sequences"]),
+                                              int(params["max_seq_len"]), float(params["idle_timeout_s"]))
+            return
         _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
         head = TargetHead(params["target_dir"], device=_device())
         self.drafter = BlockDrafter(drafter, head, int(params["max_sequences"]), int(params["max_seq_len"]),

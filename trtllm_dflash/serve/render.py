@@ -1,6 +1,7 @@
 """Rendering ``triton_model_repo/`` into a runnable model repository, strictly.
 
-Each rendered model has an explicit set of keys (``MODELS``); its template must use exactly those placeholders:
+Each rendered model has an explicit set of keys (``MODELS``, or ``LLMAPI_MODELS`` for ``--backend trtllm-pytorch``);
+its template must use exactly those placeholders:
 a placeholder without a value or a value without a placeholder is an error, and no ``${`` may survive (the silent
 defaults of tensorrtllm_backend's fill_template.py are exactly what this prevents).
 """
@@ -19,21 +20,38 @@ PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
 BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
-# rendered model -> (template directory, keys it must be given)
+# rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
+STEP_KEYS = ("backend", "engine_dir")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
                                         "max_sequences", "max_seq_len", "block_size", "idle_timeout_s",
-                                        "torch_threads")),
-    "kv_inject": ("kv_inject", ("max_batch_size", "target_dir", "drafter_dir", "torch_threads", "instances")),
+                                        "torch_threads", *STEP_KEYS)),
+    "kv_inject": ("kv_inject", ("max_batch_size", "target_dir", "drafter_dir", "torch_threads", "instances",
+                                "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
-                            "max_seq_len", "idle_timeout_s", "torch_threads")),
+                            "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
     "dflash_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances")),
     "baseline_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances")),
     "dflash": ("ensemble", ("name", "max_batch_size", "bls_model")),
     "baseline": ("ensemble", ("name", "max_batch_size", "bls_model")),
 }
+# backend trtllm-pytorch: NVIDIA's LLM-API model twice (DFlash / baseline model.yaml) behind our ensemble I/O
+LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tensorrt_llm_dflash": ("llmapi_model", ("name",)),
+    "tensorrt_llm_baseline": ("llmapi_model", ("name",)),
+    "dflash_llmapi": ("llmapi_bridge", ("name", "max_batch_size", "llm_model", "max_draft_len", "target_dir",
+                                        "instances")),
+    "baseline_llmapi": ("llmapi_bridge", ("name", "max_batch_size", "llm_model", "max_draft_len", "target_dir",
+                                          "instances")),
+    "dflash": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model")),
+    "baseline": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model")),
+}
+
+
+def models_for(backend: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    return LLMAPI_MODELS if backend == "trtllm-pytorch" else MODELS
 
 
 def render_text(template: str, values: dict[str, object], source: str) -> str:
@@ -50,8 +68,8 @@ def render_text(template: str, values: dict[str, object], source: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RepoConfig:
-    target_dir: str
-    drafter_dir: str
+    target_dir: str  # HF target (tokenizer, specs); for trtllm-pytorch defaults to checkpoint_dir
+    drafter_dir: str  # z-lab drafter (specs; trtllm-pytorch: speculative_model)
     backend: str = "torch"
     block_size: int = 16  # tokens per draft block (≤ the drafter's trained block size)
     max_batch_size: int = 64  # requests per dynamically batched step execution
@@ -61,13 +79,25 @@ class RepoConfig:
     queue_delay_us: int = 200  # dynamic batcher wait for more requests
     idle_timeout_s: float = 120.0  # a sequence's state is freed after this long unused
     torch_threads: int = 0  # torch threads per step model process (0 = torch's default)
+    engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
+    checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
 
     def validate(self) -> "tuple":
         from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
 
         require(self.backend in BACKENDS, "--backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
-        require(self.backend == "torch", "--backend", self.backend,
-                "is not available in this build yet (TensorRT-LLM backends need NVIDIA's containers)", "use torch")
+        require(not self.engines_dir or self.backend == "trtllm-engine", "--engines", self.engines_dir,
+                "is only used by --backend trtllm-engine", "drop --engines or pass --backend trtllm-engine")
+        require(not self.checkpoint_dir or self.backend == "trtllm-pytorch", "--checkpoint", self.checkpoint_dir,
+                "is only used by --backend trtllm-pytorch", "drop --checkpoint or pass --backend trtllm-pytorch")
+        require(self.backend != "trtllm-engine" or bool(self.engines_dir), "--engines", None,
+                "is required by --backend trtllm-engine", "pass the output directory of `trtllm-dflash build`")
+        if self.backend == "trtllm-pytorch":
+            require(bool(self.checkpoint_dir), "--checkpoint", None, "is required by --backend trtllm-pytorch",
+                    "pass the modelopt unified-HF checkpoint or the HF target directory")
+            if not (Path(self.checkpoint_dir) / "config.json").is_file():
+                raise ArtifactError(Path(self.checkpoint_dir) / "config.json", "missing (--checkpoint must be a "
+                                    "Hugging Face model directory)", "pass the modelopt unified-HF export or HF target")
         target, drafter = TargetSpec.load(self.target_dir), DrafterSpec.load(self.drafter_dir)
         check_pair(target, drafter)
         require(2 <= self.block_size <= drafter.block_size, "--block-size", self.block_size,
@@ -78,6 +108,10 @@ class RepoConfig:
                 f"must be in [16, {target.max_position_embeddings}] (the target's context limit)")
         require(self.queue_delay_us >= 0, "--queue-delay-us", self.queue_delay_us, "must be >= 0")
         require(self.idle_timeout_s > 0, "--idle-timeout-s", self.idle_timeout_s, "must be > 0")
+        if self.backend == "trtllm-engine":
+            from trtllm_dflash.serve.trtllm_engine import load_engine_set
+
+            load_engine_set(self.engines_dir, self.block_size)
         return target, drafter
 
     def values(self, tap_layers: tuple[int, ...]) -> dict[str, dict[str, object]]:
@@ -87,26 +121,67 @@ class RepoConfig:
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": self.block_size,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "tap_layers": ",".join(map(str, tap_layers)),
+            "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
         per_model = {
             "dflash_bls": {"name": "dflash_bls"},
             "baseline_bls": {"name": "baseline_bls", "block_size": 1},
-            "dflash": {"name": "dflash", "bls_model": "dflash_bls"},
-            "baseline": {"name": "baseline", "bls_model": "baseline_bls"},
+            "dflash": {"name": "dflash", "bls_model": "dflash_bls", "bridge_model": "dflash_llmapi"},
+            "baseline": {"name": "baseline", "bls_model": "baseline_bls", "bridge_model": "baseline_llmapi"},
+            "tensorrt_llm_dflash": {"name": "tensorrt_llm_dflash"},
+            "tensorrt_llm_baseline": {"name": "tensorrt_llm_baseline"},
+            "dflash_llmapi": {"name": "dflash_llmapi", "llm_model": "tensorrt_llm_dflash",
+                              "max_draft_len": self.block_size - 1},
+            "baseline_llmapi": {"name": "baseline_llmapi", "llm_model": "tensorrt_llm_baseline", "max_draft_len": 0},
         }
-        return {m: {k: {**common, **per_model.get(m, {})}[k] for k in keys} for m, (_, keys) in MODELS.items()}
+        models = models_for(self.backend)
+        return {m: {k: {**common, **per_model.get(m, {})}[k] for k in keys} for m, (_, keys) in models.items()}
+
+
+def _llmapi_files(cfg: RepoConfig, drafter) -> dict[str, str]:
+    """model -> rendered 1/model.yaml text for the two LLM-API models."""
+    from trtllm_dflash.serve.llmapi import dump_yaml, model_yaml
+
+    base = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size)
+    spec = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size, cfg.drafter_dir, cfg.block_size - 1,
+                      drafter.target_layer_ids, drafter.mask_token_id)
+    out = {"tensorrt_llm_dflash": dump_yaml(spec), "tensorrt_llm_baseline": dump_yaml(base)}
+    for model, text in out.items():
+        require("${" not in text, f"{model}/1/model.yaml", "${", "contains a placeholder")
+    return out
+
+
+def _manifest(cfg: RepoConfig, drafter, models) -> dict:
+    manifest = {"repo_config": asdict(cfg), "backend": cfg.backend, "models": sorted(models),
+                "tap_layers": list(drafter.target_layer_ids)}
+    if cfg.backend == "trtllm-engine":
+        manifest["engines"] = {n: str(Path(cfg.engines_dir, n).resolve()) for n in ("target", "kv_inject", "drafter")}
+        manifest["plugin_preload"] = ("import trtllm_dflash.plugin.trt before deserializing (QDP aot_impl ops, "
+                                      "kernels embedded in the engines; no .so to LD_PRELOAD)")
+    if cfg.backend == "trtllm-pytorch":
+        from trtllm_dflash.serve.llmapi import DERIVED_OUTPUTS, LLMAPI_MODEL_PY_SOURCE, UNAVAILABLE_INPUTS
+
+        manifest["model_py_source"] = {m: LLMAPI_MODEL_PY_SOURCE for m in ("tensorrt_llm_dflash",
+                                                                           "tensorrt_llm_baseline")}
+        manifest["requires"] = "TensorRT-LLM >= 1.3 (DFlashDecodingConfig); NVIDIA container with the llmapi model"
+        manifest["derived_outputs"] = DERIVED_OUTPUTS
+        manifest["unavailable_inputs"] = UNAVAILABLE_INPUTS
+    return manifest
 
 
 def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: Path = TEMPLATES) -> Path:
-    """Render every model of ``MODELS`` into ``out`` (atomically: a temporary sibling renamed at the end)."""
+    """Render every model of the backend's model table into ``out`` (atomically: a temporary sibling renamed at the
+    end). trtllm-pytorch models without a model.py of ours get the model.yaml instead (see the manifest)."""
     from trtllm_dflash.staging import refuse_existing, staged_output
 
     out = Path(out)
     refuse_existing(out, force)
     _, drafter = cfg.validate()
     values = cfg.values(drafter.target_layer_ids)
+    models = models_for(cfg.backend)
+    extra = _llmapi_files(cfg, drafter) if cfg.backend == "trtllm-pytorch" else {}
     with staged_output(out, force) as tmp:
-        for model, (template, _) in MODELS.items():
+        for model, (template, _) in models.items():
             src = templates / template
             if not (src / "config.pbtxt").is_file():
                 raise ArtifactError(src / "config.pbtxt", "template missing", "restore triton_model_repo/")
@@ -115,6 +190,8 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
             (tmp / model / "config.pbtxt").write_text(text)
             if (src / "1" / "model.py").is_file():
                 shutil.copy2(src / "1" / "model.py", tmp / model / "1" / "model.py")
-        manifest = {"repo_config": asdict(cfg), "models": sorted(MODELS), "tap_layers": list(drafter.target_layer_ids)}
+            if model in extra:
+                (tmp / model / "1" / "model.yaml").write_text(extra[model])
+        manifest = _manifest(cfg, drafter, models)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out

@@ -97,6 +97,19 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     return ServerCommand(argv, env)
 
 
+def check_backend_available(repo: str | Path) -> None:
+    """A repository rendered for a TensorRT-LLM backend needs tensorrt_llm (NVIDIA's containers): say so up front
+    instead of letting Triton fail to load the models."""
+    import json
+
+    manifest = Path(repo) / "manifest.json"
+    backend = json.loads(manifest.read_text()).get("backend", "torch") if manifest.is_file() else "torch"
+    if backend != "torch" and importlib.util.find_spec("tensorrt_llm") is None:
+        raise ArtifactError(repo, f"was rendered for --backend {backend}, which needs TensorRT-LLM "
+                            "(not installed here; it runs only inside NVIDIA's containers, see docker/)",
+                            "serve it inside the container, or render a --backend torch repository here")
+
+
 class TritonServer:
     """``with TritonServer(repo) as server:`` starts the server, waits until ready, and stops it cleanly."""
 

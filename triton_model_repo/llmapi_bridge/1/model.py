@@ -1,0 +1,15 @@
+"""dflash_llmapi / baseline_llmapi: our ensemble I/O over NVIDIA's LLM-API model (logic: trtllm_dflash.serve.llmapi)."""
+
+import triton_python_backend_utils as pb_utils
+
+from trtllm_dflash.serve.llmapi import LlmApiBridge
+from trtllm_dflash.serve.triton_io import model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.bridge = LlmApiBridge(model_parameters(args), pb_utils)
+
+    async def execute(self, requests):
+        await self.bridge.execute(requests)
+        return None

@@ -1,0 +1,259 @@
+"""``make-repo --backend trtllm-pytorch``: TensorRT-LLM's own DFlash (PyTorch backend, LLM API, TensorRT-LLM >= 1.3)
+behind our ensemble I/O.
+
+The repository holds two instances of NVIDIA's Triton "llmapi" python model (trtllm_triton.md §4.7):
+``tensorrt_llm_dflash`` (``1/model.yaml`` with ``speculative_config: {decoding_type: DFlash, ...}``) and
+``tensorrt_llm_baseline`` (the same without it). Their ``1/model.py`` and ``1/helpers.py`` ship in NVIDIA's container
+(``triton_backend/all_models/llmapi/tensorrt_llm/1/``) and are not ours to copy: the rendered repository leaves them
+out and its manifest says where they come from (``model_py_source``); the Dockerfile copies them in.
+
+Our ``dflash`` / ``baseline`` ensembles keep the torch backend's I/O (``protocol.py``). Their one step is a thin
+decoupled BLS model (``dflash_llmapi`` / ``baseline_llmapi``, logic ``LlmApiBridge``) that maps our inputs onto the
+llmapi model's (``max_tokens`` -> ``sampling_param_max_tokens``, ``stream`` -> ``streaming``, ...) and its responses
+back: the llmapi model streams the whole text so far, we send deltas; token ids and τ are derived (see
+``DERIVED_OUTPUTS``). Names are checked against ``tests/data/trtllm_llmapi/llmapi_facts.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtllm_dflash.errors import ConfigError, require
+from trtllm_dflash.runtime.sampling import SamplingParams
+
+LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
+                          "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
+DERIVED_OUTPUTS = {
+    "text_output": "delta of the llmapi model's cumulative text_output",
+    "output_ids": "the cumulative text re-tokenized with the target's tokenizer (the llmapi model returns no token "
+                  "ids; re-tokenization can differ from the generated ids at token-merge boundaries)",
+    "num_draft_tokens": "delta of total_draft_tokens (perf metrics) since the previous response",
+    "num_accepted_draft_tokens": "delta of total_accepted_draft_tokens since the previous response",
+    "acceptance_lengths": "dflash: [accepted + 1] when a response covers exactly one drafting step (draft delta == "
+                          "max_draft_len; streamed responses), else empty; baseline: 1 per new token",
+}
+UNAVAILABLE_INPUTS = {
+    "end_id": "the llmapi model has no end_id input; a request that sets it is rejected (use stop_words)",
+}
+
+
+def model_yaml(checkpoint_dir: str, max_batch_size: int, drafter_dir: str | None = None,
+               max_draft_len: int | None = None, target_layer_ids: tuple[int, ...] = (),
+               mask_token_id: int | None = None, free_gpu_memory_fraction: float = 0.9,
+               tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """The llmapi model's ``1/model.yaml``: LLM() arguments plus ``triton_config``. With ``drafter_dir`` it carries
+    DFlash's ``speculative_config`` (fields of DFlashDecodingConfig); without, it is the autoregressive baseline."""
+    cfg: dict[str, Any] = {
+        "model": str(Path(checkpoint_dir).resolve()),
+        "backend": "pytorch",
+        "tensor_parallel_size": int(tensor_parallel_size),
+        "pipeline_parallel_size": 1,
+        "kv_cache_config": {"free_gpu_memory_fraction": float(free_gpu_memory_fraction)},
+        # decoupled: streaming needs it (config.pbtxt note); our bridge always talks to it as a decoupled model
+        "triton_config": {"max_batch_size": 0, "decoupled": True},
+    }
+    del max_batch_size  # the llmapi model batches inside the LLM engine; its Triton max_batch_size must stay 0
+    if drafter_dir is not None:
+        require(max_draft_len is not None and max_draft_len >= 1, "max_draft_len", max_draft_len, "must be >= 1")
+        cfg["speculative_config"] = {
+            "decoding_type": "DFlash",
+            "max_draft_len": int(max_draft_len),
+            "speculative_model": str(Path(drafter_dir).resolve()),
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+            "mask_token_id": int(mask_token_id),
+        }
+    return cfg
+
+
+def dump_yaml(cfg: dict[str, Any]) -> str:
+    import yaml  # a dependency of transformers
+
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Request mapping (ours -> llmapi)
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeRequest:
+    prompt: str  # already chat-templated when apply_chat_template
+    max_tokens: int
+    stream: bool
+    sampling: SamplingParams
+    stop_words: tuple[str, ...] = ()
+
+
+def llmapi_inputs(req: BridgeRequest) -> dict[str, np.ndarray]:
+    """The llmapi model's input tensors (no batch dimension: its max_batch_size is 0). Greedy is sent as top_k = 1."""
+    require(req.max_tokens >= 1, "max_tokens", req.max_tokens, "must be >= 1")
+    req.sampling.validate()
+    s = req.sampling
+    out = {
+        "text_input": np.array([req.prompt.encode("utf-8")], dtype=object),
+        "streaming": np.array([req.stream], dtype=bool),
+        "sampling_param_max_tokens": np.array([req.max_tokens], dtype=np.int32),
+        "sampling_param_exclude_input_from_output": np.array([True], dtype=bool),
+        "sampling_param_return_perf_metrics": np.array([True], dtype=bool),
+        "return_finish_reason": np.array([True], dtype=bool),
+    }
+    if s.greedy:
+        out["sampling_param_top_k"] = np.array([1], dtype=np.int32)
+    else:
+        out["sampling_param_temperature"] = np.array([s.temperature], dtype=np.float32)
+        out["sampling_param_seed"] = np.array([s.seed], dtype=np.uint64)
+        if s.top_k:
+            out["sampling_param_top_k"] = np.array([s.top_k], dtype=np.int32)
+        if s.top_p < 1.0:
+            out["sampling_param_top_p"] = np.array([s.top_p], dtype=np.float32)
+    if req.stop_words:
+        out["sampling_param_stop"] = np.array([w.encode("utf-8") for w in req.stop_words], dtype=object)
+    return out
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """``text`` as one user turn in the target's chat template, as text (the llmapi model tokenizes it)."""
+    from trtllm_dflash.errors import ArtifactError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ArtifactError("tokenizer", "has no chat template", "send apply_chat_template=false")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def reject_unavailable(given: dict[str, Any]) -> None:
+    for name, why in UNAVAILABLE_INPUTS.items():
+        if given.get(name) is not None:
+            raise ConfigError(name, given[name], f"is not supported by the trtllm-pytorch backend: {why}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Response mapping (llmapi -> ours)
+
+
+@dataclass
+class BridgeState:
+    """What earlier responses of one request reported (the llmapi model's text and counters are cumulative)."""
+
+    max_draft_len: int  # 0 for the baseline
+    text: str = ""
+    num_ids: int = 0
+    total_draft: int = 0
+    total_accepted: int = 0
+    taus: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeUpdate:
+    text_delta: str
+    output_ids: list[int]
+    acceptance_lengths: list[int]
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+
+
+def bridge_update(state: BridgeState, text: str, output_ids: list[int], total_draft: int | None,
+                  total_accepted: int | None) -> BridgeUpdate:
+    """One llmapi response (cumulative ``text``; re-tokenized ``output_ids``; cumulative perf counters or None when
+    the response carries none) -> our response fields; advances ``state``."""
+    require(text.startswith(state.text), "llmapi text_output", text[:40], "must extend the previous response's text",
+            "the llmapi model streams the whole text so far; check its version")
+    d_total = state.total_draft if total_draft is None else int(total_draft)
+    a_total = state.total_accepted if total_accepted is None else int(total_accepted)
+    drafts, accepted = d_total - state.total_draft, a_total - state.total_accepted
+    new_ids = max(len(output_ids) - state.num_ids, 0)
+    if state.max_draft_len == 0:
+        taus = [1] * new_ids
+    elif drafts == state.max_draft_len:
+        taus = [accepted + 1]
+    else:
+        taus = []
+    upd = BridgeUpdate(text[len(state.text):], list(output_ids), taus, drafts, accepted)
+    state.text, state.num_ids, state.total_draft, state.total_accepted = text, len(output_ids), d_total, a_total
+    return upd
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The BLS model (thin; runs inside Triton with NVIDIA's llmapi model next to it)
+
+
+class LlmApiBridge:
+    def __init__(self, params: dict[str, str], pb_utils) -> None:
+        from trtllm_dflash.runtime.text import load_tokenizer
+
+        self.pb = pb_utils
+        self.llm_model = params["llm_model"]
+        self.max_draft_len = int(params["max_draft_len"])
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+
+    async def execute(self, requests) -> None:
+        import asyncio
+
+        for request in requests:
+            asyncio.get_running_loop().create_task(self._serve(request))
+
+    def _parse(self, request) -> BridgeRequest:
+        from trtllm_dflash.serve.handlers import sampling_from
+        from trtllm_dflash.serve.protocol import decode_text
+        from trtllm_dflash.serve.triton_io import get, scalar
+
+        pb = self.pb
+        reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int)})
+        raw = get(pb, request, "text_input")
+        require(raw is not None, "text_input", None, "is required")
+        text = decode_text(np.asarray(raw).reshape(-1)[0], "text_input")
+        require(text != "", "text_input", "", "must not be empty")
+        if bool(scalar(pb, request, "apply_chat_template", False, bool)):
+            text = chat_prompt(self.tokenizer, text)
+        words = get(pb, request, "stop_words")
+        stops = () if words is None else tuple(
+            w for w in (decode_text(x, "stop_words") for x in np.asarray(words).reshape(-1)) if w)
+        max_tokens = scalar(pb, request, "max_tokens", None, int)
+        require(max_tokens is not None, "max_tokens", None, "is required")
+        return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)),
+                             sampling_from(pb, request), stops)
+
+    def _response(self, u: BridgeUpdate):
+        from trtllm_dflash.serve.triton_io import tensor
+
+        pb = self.pb
+        return pb.InferenceResponse(output_tensors=[
+            tensor(pb, "text_output", np.array([u.text_delta.encode("utf-8")], dtype=object)),
+            tensor(pb, "output_ids", np.array(u.output_ids, dtype=np.int32)),
+            tensor(pb, "acceptance_lengths", np.array(u.acceptance_lengths, dtype=np.int32)),
+            tensor(pb, "num_draft_tokens", np.array([u.num_draft_tokens], dtype=np.int32)),
+            tensor(pb, "num_accepted_draft_tokens", np.array([u.num_accepted_draft_tokens], dtype=np.int32)),
+        ])
+
+    async def _serve(self, request) -> None:
+        from trtllm_dflash.serve.triton_io import error_response
+
+        pb, sender = self.pb, request.get_response_sender()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            req = self._parse(request)
+            inputs = [pb.Tensor(k, v) for k, v in llmapi_inputs(req).items()]
+            call = pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, requested_output_names=[
+                "text_output", "total_draft_tokens", "total_accepted_draft_tokens"])
+            state, pending = BridgeState(self.max_draft_len), None
+            async for resp in await call.async_exec(decoupled=True):
+                if resp.has_error():
+                    raise ConfigError("llmapi", self.llm_model, resp.error().message())
+                out = {n: pb.get_output_tensor_by_name(resp, n) for n in
+                       ("text_output", "total_draft_tokens", "total_accepted_draft_tokens")}
+                if out["text_output"] is None:
+                    continue  # the empty final-flag response
+                text = out["text_output"].as_numpy().reshape(-1)[0].decode("utf-8")
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                counts = [None if out[n] is None else int(out[n].as_numpy().reshape(-1)[0])
+                          for n in ("total_draft_tokens", "total_accepted_draft_tokens")]
+                if pending is not None:
+                    sender.send(self._response(pending))
+                pending = bridge_update(state, text, ids, *counts)
+            sender.send(self._response(pending or BridgeUpdate("", [], [], 0, 0)), flags=final)
+        except Exception as exc:  # the client gets the message; the server keeps serving
+            sender.send(error_response(pb, exc), flags=final)

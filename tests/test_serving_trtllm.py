@@ -29,7 +29,7 @@ def _threads(one_thread):
     yield
 
 
-def write_engines(root: Path, block_size=16, max_draft_len=15, drop=None, bad_key=None) -> Path:
+def write_engines(root: Path, block_size=16, max_draft_len=15, drop=None, bad_key=None, taps=None) -> Path:
     for name in contract.ENGINES:
         if name == drop:
             continue
@@ -39,7 +39,10 @@ def write_engines(root: Path, block_size=16, max_draft_len=15, drop=None, bad_ke
         cfg.pop(bad_key, None)
         (root / name / "config.json").write_text(json.dumps(cfg))
         (root / name / "rank0.engine").write_bytes(b"not a real plan")
-    (root / te.BUILD_MANIFEST).write_text(json.dumps({"block_size": block_size}))
+    manifest = {"format": 1, "block_size": block_size}  # engine/build.py writes these keys (and more)
+    if taps is not None:
+        manifest["target_layer_ids"] = taps
+    (root / te.BUILD_MANIFEST).write_text(json.dumps(manifest))
     return root
 
 
@@ -58,6 +61,9 @@ def test_render_trtllm_engine_repo(tiny_dirs, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "trtllm-engine" and set(manifest["engines"]) == set(contract.ENGINES)
     assert "plugin.trt" in manifest["plugin_preload"]
+    from trtllm_dflash.engine.build import MANIFEST
+
+    assert te.BUILD_MANIFEST == MANIFEST  # the file `trtllm-dflash build` writes
     torch_repo = make_repo(RepoConfig(str(t), str(d), block_size=8, max_seq_len=256), tmp_path / "torch")
     assert 'string_value: "torch"' in (torch_repo / "drafter" / "config.pbtxt").read_text()
     for model in ("dflash", "baseline", "dflash_bls", "preprocessing", "postprocessing"):  # the shared models
@@ -69,6 +75,7 @@ def test_render_trtllm_engine_repo(tiny_dirs, tmp_path):
     ("config", {"bad_key": "build_config"}, r"target/config.json keys=\['build_config'\]"),
     ("config", {"block_size": 4}, r"--block-size=8: must be in \[2, 4\]"),
     ("config", {"max_draft_len": 3}, r"max_draft_len=3: must be >= block_size - 1 = 7"),
+    ("config", {"taps": [0, 1, 2, 99]}, r"target_layer_ids=\[0, 1, 2, 99\]: must equal the drafter's"),
 ])
 def test_engine_dir_validation(tiny_dirs, tmp_path, kind, kw, match):
     t, d = tiny_dirs["llama"]

@@ -111,7 +111,7 @@ class RepoConfig:
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm_engine import load_engine_set
 
-            load_engine_set(self.engines_dir, self.block_size)
+            load_engine_set(self.engines_dir, self.block_size, drafter.target_layer_ids)
         return target, drafter
 
     def values(self, tap_layers: tuple[int, ...]) -> dict[str, dict[str, object]]:

@@ -56,16 +56,10 @@ class EngineSet:
         return self.root / name / f"rank{rank}.engine"
 
 
-def _manifest_block_size(manifest: dict) -> int | None:
-    for where in (manifest, manifest.get("config", {}), manifest.get("build_config", {})):
-        if isinstance(where, dict) and isinstance(where.get("block_size"), int):
-            return where["block_size"]
-    return None
-
-
-def load_engine_set(engines_dir: str | Path, block_size: int) -> EngineSet:
+def load_engine_set(engines_dir: str | Path, block_size: int, tap_layers: tuple[int, ...] | None = None) -> EngineSet:
     """Check ``engines_dir`` holds the three engines of ``contract.ENGINES`` (config.json with the engine-config
-    layout, rank0.engine) and a build manifest whose block size is at least the repository's."""
+    layout, rank0.engine) and a build manifest (engine/build.py) whose block size is at least the repository's and
+    whose target_layer_ids are the drafter's (``tap_layers``, when given)."""
     root = Path(engines_dir)
     fix = "pass the output directory of `trtllm-dflash build` as --engines"
     if not root.is_dir():
@@ -88,11 +82,17 @@ def load_engine_set(engines_dir: str | Path, block_size: int) -> EngineSet:
     man_path = root / BUILD_MANIFEST
     if not man_path.is_file():
         raise ArtifactError(man_path, "missing", fix)
-    built = _manifest_block_size(json.loads(man_path.read_text()))
-    require(built is not None, f"{BUILD_MANIFEST}.block_size", None, "is missing", "rebuild with `trtllm-dflash build`")
+    manifest = json.loads(man_path.read_text())
+    built = manifest.get("block_size")
+    require(isinstance(built, int), f"{BUILD_MANIFEST}.block_size", built, "is missing or not an integer",
+            "rebuild with `trtllm-dflash build`")
     require(2 <= block_size <= built, "--block-size", block_size,
             f"must be in [2, {built}] (the block size the engines were built for, {BUILD_MANIFEST})",
             "lower --block-size or rebuild the engines")
+    built_taps = manifest.get("target_layer_ids")
+    require(tap_layers is None or built_taps is None or list(built_taps) == list(tap_layers),
+            f"{BUILD_MANIFEST}.target_layer_ids", built_taps, f"must equal the drafter's target_layer_ids "
+            f"{list(tap_layers or ())}", "render with the drafter the engines were built from, or rebuild")
     draft_len = configs["target"]["build_config"].get("max_draft_len")
     require(draft_len is None or draft_len >= block_size - 1, "target build_config.max_draft_len", draft_len,
             f"must be >= block_size - 1 = {block_size - 1} (drafts verified per step)",
@@ -150,7 +150,8 @@ def request_kwargs(tokens: list[int], drafts: list[int], sampling: SamplingParam
 def executor_config_kwargs(max_batch_size: int, free_gpu_memory_fraction: float = 0.9) -> dict[str, Any]:
     """ExecutorConfig kwargs: paged KV cache with block reuse, the taps registered as an additional model output
     (a request may only ask for outputs the executor config lists, inflightBatchingUtils.cpp)."""
-    require(0 < free_gpu_memory_fraction <= 1, "free_gpu_memory_fraction", free_gpu_memory_fraction, "must be in (0, 1]")
+    require(0 < free_gpu_memory_fraction <= 1, "free_gpu_memory_fraction", free_gpu_memory_fraction,
+            "must be in (0, 1]")
     return {
         "max_beam_width": 1,
         "max_batch_size": int(max_batch_size),
@@ -279,8 +280,8 @@ class ContextCache:
 
 def drafter_block_inputs(bonus: list[int], block_size: int, mask_token_id: int,
                          ctx_lens: list[int]) -> dict[str, torch.Tensor]:
-    """block_ids [n, B] = [bonus, MASK × (B−1)] and position_ids [n, B] = ctx_len + 0..B−1 (contract.DRAFTER_INPUTS):
-    the bonus sits at the first position after the sequence's injected context."""
+    """block_ids [n, B] = [bonus, MASK × (B−1)] and position_ids [n, B] = ctx_len + 0..B−1
+    (contract.DRAFTER_INPUTS): the bonus sits at the first position after the sequence's injected context."""
     n = len(bonus)
     block = torch.full((n, block_size), mask_token_id, dtype=torch.int32)
     block[:, 0] = torch.tensor(bonus, dtype=torch.int32)

@@ -36,16 +36,26 @@ class TritonSteps:
         self.injector = params.get("kv_inject_model", "kv_inject")
         self.drafter = params.get("drafter_model", "drafter")
         self.slot_wait_s = float(params.get("slot_wait_s", "300"))
+        # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
+        # then go target_verify -> kv_inject -> drafter without touching the host (see ``_call``).
+        self.memory = {}
+        if torch.cuda.is_available() and hasattr(pb_utils, "PreferredMemory"):
+            self.memory = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0)}
 
-    async def _call(self, model: str, outputs: list[str], **inputs: np.ndarray) -> dict[str, np.ndarray]:
+    async def _call(self, model: str, outputs: list[str], keep: tuple[str, ...] = (), **inputs) -> dict:
+        """One BLS call. ``inputs`` are numpy arrays (given a batch dimension here) or tensors taken from an earlier
+        response, passed on as they are; the outputs named in ``keep`` are returned as such tensors (opaque handles
+        for the loop: taps, ctx_k, ctx_v), the others as numpy arrays without their batch dimension."""
         pb = self.pb
         request = pb.InferenceRequest(
-            model_name=model, requested_output_names=outputs,
-            inputs=[pb.Tensor(name, np.ascontiguousarray(arr[None])) for name, arr in inputs.items()])
+            model_name=model, requested_output_names=outputs, **self.memory,
+            inputs=[pb.Tensor(name, np.ascontiguousarray(arr[None])) if isinstance(arr, np.ndarray) else arr
+                    for name, arr in inputs.items()])
         response = await request.async_exec()
         if response.has_error():
             raise StepError(response.error().message())
-        return {n: pb.get_output_tensor_by_name(response, n).as_numpy()[0] for n in outputs}
+        return {n: pb.get_output_tensor_by_name(response, n) if n in keep
+                else pb.get_output_tensor_by_name(response, n).as_numpy()[0] for n in outputs}
 
     @staticmethod
     def _seq(seq_id: int) -> np.ndarray:
@@ -65,26 +75,26 @@ class TritonSteps:
 
     async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._call(
-            self.target, ["out_tokens", "taps"], mode=np.array([START], np.int32), seq_id=self._seq(seq_id),
+            self.target, ["out_tokens", "taps"], ("taps",), mode=np.array([START], np.int32), seq_id=self._seq(seq_id),
             tokens=np.array(prompt_ids, np.int32), want_taps=np.array([want_taps]),
             temperature=np.array([sampling.temperature], np.float32), top_k=np.array([sampling.top_k], np.int32),
             top_p=np.array([sampling.top_p], np.float32), seed=np.array([sampling.seed], np.uint64))
-        return int(out["out_tokens"][0]), torch.from_numpy(out["taps"]) if want_taps else None
+        return int(out["out_tokens"][0]), out["taps"] if want_taps else None
 
     async def verify(self, seq_id, block, want_taps):
-        out = await self._call(self.target, ["out_tokens", "taps"], mode=np.array([VERIFY], np.int32),
+        out = await self._call(self.target, ["out_tokens", "taps"], ("taps",), mode=np.array([VERIFY], np.int32),
                                seq_id=self._seq(seq_id), tokens=np.array(block, np.int32),
                                want_taps=np.array([want_taps]))
-        return out["out_tokens"].tolist(), torch.from_numpy(out["taps"]) if want_taps else None
+        return out["out_tokens"].tolist(), out["taps"] if want_taps else None
 
     async def inject(self, taps, start):
-        out = await self._call(self.injector, ["ctx_k", "ctx_v"], taps=taps.numpy().astype(np.float32),
+        out = await self._call(self.injector, ["ctx_k", "ctx_v"], ("ctx_k", "ctx_v"), taps=taps,
                                start=np.array([start], np.int32))
-        return torch.from_numpy(out["ctx_k"]), torch.from_numpy(out["ctx_v"])
+        return out["ctx_k"], out["ctx_v"]
 
     async def draft(self, seq_id, k, v, bonus, block_size):
         out = await self._call(self.drafter, ["drafts"], mode=np.array([0], np.int32), seq_id=self._seq(seq_id),
-                               ctx_k=k.numpy(), ctx_v=v.numpy(), bonus=np.array([bonus], np.int32),
+                               ctx_k=k, ctx_v=v, bonus=np.array([bonus], np.int32),
                                block_size=np.array([block_size], np.int32))
         return out["drafts"].tolist()
 

@@ -21,7 +21,7 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.protocol import decode_text, encode_stops, validate_generation
-from trtllm_dflash.serve.triton_io import error_response, get, scalar, tensor
+from trtllm_dflash.serve.triton_io import error_response, get, get_torch, scalar, tensor, torch_output
 
 START, VERIFY, FREE, STATS = 0, 1, 2, 3
 
@@ -152,9 +152,10 @@ class TargetVerifyModel:
         self.tap_width = len(taps) * target.spec.hidden_size
 
     def _outputs(self, pb_utils, tokens, taps, extra=()):
-        taps = np.zeros((0, self.tap_width), np.float32) if taps is None else taps.float().cpu().numpy()
-        outs = [("out_tokens", np.array(tokens, dtype=np.int32)), ("taps", taps), *extra]
-        return pb_utils.InferenceResponse(output_tensors=[tensor(pb_utils, n, a) for n, a in outs])
+        taps = torch.zeros((0, self.tap_width)) if taps is None else taps.float()  # stays on the target's device
+        outs = [("out_tokens", np.array(tokens, dtype=np.int32)), *extra]
+        return pb_utils.InferenceResponse(output_tensors=[tensor(pb_utils, n, a) for n, a in outs]
+                                          + [torch_output(pb_utils, "taps", taps)])
 
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
@@ -202,20 +203,20 @@ class KVInjectModel:
             from trtllm_dflash.serve.trtllm_engine import EngineKVInjector, load_engine_set
 
             self.inject = EngineKVInjector(load_engine_set(params["engine_dir"], int(params["block_size"])))
-            self.dtype = self.inject.dtype
+            self.dtype, self.device = self.inject.dtype, "cuda"
             return
         _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
         self.inject = KVInjector(drafter)
-        self.dtype = drafter.dtype
+        self.dtype, self.device = drafter.dtype, _device()
 
     def execute(self, pb_utils, requests) -> list:
         responses = []
         for req in requests:
             try:
-                taps = torch.from_numpy(np.asarray(get(pb_utils, req, "taps"))).to(self.dtype)
+                taps = get_torch(pb_utils, req, "taps").to(self.device, self.dtype)
                 k, v = self.inject(taps, scalar(pb_utils, req, "start", 0, int))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    tensor(pb_utils, "ctx_k", k.float().cpu().numpy()), tensor(pb_utils, "ctx_v", v.float().cpu().numpy())]))
+                    torch_output(pb_utils, "ctx_k", k.float()), torch_output(pb_utils, "ctx_v", v.float())]))
             except Exception as exc:
                 responses.append(error_response(pb_utils, exc))
         return responses
@@ -249,8 +250,7 @@ class DrafterStepModel:
                 mode = scalar(pb_utils, req, "mode", None, int)
                 seq = scalar(pb_utils, req, "seq_id", 0, int)
                 if mode == 0:
-                    k = torch.from_numpy(np.asarray(get(pb_utils, req, "ctx_k")))
-                    v = torch.from_numpy(np.asarray(get(pb_utils, req, "ctx_v")))
+                    k, v = get_torch(pb_utils, req, "ctx_k"), get_torch(pb_utils, req, "ctx_v")
                     block = scalar(pb_utils, req, "block_size", None, int)
                     groups.setdefault(block, []).append((i, seq, k, v, scalar(pb_utils, req, "bonus", None, int)))
                 elif mode in (FREE, STATS):

@@ -22,6 +22,10 @@ from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
 
 class StepClient(Protocol):
+    """The three step models as the loop sees them. Taps and K/V are opaque to the loop, only handed from one step to
+    the next: torch tensors in-process (LocalSteps), Triton tensors in the BLS model (TritonSteps), which stay in
+    device memory between the models when they run on a GPU."""
+
     async def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams,
                     want_taps: bool) -> tuple[int, torch.Tensor | None]: ...
 

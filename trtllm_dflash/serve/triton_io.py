@@ -39,6 +39,29 @@ def scalar(pb_utils, request, name: str, default: Any = None, kind=float) -> Any
     return kind(flat[0])
 
 
+def get_torch(pb_utils, request, name: str, default: Any = None):
+    """Input ``name`` as a torch tensor without its batch dimension. A device tensor arrives through DLPack without a
+    copy and stays on its GPU; a host tensor is wrapped from its numpy view."""
+    import torch
+
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    x = torch.from_numpy(t.as_numpy()) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
+    return x[0] if x.dim() >= 1 and x.shape[0] == 1 else x
+
+
+def torch_output(pb_utils, name: str, x) -> Any:
+    """An output tensor (leading batch dimension of 1) from a torch tensor: a CUDA tensor leaves through DLPack and
+    stays on the device, so the next model of the loop reads it where it was written."""
+    import torch.utils.dlpack
+
+    x = x.unsqueeze(0).contiguous()
+    if x.is_cuda:
+        return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x))
+    return pb_utils.Tensor(name, x.numpy())
+
+
 def tensor(pb_utils, name: str, array) -> Any:
     """An output tensor with a leading batch dimension of 1."""
     return pb_utils.Tensor(name, np.ascontiguousarray(np.asarray(array)[None]))

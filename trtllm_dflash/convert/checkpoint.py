@@ -85,9 +85,12 @@ def _check_sources(entries: list[wm.Entry], state: dict[str, torch.Tensor], sour
 def _write_ranks(entries: list[wm.Entry], state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype,
                  out: Path, what: str) -> None:
     for rank in tqdm(range(tp), desc=f"{what} ranks", unit="rank", disable=None):
-        tensors = {}
+        tensors, seen = {}, set()
         for e in entries:
             piece = wm.shard(e, [state[s] for s in e.src], tp, rank).to(dtype).contiguous()
+            if piece.data_ptr() in seen:  # a tied lm_head at TP 1 is the embedding itself: safetensors wants a copy
+                piece = piece.clone()
+            seen.add(piece.data_ptr())
             expected = wm.rank_shape(e, tp)
             # An internal invariant, not an input problem: the plan and the sharding must agree.
             assert tuple(piece.shape) == expected, (e.dst, tuple(piece.shape), expected)

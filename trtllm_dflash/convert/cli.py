@@ -7,9 +7,13 @@ recorded in ``args.convert_command``. ``ConfigError`` / ``ArtifactError`` propag
 line and exits 2.
 
     trtllm-dflash convert --target DIR --drafter DIR --out DIR [--dtype bfloat16|float16] [--tp N] [--force]
-    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--kv-cache fp8]
+    trtllm-dflash quantize --src DIR --out DIR --recipe fp8|nvfp4 [--kv-cache fp8] [--quantize-drafter]
                            [--calib-dataset humaneval|mtbench|FILE.jsonl] [--tokenizer DIR] [--calib-ids FILE.json]
-                           [--calib-size N] [--calib-seq-len N] [--force]
+                           [--calib-size N] [--calib-seq-len N] [--calib-device auto|cpu|cuda] [--export-hf DIR]
+                           [--force]
+
+``quantize`` prints the calibration path it used (CUDA modelopt, or CPU own amax + packing) on stderr, then the
+output directory on stdout.
     trtllm-dflash inspect DIR [--json] [--no-stats]
 """
 
@@ -61,7 +65,15 @@ def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-size", type=int, default=64, metavar="N", help="calibration prompts (default 64)")
     parser.add_argument("--calib-seq-len", type=int, default=512, metavar="N",
                         help="tokens kept per prompt (default 512)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--quantize-drafter", action="store_true",
+                        help="quantize the drafter too (its fused QKV, which holds the K/V projections, and its "
+                             "context projection stay unquantized); default: the drafter is copied unchanged")
+    parser.add_argument("--calib-device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where modelopt calibrates (default auto: cuda when available)")
+    parser.add_argument("--export-hf", type=Path, metavar="DIR", default=None,
+                        help="also write the target as a modelopt unified Hugging Face checkpoint (what TensorRT-LLM's "
+                             "PyTorch backend loads) into DIR")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out (and --export-hf) directory")
     parser.set_defaults(convert_command="quantize")
 
 
@@ -87,6 +99,8 @@ def _print_checkpoint(name: str, s: dict) -> None:
     print(f"{name}: {s['architecture']}  dtype={s['dtype']}  quant={s['quant_algo']}  "
           f"kv_cache_quant={s['kv_cache_quant_algo']}  tp={s['tp_size']}  layers={s['num_hidden_layers']}  "
           f"hidden={s['hidden_size']}  vocab={s['vocab_size']}")
+    if s["quant_algo"] and s.get("exclude_modules"):
+        print(f"  not quantized: {', '.join(s['exclude_modules'])}")
     print(f"  files: {_human_bytes(s['total_file_bytes'])} in {len(s['ranks'])} rank(s); tensor dtypes "
           + ", ".join(f"{k}×{v}" for k, v in s["tensor_dtypes"].items()))
     if "dflash" in s:
@@ -112,6 +126,11 @@ def main(args: argparse.Namespace) -> int:
             git = summary.get("git") or {}
             print(f"{summary['path']}: {summary.get('format')}  git={git.get('commit')}  "
                   f"config={summary.get('config')}")
+            sizes = summary["sizes"]
+            print("sizes on disk: " + ", ".join(f"{k.removesuffix('_bytes')} {_human_bytes(v)} ({v} B)"
+                                                for k, v in sizes.items()))
+            if (summary.get("calibration") or {}).get("path"):
+                print(summary["calibration"]["path"])
             for what in ("target", "drafter"):
                 if what in summary:
                     _print_checkpoint(what, summary[what])
@@ -128,9 +147,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    import sys
+
     import torch
 
-    from trtllm_dflash.convert.quantize import calibration_ids, quantize
+    from trtllm_dflash.convert.quantize import CalibrationPath, calibration_ids, quantize_config, run_quantize
     from trtllm_dflash.errors import ArtifactError, require
 
     require(args.calib_size >= 1, "calib_size", args.calib_size, "must be >= 1")
@@ -149,5 +170,11 @@ def _quantize(args: argparse.Namespace) -> int:
                 raise ArtifactError(args.src / "manifest.json", f"no recorded target_dir ({exc})",
                                     "pass --tokenizer DIR") from exc
         ids = calibration_ids(args.calib_dataset, tokenizer, args.calib_size, args.calib_seq_len)
-    print(quantize(args.src, args.out, args.recipe, ids, force=args.force, kv_cache=args.kv_cache))
+    cfg = quantize_config(args.src, args.out, args.recipe, args.force, args.kv_cache, args.quantize_drafter,
+                          args.calib_device, args.export_hf)
+    print(CalibrationPath.choose(cfg.recipe, cfg.calib_device).description, file=sys.stderr)
+    out = run_quantize(cfg, ids)
+    if cfg.export_hf is not None:
+        print(f"unified HF checkpoint (modelopt export_hf_checkpoint): {cfg.export_hf}", file=sys.stderr)
+    print(out)
     return 0

@@ -1,7 +1,8 @@
 """Loading converted checkpoints back into the PyTorch reference models: merge the TP ranks, un-fuse QKV, undo the
 ``mlp.fc``/``mlp.gate`` naming swap (all by running ``weight_map.merge`` over the same plan ``convert`` used), so a
-round trip can be checked tensor by tensor and logit by logit. FP8 / NVFP4 targets (``quantize``) are dequantized
-first (``quant.py``)."""
+round trip can be checked tensor by tensor and logit by logit. FP8 / NVFP4 checkpoints (``quantize``; the target, and
+the drafter with ``--quantize-drafter``) are dequantized first (``quant.py``), and by default the loaded model also
+emulates the quantized activations and the FP8 KV cache (``emulate.py``), so it computes what the engine would."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from trtllm_dflash.convert import configs, quant
+from trtllm_dflash.convert import configs, emulate, quant
 from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError
@@ -104,40 +105,65 @@ def _manifest_extras(ckpt_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetSpec]:
-    ckpt_dir = Path(ckpt_dir)
+def _read_target(ckpt_dir: Path):
     cfg = read_config(ckpt_dir)
     spec = configs.target_spec_from_config(cfg, ckpt_dir / "config.json", _manifest_extras(ckpt_dir))
     tp = configs.tp_size(cfg, ckpt_dir / "config.json")
     # The checkpoint always holds lm_head.weight, so the plan never aliases it to the embedding.
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(cfg.get("use_parallel_embedding")))
-    quant_algo = (cfg.get("quantization") or {}).get("quant_algo")  # weights; kv_cache_quant_algo needs no undoing
-    ranks = [dequantize_rank(t, quant_algo, ckpt_dir) for t in read_ranks(ckpt_dir, tp)]
-    return merge_ranks(entries, ranks, ckpt_dir), spec
+    quantization = cfg.get("quantization") or {}
+    raw = read_ranks(ckpt_dir, tp)
+    ranks = [dequantize_rank(t, quantization.get("quant_algo"), ckpt_dir) for t in raw]
+    return merge_ranks(entries, ranks, ckpt_dir), spec, emulate.from_checkpoint(quantization, entries, raw[0])
 
 
-def load_trtllm_target(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu") -> TargetModel:
-    """A TargetModel from ``OUT/target`` (any TP size)."""
-    state, spec = load_trtllm_target_state(ckpt_dir)
+def load_trtllm_target_state(ckpt_dir) -> tuple[dict[str, torch.Tensor], TargetSpec]:
+    """Full HF-named tensors (dequantized to float32 if the checkpoint is quantized) and the spec."""
+    state, spec, _ = _read_target(Path(ckpt_dir))
+    return state, spec
+
+
+def load_trtllm_target(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu",
+                       emulate_quant: bool = True) -> TargetModel:
+    """A TargetModel from ``OUT/target`` (any TP size). A quantized checkpoint's weights are dequantized; with
+    ``emulate_quant`` (default) its activation quantization and FP8 KV cache are emulated too (``emulate.py``),
+    without it the model runs the dequantized weights on unquantized activations (weight-only error)."""
+    ckpt_dir = Path(ckpt_dir)
+    state, spec, emulation = _read_target(ckpt_dir)
     model = TargetModel(spec, dtype=dtype, device=device)
     ignore = ("lm_head.weight",) if spec.tie_word_embeddings else ()
     load_into(model, state, ckpt_dir, ignore=ignore)
+    if emulate_quant and emulation.active:
+        emulate.install(model, emulation)
     return model.eval().requires_grad_(False)
 
 
-def load_trtllm_drafter_state(ckpt_dir):
-    ckpt_dir = Path(ckpt_dir)
+def _read_drafter(ckpt_dir: Path):
     cfg = read_config(ckpt_dir)
     spec = configs.drafter_spec_from_config(cfg, ckpt_dir / "config.json")
     tp = configs.tp_size(cfg, ckpt_dir / "config.json")
-    return merge_ranks(configs.drafter_entries(spec), read_ranks(ckpt_dir, tp), ckpt_dir), spec, cfg
+    entries = configs.drafter_entries(spec)
+    quantization = cfg.get("quantization") or {}
+    raw = read_ranks(ckpt_dir, tp)
+    ranks = [dequantize_rank(t, quantization.get("quant_algo"), ckpt_dir) for t in raw]
+    return merge_ranks(entries, ranks, ckpt_dir), spec, cfg, emulate.from_checkpoint(quantization, entries, raw[0])
 
 
-def load_trtllm_drafter(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu") -> DrafterModel:
-    """A DrafterModel (z-lab parameter names) from ``OUT/drafter`` (any TP size)."""
-    state, spec, cfg = load_trtllm_drafter_state(ckpt_dir)
+def load_trtllm_drafter_state(ckpt_dir):
+    state, spec, cfg, _ = _read_drafter(Path(ckpt_dir))
+    return state, spec, cfg
+
+
+def load_trtllm_drafter(ckpt_dir, dtype: torch.dtype = torch.float32, device="cpu",
+                        emulate_quant: bool = True) -> DrafterModel:
+    """A DrafterModel (z-lab parameter names) from ``OUT/drafter`` (any TP size); a quantized drafter
+    (``quantize --quantize-drafter``) is dequantized and, with ``emulate_quant``, its activations fake-quantized."""
+    ckpt_dir = Path(ckpt_dir)
+    state, spec, cfg, emulation = _read_drafter(ckpt_dir)
     model = DrafterModel(spec, dtype=dtype, device=device,
                          max_positions=int(cfg.get("max_position_embeddings", 4096)) + SCRATCH_POSITIONS)
     load_into(model, state, ckpt_dir)
+    if emulate_quant and emulation.active:
+        emulate.install(model, emulation)
     return model.eval().requires_grad_(False)

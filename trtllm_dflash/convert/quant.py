@@ -3,7 +3,7 @@ and dequantize them back. Formulas: trtllm_triton.md §1.4 / §1.5; tensor layou
 nvidia-modelopt 0.47.0's ``export_tensorrt_llm_checkpoint`` writes (tests/data/trtllm_1_2_1/quantized_checkpoint.json)
 and the NVFP4 packing bit-exactly against modelopt's ``NVFP4QTensor.quantize`` (tests/test_convert_quantize.py).
 
-FP8 (per tensor):  scale = amax / 448;  q = e4m3(w / scale);  w ≈ q * scale.
+FP8 (per tensor):  scale = amax / 448;  q = e4m3(w / scale) (division in w's dtype, as modelopt);  w ≈ q * scale.
 NVFP4 (16-element blocks along the input dim, two levels of scale):
     global = amax(|w|) / (6 * 448)                               -> weights_scaling_factor_2, fp32 scalar
     block  = e4m3(clamp(block_amax / (6 * global), 2^-9, 448))   -> weights_scaling_factor, [out, in / 16]
@@ -26,8 +26,13 @@ _MIN_BLOCK_SCALE = 2.0**-9  # smallest e4m3 subnormal: keeps a tiny block's scal
 
 
 def fp8_quantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w: [...] float; scale: fp32 [1] = amax / 448 -> float8_e4m3fn [...]."""
-    return (w.float() / scale.float()).to(torch.float8_e4m3fn)
+    """w: [...] float; scale: fp32 [1] = amax / 448 -> float8_e4m3fn [...].
+
+    The division happens in w's own dtype (a 0-dim scale does not promote it), as modelopt 0.47's
+    ``to_quantized_weight`` does when it exports: for a bf16 checkpoint the quotient is rounded to bf16 before the cast
+    to e4m3, which moves about 5 % of the elements by one e4m3 step compared with an fp32 division. Matching it keeps
+    this checkpoint and modelopt's unified HF export (hf_export.py) bit-identical."""
+    return (w / scale.float().reshape(())).to(torch.float8_e4m3fn)
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -74,3 +79,24 @@ def nvfp4_dequantize(packed: torch.Tensor, block: torch.Tensor, global_scale: to
     values = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     scale = (block.float() * global_scale.float()).repeat_interleave(NVFP4_BLOCK, dim=1)  # [out, in]
     return values * scale
+
+
+# Fake quantization (quantize, then dequantize) of activations, as the TRT-LLM kernels see them at run time.
+
+def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """Static per-tensor FP8: e4m3(clamp(x / scale, ±448)) * scale, in x's dtype. ``scale`` = activation amax / 448
+    (``activation_scaling_factor``), or 1.0 for the unscaled FP8 KV cache. Values beyond the calibrated range
+    saturate, as TRT-LLM's static quantization does."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 activations: dynamic 16-element blocks along the last dim, e4m3 block scales computed at run time over
+    the static per-tensor global scale (``activation_scaling_factor`` = amax_in / (6 * 448)), E2M1 codes. The same
+    arithmetic as the weights (``nvfp4_quantize``), so a block beyond the calibrated range saturates at 6 × 448 ×
+    global. x: [..., in] with in % 16 == 0; returns x's shape and dtype."""
+    flat = x.reshape(-1, x.shape[-1])  # [tokens, in]
+    g = global_scale.float().reshape(())
+    return nvfp4_dequantize(*nvfp4_quantize(flat, g), g).reshape(x.shape).to(x.dtype)

@@ -22,7 +22,22 @@ FP8 KV cache (``kv_cache="fp8"``, config ``kv_cache_quant_algo: FP8``): per laye
 (K/V are cast to e4m3 unscaled). Calibration measures the cached K (after k_norm and RoPE) and V per layer; their
 maxima go to the manifest, and a layer whose |K| or |V| exceeds 448 (where the cast saturates) is logged as a WARNING.
 
-The drafter is copied unquantized (quantizing DFlashDrafterForTRTLLM is not done yet).
+Calibration path (``CalibrationPath``, printed by the CLI and recorded in the manifest): on CUDA, modelopt's own
+recipe config (``FP8_DEFAULT_CFG`` / ``NVFP4_DEFAULT_CFG``) calibrates on the GPU; on CPU, modelopt 0.47's NVFP4
+quantizers cannot run a forward pass (environment.md §3.6), so every recipe is calibrated with ``FP8_DEFAULT_CFG``'s
+"max" input quantizers, which record the same per-tensor input amax NVFP4's global activation scale is made of ("own
+amax"). Either way the weights are quantized by ``quant.py`` (NVFP4 packing bit-exact with modelopt's
+``NVFP4QTensor.quantize``).
+
+The drafter is copied unchanged unless ``quantize_drafter``: then the same recipe quantizes its ``attention.dense``,
+``mlp.fc``, ``mlp.gate`` and ``mlp.proj``, while the fused ``attention.qkv`` (it holds the K/V projections that KV
+injection applies to the target's context features) and ``drafter.context_proj`` (the fc feeding them) stay in the
+checkpoint dtype (``exclude_modules``). SGLang does the same with the K/V projections: its ``DFlashAttention`` builds
+``qkv_proj`` with ``quant_config=None`` so that ``kv_proj_only`` can slice the raw K/V rows
+(sgl-project/sglang ``python/sglang/srt/models/dflash.py``); SGLang does quantize ``fc``, we keep it unquantized too
+because its output is what every layer's K/V projection reads. The drafter's activation scales are calibrated on the
+calibration sequences' target taps (one target pass, shared with the target's calibration): per sequence, drafts at
+``DRAFTER_CALIB_CUTS`` cut points, each with the taps before the cut injected as context, as the runtime does.
 """
 
 from __future__ import annotations
@@ -43,14 +58,18 @@ from trtllm_dflash import staging
 from trtllm_dflash.convert import configs, quant
 from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.convert import weight_map as wm
-from trtllm_dflash.convert.loader import load_trtllm_target_state, read_config
+from trtllm_dflash.convert.loader import load_trtllm_drafter_state, load_trtllm_target_state, read_config
 from trtllm_dflash.errors import ArtifactError, ConfigError, require
-from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.models.weights import load_into, write_json, write_state_dict
 
 log = logging.getLogger(__name__)
 
 QUANTIZED_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+DRAFTER_QUANTIZED_LINEARS = ("attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+DRAFTER_EXCLUDE_MODULES = ["drafter.context_proj", "drafter.layers.*.attention.qkv"]
+DRAFTER_CALIB_CUTS = 4  # drafts per calibration sequence
 
 
 class KvCacheQuant(enum.Enum):
@@ -66,6 +85,12 @@ class QuantRecipe(enum.Enum):
         return self.name
 
 
+class CalibDevice(enum.Enum):
+    AUTO = "auto"  # cuda when available
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
 @dataclass(frozen=True, slots=True)
 class QuantizeConfig:
     src_dir: Path  # a `convert` output (manifest.json, target/, drafter/)
@@ -73,12 +98,40 @@ class QuantizeConfig:
     recipe: QuantRecipe
     kv_cache: KvCacheQuant | None = None
     force: bool = False
+    quantize_drafter: bool = False  # also quantize the drafter (K/V projections and context_proj excluded)
+    calib_device: CalibDevice = CalibDevice.AUTO
+    export_hf: Path | None = None  # also write the target as a modelopt unified HF checkpoint here (hf_export.py)
 
 
-def _linear_of(dst: str) -> str | None:
-    """'transformer.layers.3.mlp.fc.weight' -> 'transformer.layers.3.mlp.fc' if it is a quantized linear."""
+@dataclass(frozen=True, slots=True)
+class CalibrationPath:
+    device: str  # "cpu" | "cuda"
+    modelopt_config: str  # the mtq config whose input quantizers recorded the activation amax
+    description: str  # one line for the user
+
+    @classmethod
+    def choose(cls, recipe: QuantRecipe, requested: CalibDevice) -> "CalibrationPath":
+        cuda = torch.cuda.is_available()
+        require(requested is not CalibDevice.CUDA or cuda, "calib_device", "cuda", "no CUDA device is available",
+                "pass --calib-device cpu (or auto)")
+        device = "cuda" if cuda and requested is not CalibDevice.CPU else "cpu"
+        if device == "cuda":
+            name = f"{recipe.name}_DEFAULT_CFG"
+            text = f"CUDA modelopt: mtq.quantize(model, mtq.{name}) calibrates the input amax on the GPU"
+        else:
+            name = "FP8_DEFAULT_CFG"
+            text = "CPU: mtq.FP8_DEFAULT_CFG max calibration gives the per-tensor input amax"
+            if recipe is QuantRecipe.NVFP4:
+                text = ("CPU own-amax + modelopt packing: per-tensor input amax from mtq.FP8_DEFAULT_CFG max "
+                        "calibration (modelopt 0.47's NVFP4 quantizers need CUDA for a forward pass), NVFP4 weights "
+                        "packed by quant.py, bit-exact with modelopt's NVFP4QTensor.quantize")
+        return cls(device, name, f"{recipe.value} calibration path: {text}")
+
+
+def _linear_of(dst: str, linears: tuple[str, ...] = QUANTIZED_LINEARS) -> str | None:
+    """'transformer.layers.3.mlp.fc.weight' -> 'transformer.layers.3.mlp.fc' if it is one of ``linears``."""
     prefix = dst.removesuffix(".weight")
-    return prefix if dst.endswith(".weight") and prefix.endswith(QUANTIZED_LINEARS) else None
+    return prefix if dst.endswith(".weight") and prefix.endswith(linears) else None
 
 
 def _scale_group(linear: str) -> str:
@@ -88,18 +141,36 @@ def _scale_group(linear: str) -> str:
     return linear
 
 
-def calibrate(model: TargetModel, calib: list[torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Over the calibration sequences (each [S_i]): (HF linear module name -> fp32 [] absolute max of its input,
-    per decoder layer the absolute max of the cached K and V)."""
+def _mtq():
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
         raise ConfigError("recipe", "fp8/nvfp4", f"calibration needs nvidia-modelopt ({exc})",
                           "pip install nvidia-modelopt==0.47.0 requests") from exc
+    return mtq
 
+
+def _input_amax(model) -> dict[str, torch.Tensor]:
+    amax = {}
+    for name, module in model.named_modules():
+        q = getattr(module, "input_quantizer", None)
+        if q is not None and getattr(q, "amax", None) is not None:
+            amax[name] = q.amax.detach().float().reshape(()).cpu()
+    return amax
+
+
+def calibrate(model: TargetModel, calib: list[torch.Tensor], modelopt_config: str = "FP8_DEFAULT_CFG",
+              tap_layers: tuple[int, ...] = ()):
+    """Over the calibration sequences (each [S_i], on the model's device): (HF linear module name -> fp32 [] absolute
+    max of its input, per decoder layer the absolute max of the cached K and V, per sequence the taps [S_i, taps *
+    hidden] of ``tap_layers`` (empty list without them)). Calibration mode does not quantize, so the taps are the
+    unquantized model's."""
+    mtq = _mtq()
     kv_amax = [0.0] * model.spec.num_hidden_layers
+    taps: list[torch.Tensor] = []
 
     def forward_loop(m):
+        taps.clear()
         for ids in calib:  # one sequence per forward: lengths differ
             cache = m.new_cache(1, ids.shape[0])
             write = cache.write
@@ -109,15 +180,36 @@ def calibrate(model: TargetModel, calib: list[torch.Tensor]) -> tuple[dict[str, 
                 write(layer, rows, positions, k, v)
 
             cache.write = recording_write
-            m(ids[None], cache)
+            _, tapped = m(ids[None], cache, tap_layers=tap_layers)
+            if tap_layers:
+                taps.append(tapped[0])
 
-    mtq.quantize(model, mtq.FP8_DEFAULT_CFG, forward_loop)
-    amax = {}
-    for name, module in model.named_modules():
-        q = getattr(module, "input_quantizer", None)
-        if q is not None and getattr(q, "amax", None) is not None:
-            amax[name] = q.amax.detach().float().reshape(())
-    return amax, kv_amax
+    mtq.quantize(model, getattr(mtq, modelopt_config), forward_loop)
+    return _input_amax(model), kv_amax, taps
+
+
+def calibrate_drafter(drafter: DrafterModel, embedding: torch.Tensor, calib: list[torch.Tensor],
+                      taps: list[torch.Tensor], modelopt_config: str = "FP8_DEFAULT_CFG") -> dict[str, torch.Tensor]:
+    """z-lab linear module name -> fp32 [] input amax, from drafts at ``DRAFTER_CALIB_CUTS`` cut points c of each
+    sequence: context = taps[:c] injected, block = [ids[c], MASK × (B − 1)] (the runtime's step at start = c).
+    ``embedding``: the target's [vocab, hidden] table."""
+    mtq = _mtq()
+    spec = drafter.spec
+
+    def forward_loop(d):
+        for ids, t in zip(calib, taps):
+            n = ids.shape[0]
+            for c in sorted({max(1, n * (k + 1) // (DRAFTER_CALIB_CUTS + 1)) for k in range(DRAFTER_CALIB_CUTS)}):
+                if c >= n:
+                    continue
+                cache = d.new_cache(1, c + spec.block_size)
+                d.inject(t[None, :c], torch.tensor([c], device=t.device), cache)
+                block = torch.full((1, spec.block_size), spec.mask_token_id, device=ids.device)
+                block[0, 0] = ids[c]
+                d.draft(torch.nn.functional.embedding(block, embedding), cache)
+
+    mtq.quantize(drafter, getattr(mtq, modelopt_config), forward_loop)
+    return _input_amax(drafter)
 
 
 def calibration_ids(dataset: str, tokenizer_dir: Path, num_seqs: int, seq_len: int) -> list[torch.Tensor]:
@@ -146,13 +238,14 @@ def _normalize_calib(calib_ids) -> list[torch.Tensor]:
     return [t.long() for t in calib_ids]
 
 
-def _scales(entries: list[wm.Entry], state, input_amax, recipe: QuantRecipe) -> dict[str, dict[str, torch.Tensor]]:
-    """Quantized linear -> {"weights": global weight scale, "activation": activation scale} (shared per group)."""
+def _group_amax(entries: list[wm.Entry], state, input_amax, linears: tuple[str, ...] = QUANTIZED_LINEARS):
+    """Quantized linear -> (weight amax, input amax), fp32 [], each the maximum over the linear's scale group (fused
+    q/k/v; mlp.fc with mlp.gate)."""
     w_amax: dict[str, torch.Tensor] = {}
     a_amax: dict[str, torch.Tensor] = {}
     groups: dict[str, str] = {}
     for e in entries:
-        linear = _linear_of(e.dst)
+        linear = _linear_of(e.dst, linears)
         if linear is None:
             continue
         g = groups[linear] = _scale_group(linear)
@@ -160,25 +253,41 @@ def _scales(entries: list[wm.Entry], state, input_amax, recipe: QuantRecipe) -> 
         aa = torch.stack([input_amax[s.removesuffix(".weight")] for s in e.src]).amax()
         w_amax[g] = torch.maximum(w_amax.get(g, wa), wa)
         a_amax[g] = torch.maximum(a_amax.get(g, aa), aa)
+    return {linear: (w_amax[g], a_amax[g]) for linear, g in groups.items()}
+
+
+def _scales(entries: list[wm.Entry], state, input_amax, recipe: QuantRecipe,
+            linears: tuple[str, ...] = QUANTIZED_LINEARS) -> dict[str, dict[str, torch.Tensor]]:
+    """Quantized linear -> {"weights": global weight scale, "activation": activation scale} (shared per group)."""
     out = {}
-    for linear, g in groups.items():
+    for linear, (w, a) in _group_amax(entries, state, input_amax, linears).items():
         if recipe is QuantRecipe.FP8:
-            out[linear] = {"weights": (w_amax[g] / quant.FP8_MAX).reshape(1),
-                           "activation": (a_amax[g] / quant.FP8_MAX).reshape(1)}
+            out[linear] = {"weights": (w / quant.FP8_MAX).reshape(1), "activation": (a / quant.FP8_MAX).reshape(1)}
         else:
-            out[linear] = {"weights": quant.nvfp4_global_scale(w_amax[g]),
-                           "activation": (a_amax[g] / (quant.E2M1_MAX * quant.FP8_MAX)).reshape(())}
+            out[linear] = {"weights": quant.nvfp4_global_scale(w),
+                           "activation": (a / (quant.E2M1_MAX * quant.FP8_MAX)).reshape(())}
     return out
 
 
+def _module_amax(entries: list[wm.Entry], state, input_amax) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF linear module name -> (weight amax, input amax) of its scale group, for the unified HF export."""
+    group = _group_amax(entries, state, input_amax)
+    return {src.removesuffix(".weight"): group[e.dst.removesuffix(".weight")]
+            for e in entries if _linear_of(e.dst) is not None for src in e.src}
+
+
 def quantize_rank_tensors(entries, state, scales, recipe: QuantRecipe, tp: int, rank: int,
-                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    tensors = {}
+                          dtype: torch.dtype, linears: tuple[str, ...] = QUANTIZED_LINEARS) -> dict[str, torch.Tensor]:
+    tensors, seen = {}, set()
     for e in entries:
         piece = wm.shard(e, [state[s] for s in e.src], tp, rank)
-        linear = _linear_of(e.dst)
+        linear = _linear_of(e.dst, linears)
         if linear is None:
-            tensors[e.dst] = piece.to(dtype).contiguous()
+            piece = piece.to(dtype).contiguous()
+            if piece.data_ptr() in seen:  # tied tensors: safetensors wants separate storage
+                piece = piece.clone()
+            seen.add(piece.data_ptr())
+            tensors[e.dst] = piece
             continue
         s = scales[linear]
         if recipe is QuantRecipe.FP8:
@@ -194,9 +303,19 @@ def quantize_rank_tensors(entries, state, scales, recipe: QuantRecipe, tp: int, 
 
 
 def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool = False,
-             kv_cache: str | KvCacheQuant | None = None) -> Path:
+             kv_cache: str | KvCacheQuant | None = None, quantize_drafter: bool = False,
+             calib_device: str | CalibDevice = "auto", export_hf=None) -> Path:
     """Quantize ``src_dir`` (a ``convert`` output) into ``out_dir``. ``calib_ids``: token ids, a tensor
-    [num_seqs, seq_len] or a list of 1-D tensors. ``kv_cache``: None or "fp8"."""
+    [num_seqs, seq_len] or a list of 1-D tensors. ``kv_cache``: None or "fp8". ``quantize_drafter``: the drafter too
+    (module docstring). ``calib_device``: auto | cpu | cuda. ``export_hf``: a directory for the unified HF checkpoint
+    of the target (hf_export.py), or None."""
+    return run_quantize(quantize_config(src_dir, out_dir, recipe, force, kv_cache, quantize_drafter, calib_device,
+                                        export_hf), calib_ids)
+
+
+def quantize_config(src_dir, out_dir, recipe, force=False, kv_cache=None, quantize_drafter=False,
+                    calib_device="auto", export_hf=None) -> QuantizeConfig:
+    """Validated ``QuantizeConfig`` from plain values (ConfigError naming the field otherwise)."""
     try:
         recipe = QuantRecipe(recipe)
     except ValueError:
@@ -207,7 +326,28 @@ def quantize(src_dir, out_dir, recipe: str | QuantRecipe, calib_ids, force: bool
     except ValueError:
         raise ConfigError("kv_cache", kv_cache, "must be fp8 or absent",
                           "pass --kv-cache fp8 or leave it out") from None
-    return run_quantize(QuantizeConfig(Path(src_dir), Path(out_dir), recipe, kv, force), calib_ids)
+    try:
+        device = CalibDevice(calib_device)
+    except ValueError:
+        raise ConfigError("calib_device", calib_device, "must be auto, cpu or cuda", "pass --calib-device cpu") from None
+    return QuantizeConfig(Path(src_dir), Path(out_dir), recipe, kv, force, bool(quantize_drafter), device,
+                          None if export_hf is None else Path(export_hf))
+
+
+def _check_nvfp4_widths(entries, tp: int, linears) -> None:
+    for e in entries:
+        if _linear_of(e.dst, linears) is not None:
+            width = wm.rank_shape(e, tp)[1]
+            require(width % quant.NVFP4_BLOCK == 0, "tp", tp, f"gives {e.dst} {width} input features per rank, "
+                    f"not a multiple of the NVFP4 block ({quant.NVFP4_BLOCK})", "use a smaller --tp")
+
+
+def _quant_block(base: dict, recipe: QuantRecipe, exclude: list[str], kv_cache: KvCacheQuant | None) -> dict:
+    out = base | {"quant_algo": recipe.quant_algo, "exclude_modules": exclude,
+                  "kv_cache_quant_algo": None if kv_cache is None else kv_cache.name}
+    if recipe is QuantRecipe.NVFP4:
+        out["group_size"] = quant.NVFP4_BLOCK
+    return out
 
 
 def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
@@ -221,6 +361,15 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
             tcfg["quantization"]["quant_algo"], "the source checkpoint is already quantized",
             "quantize the unquantized `convert` output")
     calib = _normalize_calib(calib_ids)
+    path = CalibrationPath.choose(recipe, cfg.calib_device)
+    source = json.loads(src_manifest.read_text())
+    if cfg.export_hf is not None:
+        staging.refuse_existing(cfg.export_hf, cfg.force)
+        hf_dir = Path((source.get("config") or {}).get("target_dir") or "")
+        if not (hf_dir / "config.json").is_file():
+            raise ArtifactError(src_manifest, f"records target_dir={str(hf_dir)!r}, which holds no config.json",
+                                "--export-hf needs the Hugging Face target the checkpoint was converted from")
+    log.info("%s", path.description)
 
     state, spec = load_trtllm_target_state(cfg.src_dir / "target")
     bad = [int(t.max()) for t in calib if int(t.max()) >= spec.vocab_size or int(t.min()) < 0]
@@ -230,18 +379,36 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
                                      use_parallel_embedding=bool(tcfg.get("use_parallel_embedding")))
     if recipe is QuantRecipe.NVFP4:
-        for e in entries:
-            if _linear_of(e.dst) is not None:
-                width = wm.rank_shape(e, tp)[1]
-                require(width % quant.NVFP4_BLOCK == 0, "tp", tp, f"gives {e.dst} {width} input features per rank, "
-                        f"not a multiple of the NVFP4 block ({quant.NVFP4_BLOCK})", "use a smaller --tp")
+        _check_nvfp4_widths(entries, tp, QUANTIZED_LINEARS)
+    drafter = None
+    if cfg.quantize_drafter:
+        dstate, dspec, dcfg = load_trtllm_drafter_state(cfg.src_dir / "drafter")
+        require((dcfg.get("quantization") or {}).get("quant_algo") is None, "drafter.quantization.quant_algo",
+                dcfg["quantization"]["quant_algo"], "the source drafter is already quantized",
+                "quantize the unquantized `convert` output")
+        dtp = configs.tp_size(dcfg, cfg.src_dir / "drafter" / "config.json")
+        dentries = configs.drafter_entries(dspec)
+        if recipe is QuantRecipe.NVFP4:
+            _check_nvfp4_widths(dentries, dtp, DRAFTER_QUANTIZED_LINEARS)
 
     t0 = time.perf_counter()
-    model = TargetModel(spec, dtype=torch.float32)
+    device = torch.device(path.device)
+    model = TargetModel(spec, dtype=torch.float32, device=device)
     load_into(model, state, cfg.src_dir / "target", ignore=("lm_head.weight",) if spec.tie_word_embeddings else ())
+    on_device = [t.to(device) for t in calib]
+    taps_from = dspec.target_layer_ids if cfg.quantize_drafter else ()
     with torch.no_grad():
-        input_amax, kv_amax = calibrate(model.eval(), calib)
+        input_amax, kv_amax, taps = calibrate(model.eval(), on_device, path.modelopt_config, taps_from)
     del model
+    if cfg.quantize_drafter:
+        dmodel = DrafterModel(dspec, dtype=torch.float32, device=device,
+                              max_positions=spec.max_position_embeddings + SCRATCH_POSITIONS)
+        load_into(dmodel, dstate, cfg.src_dir / "drafter")
+        with torch.no_grad():
+            d_amax = calibrate_drafter(dmodel.eval(), state["model.embed_tokens.weight"].float().to(device), on_device,
+                                       taps, path.modelopt_config)
+        del dmodel, taps
+        dscales = _scales(dentries, dstate, d_amax, recipe, DRAFTER_QUANTIZED_LINEARS)
     if cfg.kv_cache is not None:
         for layer, amax in enumerate(kv_amax):
             if amax > quant.FP8_MAX:
@@ -252,11 +419,7 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
     with staging.staged_output(cfg.out_dir, cfg.force) as tmp:
         (tmp / "target").mkdir()
         qcfg = dict(tcfg)
-        qcfg["quantization"] = tcfg["quantization"] | {
-            "quant_algo": recipe.quant_algo, "exclude_modules": ["lm_head"],
-            "kv_cache_quant_algo": None if cfg.kv_cache is None else cfg.kv_cache.name}
-        if recipe is QuantRecipe.NVFP4:
-            qcfg["quantization"]["group_size"] = quant.NVFP4_BLOCK
+        qcfg["quantization"] = _quant_block(tcfg["quantization"], recipe, ["lm_head"], cfg.kv_cache)
         write_json(qcfg, tmp / "target" / "config.json")
         for rank in tqdm(range(tp), desc=f"{recipe.value} target ranks", unit="rank", disable=None):
             tensors = quantize_rank_tensors(entries, state, scales, recipe, tp, rank, dtype)
@@ -265,13 +428,24 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
                     for kind in ("k", "v", "kv"):
                         tensors[f"transformer.layers.{layer}.attention.{kind}_cache_scaling_factor"] = torch.ones(1)
             write_state_dict(tensors, tmp / "target" / f"rank{rank}.safetensors")
-        shutil.copytree(cfg.src_dir / "drafter", tmp / "drafter")
-        source = json.loads(src_manifest.read_text())
+        if cfg.quantize_drafter:
+            (tmp / "drafter").mkdir()
+            qdcfg = dict(dcfg)
+            qdcfg["quantization"] = _quant_block(dcfg["quantization"], recipe, list(DRAFTER_EXCLUDE_MODULES), None)
+            write_json(qdcfg, tmp / "drafter" / "config.json")
+            ddtype = configs.DTYPES[dcfg["dtype"]]
+            for rank in range(dtp):
+                write_state_dict(quantize_rank_tensors(dentries, dstate, dscales, recipe, dtp, rank, ddtype,
+                                                       DRAFTER_QUANTIZED_LINEARS),
+                                 tmp / "drafter" / f"rank{rank}.safetensors")
+        else:
+            shutil.copytree(cfg.src_dir / "drafter", tmp / "drafter")
         write_json({
             "format": mf.FORMAT,
             "trtllm_checkpoint_contract": mf.TRTLLM_CONTRACT,
             "config": mf.jsonable(cfg) | {"src_dir": str(cfg.src_dir.resolve())},
-            "calibration": {"algorithm": "max (modelopt FP8_DEFAULT_CFG input quantizers)",
+            "calibration": {"algorithm": f"max (modelopt {path.modelopt_config} input quantizers)",
+                            "device": path.device, "path": path.description,
                             "num_seqs": len(calib), "num_tokens": sum(t.numel() for t in calib),
                             "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest(),
                             "kv_amax_per_layer": kv_amax},
@@ -283,6 +457,13 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
             "git": mf.git_state(),
             "created_unix_s": round(time.time()),
         }, tmp / mf.MANIFEST)
-    log.info("quantized %s -> %s (%s, kv cache %s) in %.1f s", cfg.src_dir, cfg.out_dir, recipe.value,
-             cfg.kv_cache, time.perf_counter() - t0)
+    if cfg.export_hf is not None:
+        from trtllm_dflash.convert.hf_export import export_hf
+
+        export_hf(hf_dir, state, _module_amax(entries, state, input_amax), recipe.name, cfg.kv_cache is not None,
+                  dtype, cfg.export_hf, cfg.force,
+                  {"calibration": path.description, "trtllm_checkpoint": str(cfg.out_dir.resolve()),
+                   "trtllm_checkpoint_manifest_sha256": mf.sha256_file(cfg.out_dir / mf.MANIFEST)})
+    log.info("quantized %s -> %s (%s, kv cache %s, drafter %s) in %.1f s", cfg.src_dir, cfg.out_dir, recipe.value,
+             cfg.kv_cache, recipe.value if cfg.quantize_drafter else "copied", time.perf_counter() - t0)
     return cfg.out_dir

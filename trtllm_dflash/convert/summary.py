@@ -1,8 +1,8 @@
 """``inspect``: a JSON-able summary of a TensorRT-LLM-format checkpoint directory (``config.json`` +
 ``rank*.safetensors``), or of a whole ``convert`` output (``manifest.json`` + ``target/`` + ``drafter/``).
 
-Per checkpoint: architecture, dtype, quantization algorithms, TP size, per-rank file sizes, tensor dtypes with
-counts, total bytes, and per-tensor stats (shape, dtype, bytes, min/max/mean/std over the raw values; for packed
+Per checkpoint: architecture, dtype, quantization algorithms (and ``exclude_modules``), TP size, per-rank file sizes,
+tensor dtypes with counts, total bytes, and per-tensor stats (shape, dtype, bytes, min/max/mean/std over the raw values; for packed
 quantized tensors those are statistics of the stored codes, not of the dequantized weights).
 """
 
@@ -63,6 +63,7 @@ def inspect_checkpoint(ckpt_dir: Path, stats: bool = True) -> dict[str, Any]:
         "dtype": cfg.get("dtype"),
         "quant_algo": quant.get("quant_algo"),
         "kv_cache_quant_algo": quant.get("kv_cache_quant_algo"),
+        "exclude_modules": quant.get("exclude_modules"),
         "tp_size": tp,
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "hidden_size": cfg.get("hidden_size"),
@@ -91,14 +92,18 @@ def inspect(ckpt_dir, stats: bool = True) -> dict[str, Any]:
             manifest = json.loads((root / mf.MANIFEST).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ArtifactError(root / mf.MANIFEST, f"unreadable JSON ({exc})", "re-run the conversion") from exc
+        parts = {what: inspect_checkpoint(root / what, stats) for what in ("target", "drafter") if (root / what).is_dir()}
         return {
             "path": str(root),
             "format": manifest.get("format"),
             "config": manifest.get("config"),
+            "calibration": manifest.get("calibration"),
             "tools": manifest.get("tools"),
             "git": manifest.get("git"),
-            **{what: inspect_checkpoint(root / what, stats)
-               for what in ("target", "drafter") if (root / what).is_dir()},
+            # bytes on disk of the weight files (config.json files are not counted)
+            "sizes": {**{f"{what}_bytes": s["total_file_bytes"] for what, s in parts.items()},
+                      "total_bytes": sum(s["total_file_bytes"] for s in parts.values())},
+            **parts,
         }
     raise ArtifactError(root, "holds neither config.json nor manifest.json",
                         "pass a checkpoint directory or a `convert --out` directory")

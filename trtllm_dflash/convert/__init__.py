@@ -3,8 +3,10 @@
 back, and ``inspect``.
 
 Modules: ``weight_map`` (name maps as data, sharding), ``configs`` (config.json of both checkpoints, weight plans),
-``checkpoint`` (``convert``), ``quant`` (FP8 / NVFP4 numerics), ``quantize`` (the quantize stage), ``loader``
-(round trip), ``summary`` (``inspect``), ``manifest`` (provenance), ``staging`` (all-or-nothing output), ``cli``.
+``checkpoint`` (``convert``), ``quant`` (FP8 / NVFP4 numerics), ``quantize`` (the quantize stage, drafter included
+on request), ``loader`` (round trip), ``emulate`` (activation / KV-cache quantization emulated in the loaded models),
+``agreement`` (greedy token agreement with the unquantized target), ``hf_export`` (modelopt unified HF checkpoint),
+``summary`` (``inspect``), ``manifest`` (provenance), ``cli``.
 """
 
 from trtllm_dflash.convert.checkpoint import CheckpointArtifact, ConvertConfig, convert, run_convert

@@ -4,9 +4,9 @@
 #   pipeline_trtllm.sh engine  [--dry-run] [--force]   (docker/Dockerfile.trtllm, TensorRT-LLM 1.2.1)
 #       convert -> quantize (fp8 | nvfp4 | none) -> build (trtllm-build) -> make-repo --backend trtllm-engine -> serve
 #   pipeline_trtllm.sh pytorch [--dry-run] [--force]   (docker/Dockerfile.trtllm-pytorch, TensorRT-LLM >= 1.3)
-#       quantize_hf.py (ModelOpt unified HF checkpoint) -> make-repo --backend trtllm-pytorch -> serve
+#       convert -> quantize --export-hf (ModelOpt unified HF checkpoint) -> make-repo --backend trtllm-pytorch -> serve
 #
-# Every step is a `trtllm-dflash` command (or docker/quantize_hf.py); this script only chooses paths and the recipe.
+# Every step is a `trtllm-dflash` command; this script only chooses paths and the recipe.
 # A stage whose output directory already exists is reused, so a restarted container goes straight to serving;
 # --force redoes every stage. --dry-run prints the commands (one per line, shell-quoted) and runs nothing.
 #
@@ -24,7 +24,6 @@
 # Exit status: 0 served and stopped; 2 bad configuration (one line on stderr); anything else: the failing stage's.
 set -euo pipefail
 
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PROG=pipeline_trtllm.sh
 
 die() { echo "$PROG: error: $*" >&2; exit 2; }
@@ -59,7 +58,6 @@ GRPC_PORT=${DFLASH_GRPC_PORT:-8001}
 METRICS_PORT=${DFLASH_METRICS_PORT:-8002}
 # Where Dockerfile.trtllm-pytorch put the llmapi model files (model.py and its helpers) from NVIDIA's image.
 LLMAPI_DIR=${DFLASH_LLMAPI_DIR:-/opt/trtllm-dflash/llmapi}
-QUANTIZE_HF=${DFLASH_QUANTIZE_HF:-$HERE/quantize_hf.py}
 
 # Print a command shell-quoted; run it unless --dry-run.
 run() {
@@ -145,10 +143,16 @@ if [ "$MODE" = engine ]; then
 else
   HF=$TARGET
   if [ "$QUANT" != none ]; then
+    # One quantization path for both images: quantize the converted checkpoint and export the target as modelopt's
+    # unified Hugging Face checkpoint, which TensorRT-LLM's PyTorch backend loads.
+    CKPT=$WORK/ckpt
     HF=$WORK/target_$QUANT
+    if stage convert "$CKPT"; then
+      run trtllm-dflash convert --target "$TARGET" --drafter "$DRAFTER" --out "$CKPT" "${FORCE_ARGS[@]}"
+    fi
     if stage quantize "$HF"; then
-      run python3 "$QUANTIZE_HF" --target "$TARGET" --format "$QUANT" "${KV_ARGS[@]}" --calib "$CALIB" \
-        --calib-size "$CALIB_SIZE" --out "$HF" "${FORCE_ARGS[@]}"
+      run trtllm-dflash quantize --in "$CKPT" --format "$QUANT" "${KV_ARGS[@]}" --calib "$CALIB" \
+        --calib-size "$CALIB_SIZE" --out "$WORK/ckpt_$QUANT" --export-hf "$HF" "${FORCE_ARGS[@]}"
     fi
   fi
   run trtllm-dflash make-repo --backend trtllm-pytorch --checkpoint "$HF" --drafter "$DRAFTER" --out "$REPO" --force

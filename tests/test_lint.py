@@ -136,14 +136,9 @@ def _fake_nvidia_smi(tmp_path: Path, compute_cap: str) -> str:
 @pytest.mark.parametrize("mode", ["engine", "pytorch"])
 @pytest.mark.parametrize("gpu,quant", [("hopper", "fp8"), ("blackwell", "nvfp4"), ("hopper", "none")])
 def test_pipeline_commands_are_accepted_by_the_real_parsers(mode, gpu, quant, tmp_path):
-    """Every command the entry point would run parses with the CLI (or quantize_hf.py) as it is now."""
+    """Every command the entry point would run parses with the CLI as it is now."""
     from trtllm_dflash.cli import build_parser
 
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import quantize_hf
-    finally:
-        sys.path.remove(str(DOCKER))
     out = _dry_run(mode, tmp_path, DFLASH_GPU=gpu, DFLASH_QUANT=quant, DFLASH_KV_CACHE="none" if quant == "none" else "fp8")
     assert out.returncode == 0, out.stderr
     commands = [shlex.split(line) for line in out.stdout.splitlines() if line and not line.startswith("#")]
@@ -152,17 +147,16 @@ def test_pipeline_commands_are_accepted_by_the_real_parsers(mode, gpu, quant, tm
         if argv[0] == "trtllm-dflash":
             names.append(argv[1])
             build_parser(argv[1:]).parse_args(argv[1:])  # argparse exits (SystemExit) on anything unknown
-        elif argv[0] == "python3" and argv[1].endswith("quantize_hf.py"):
-            names.append("quantize_hf")
-            quantize_hf.build_parser().parse_args(argv[2:])
         else:
             raise AssertionError(f"unexpected command {argv}")
     engine = ["convert", "quantize", "build"] if quant != "none" else ["convert", "build"]
-    pytorch = ["quantize_hf"] if quant != "none" else []
+    pytorch = ["convert", "quantize"] if quant != "none" else []
     assert names == (engine if mode == "engine" else pytorch) + ["make-repo", "serve"]
     assert f"--backend trtllm-{mode}" in out.stdout
     if quant != "none":
         assert f"--format {quant} --kv-cache fp8" in out.stdout
+        if mode == "pytorch":
+            assert "--export-hf" in out.stdout  # the unified HF checkpoint the PyTorch backend loads
 
 
 @pytest.mark.parametrize("cap,gpu,quant", [("9.0", "hopper", "fp8"), ("10.0", "blackwell", "nvfp4"),

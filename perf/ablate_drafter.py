@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         held = log_doc["held_out"][-1] if log_doc else None
         results["variants"][variant] = {
             "overrides": VARIANTS[variant], "exit_code": rc, "seconds": round(time.time() - t0),
-            "held_out": held, "command": " ".join(cmd[1:]),
+            "held_out": held, "command": " ".join(cmd[1:]).replace(str(Path.home()), "~"),
         }
         print(json.dumps({variant: results["variants"][variant]}), file=sys.stderr)
     print(json.dumps(results))

@@ -7,38 +7,36 @@ import json
 
 import pytest
 
+from trtllm_dflash.cli import build_parser
 from trtllm_dflash.convert import cli
 from trtllm_dflash.convert.summary import inspect
 from trtllm_dflash.errors import ArtifactError, ConfigError
 
 
-def _parser():
-    root = argparse.ArgumentParser(prog="trtllm-dflash")
-    subs = root.add_subparsers(dest="command", required=True)
-    for name in ("convert", "inspect"):
-        cli.add_arguments(subs.add_parser(name))
-    return root
+def _parse(argv: list[str]):
+    """argv through the real ``trtllm-dflash`` parser (root options and the chosen subcommand's arguments)."""
+    return build_parser(argv).parse_args(argv)
 
 
 @pytest.fixture(scope="module")
 def out(tiny_dirs, tmp_path_factory):
     t, d = tiny_dirs["qwen3"]
     out = tmp_path_factory.mktemp("cli") / "ckpt"
-    args = _parser().parse_args(["convert", "--target", str(t), "--drafter", str(d), "--out", str(out), "--tp", "2"])
+    args = _parse(["convert", "--target", str(t), "--drafter", str(d), "--out", str(out), "--tp", "2"])
     assert cli.main(args) == 0
     return out
 
 
 def test_convert_defaults_and_choices():
-    args = _parser().parse_args(["convert", "--target", "t", "--drafter", "d", "--out", "o"])
+    args = _parse(["convert", "--target", "t", "--drafter", "d", "--out", "o"])
     assert (args.dtype, args.tp, args.force, args.convert_command) == ("bfloat16", 1, False, "convert")
     with pytest.raises(SystemExit):
-        _parser().parse_args(["convert", "--target", "t", "--drafter", "d", "--out", "o", "--dtype", "int8"])
+        _parse(["convert", "--target", "t", "--drafter", "d", "--out", "o", "--dtype", "int8"])
 
 
 def test_convert_errors_propagate(tiny_dirs, tmp_path):
     t, d = tiny_dirs["qwen3"]
-    args = _parser().parse_args(["convert", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "o"),
+    args = _parse(["convert", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "o"),
                                  "--tp", "3"])
     with pytest.raises(ConfigError, match="tp=3"):
         cli.main(args)
@@ -46,7 +44,7 @@ def test_convert_errors_propagate(tiny_dirs, tmp_path):
 
 def test_inspect_json(out, capsys):
     capsys.readouterr()
-    assert cli.main(_parser().parse_args(["inspect", str(out), "--json"])) == 0
+    assert cli.main(_parse(["inspect", str(out), "--json"])) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["format"] == "trtllm_dflash.checkpoint/1" and summary["config"]["tp"] == 2
     target, drafter = summary["target"], summary["drafter"]
@@ -61,7 +59,7 @@ def test_inspect_json(out, capsys):
 
 def test_inspect_text_and_single_checkpoint(out, capsys):
     capsys.readouterr()
-    assert cli.main(_parser().parse_args(["inspect", str(out / "drafter"), "--no-stats"])) == 0
+    assert cli.main(_parse(["inspect", str(out / "drafter"), "--no-stats"])) == 0
     text = capsys.readouterr().out
     assert "DFlashDrafterForTRTLLM" in text and "mask_token_id=5" in text
     assert "tensors" not in inspect(out / "target", stats=False)

@@ -3,12 +3,12 @@ packing), ``--quantize-drafter``, ``--calib-device``; ``inspect`` reports checkp
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
+from trtllm_dflash.cli import build_parser
 from trtllm_dflash.convert import cli
 from trtllm_dflash.convert.quantize import CalibDevice, CalibrationPath, QuantRecipe
 from trtllm_dflash.convert.summary import inspect
@@ -18,19 +18,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CPU_NVFP4 = "nvfp4 calibration path: CPU own-amax + modelopt packing"
 
 
-def _parser():
-    root = argparse.ArgumentParser(prog="trtllm-dflash")
-    subs = root.add_subparsers(dest="command", required=True)
-    for name in ("convert", "quantize", "inspect"):
-        cli.add_arguments(subs.add_parser(name))
-    return root
+def _parse(argv: list[str]):
+    """argv through the real ``trtllm-dflash`` parser (root options and the chosen subcommand's arguments)."""
+    return build_parser(argv).parse_args(argv)
 
 
 @pytest.fixture(scope="module")
 def src(tiny_dirs, tmp_path_factory):
     t, d = tiny_dirs["qwen3"]
     out = tmp_path_factory.mktemp("qcli") / "bf16"
-    assert cli.main(_parser().parse_args(["convert", "--target", str(t), "--drafter", str(d), "--out", str(out)])) == 0
+    assert cli.main(_parse(["convert", "--target", str(t), "--drafter", str(d), "--out", str(out)])) == 0
     (out.parent / "ids.json").write_text(json.dumps([[1, 7, 9, 200, 13, 14], [3, 4, 5]]))
     return out
 
@@ -54,7 +51,7 @@ def test_calibration_path_descriptions():
 def test_quantize_prints_the_nvfp4_cpu_path_and_quantizes_the_drafter(src, capsys):
     pytest.importorskip("modelopt.torch.quantization")
     out = src.parent / "nvfp4"
-    args = _parser().parse_args(["quantize", "--in", str(src), "--out", str(out), "--format", "nvfp4",
+    args = _parse(["quantize", "--in", str(src), "--out", str(out), "--format", "nvfp4",
                                  "--calib-ids", str(src.parent / "ids.json"), "--quantize-drafter"])
     capsys.readouterr()
     assert cli.main(args) == 0
@@ -67,7 +64,7 @@ def test_quantize_prints_the_nvfp4_cpu_path_and_quantizes_the_drafter(src, capsy
     sizes, base = summary["sizes"], inspect(src, stats=False)["sizes"]
     assert sizes["total_bytes"] == sizes["target_bytes"] + sizes["drafter_bytes"]
     assert sizes["target_bytes"] < base["target_bytes"] and sizes["drafter_bytes"] < base["drafter_bytes"]
-    assert cli.main(_parser().parse_args(["inspect", str(out), "--no-stats"])) == 0
+    assert cli.main(_parse(["inspect", str(out), "--no-stats"])) == 0
     text = capsys.readouterr().out
     assert f"({sizes['target_bytes']} B)" in text and f"({sizes['total_bytes']} B)" in text
     assert "not quantized: drafter.context_proj, drafter.layers.*.attention.qkv" in text
@@ -77,7 +74,7 @@ def test_quantize_prints_the_nvfp4_cpu_path_and_quantizes_the_drafter(src, capsy
 def test_quantize_cuda_request_without_cuda_fails_before_writing(src, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available")
-    args = _parser().parse_args(["quantize", "--in", str(src), "--out", str(tmp_path / "x"), "--format", "fp8",
+    args = _parse(["quantize", "--in", str(src), "--out", str(tmp_path / "x"), "--format", "fp8",
                                  "--calib-ids", str(src.parent / "ids.json"), "--calib-device", "cuda"])
     with pytest.raises(ConfigError, match="calib_device='cuda'"):
         cli.main(args)

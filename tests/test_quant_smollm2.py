@@ -9,7 +9,6 @@ BF16 greedy continuations (32 tokens) of the last 4 HumanEval prompts, teacher-f
 from __future__ import annotations
 
 import pytest
-import torch
 
 from trtllm_dflash.convert import agreement as ag
 from trtllm_dflash.convert import convert, load_trtllm_target

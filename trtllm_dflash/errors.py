@@ -6,6 +6,10 @@ print one line and exit with code 2 (and the Triton models can answer INVALID_AR
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 class DFlashError(Exception):
     """Base class for errors caused by user input (exit code 2 at the CLI)."""
@@ -44,3 +48,17 @@ def require(ok: bool, field: str, value: object, rule: str, fix: str = "") -> No
     """Raise ``ConfigError(field, value, rule, fix)`` unless ``ok``."""
     if not ok:
         raise ConfigError(field, value, rule, fix)
+
+
+def read_json(path: str | Path, fix: str) -> dict[str, Any]:
+    """A JSON object from ``path``; missing, unreadable or non-object files raise ArtifactError with ``fix``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(path, "missing", fix)
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(path, f"unreadable JSON ({exc})", fix) from exc
+    if not isinstance(obj, dict):
+        raise ArtifactError(path, "top level is not a JSON object", fix)
+    return obj

@@ -12,13 +12,12 @@ same tensor; an implementation that captured "before layer i" would be off by on
 from __future__ import annotations
 
 import enum
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trtllm_dflash.errors import ArtifactError, ConfigError, require
+from trtllm_dflash.errors import ArtifactError, ConfigError, read_json, require
 
 
 class TargetFamily(enum.Enum):
@@ -107,18 +106,10 @@ def _int(cfg: dict[str, Any], key: str, prefix: str, minimum: int = 1, default: 
 
 
 def read_config_json(model_dir: str | Path, what: str) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
         raise ArtifactError(model_dir, f"{what} directory does not exist", f"pass an existing {what} directory")
-    if not path.is_file():
-        raise ArtifactError(path, "missing", f"the {what} directory must hold a Hugging Face config.json")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(path, f"unreadable JSON ({exc})", "restore the file from the original checkpoint") from exc
-    if not isinstance(cfg, dict):
-        raise ArtifactError(path, "top level is not a JSON object")
-    return cfg
+    return read_json(Path(model_dir) / "config.json",
+                     f"the {what} directory must hold its Hugging Face config.json (restore it from the original)")
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from trtllm_dflash.convert import configs, emulate, quant
 from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash.convert import weight_map as wm
-from trtllm_dflash.errors import ArtifactError
+from trtllm_dflash.errors import ArtifactError, read_json
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.models.weights import load_into
@@ -25,16 +25,8 @@ from trtllm_dflash.specs import TargetSpec
 
 
 def read_config(ckpt_dir: Path) -> dict[str, Any]:
-    path = Path(ckpt_dir) / "config.json"
-    if not path.is_file():
-        raise ArtifactError(path, "missing", "pass a checkpoint directory written by `trtllm-dflash convert`")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(path, f"unreadable JSON ({exc})", "re-run the conversion") from exc
-    if not isinstance(cfg, dict):
-        raise ArtifactError(path, "top level is not a JSON object", "re-run the conversion")
-    return cfg
+    return read_json(Path(ckpt_dir) / "config.json",
+                     "pass a checkpoint directory written by `trtllm-dflash convert` (re-run it if the file is damaged)")
 
 
 def read_ranks(ckpt_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:

@@ -380,7 +380,6 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
                                      use_parallel_embedding=bool(tcfg.get("use_parallel_embedding")))
     if recipe is QuantRecipe.NVFP4:
         _check_nvfp4_widths(entries, tp, QUANTIZED_LINEARS)
-    drafter = None
     if cfg.quantize_drafter:
         dstate, dspec, dcfg = load_trtllm_drafter_state(cfg.src_dir / "drafter")
         require((dcfg.get("quantization") or {}).get("quant_algo") is None, "drafter.quantization.quant_algo",

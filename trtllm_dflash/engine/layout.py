@@ -12,12 +12,12 @@ sibling target's rank files.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from trtllm_dflash.engine.contract import TensorIO
+from trtllm_dflash import errors
 from trtllm_dflash.errors import ArtifactError, require
 
 TARGET_DIR = "target"
@@ -28,10 +28,7 @@ BORROWED = {"vocab_embedding.weight": "embedding_source", "lm_head.weight": "lm_
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(path, f"cannot read JSON ({exc})", "pass a directory written by `trtllm-dflash convert`")
+    return errors.read_json(path, "pass a directory written by `trtllm-dflash convert`")
 
 
 def sibling(ckpt_dir: str | Path, name: str) -> Path:

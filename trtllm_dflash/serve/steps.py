@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,12 +35,14 @@ class SlotsExhausted(ConfigError):
 
 @dataclass
 class SlotTable:
-    """seq_id -> cache row, with idle-time bookkeeping; counts what it freed and why (telemetry)."""
+    """seq_id -> cache row, with idle-time bookkeeping; counts what it freed and why (telemetry). ``data`` holds the
+    owner's per-sequence payload (sampling state, token history), dropped with the slot on free and on time-out."""
 
     num_rows: int
     idle_timeout_s: float
     rows: dict[int, int] = field(default_factory=dict)
     last_used: dict[int, float] = field(default_factory=dict)
+    data: dict[int, Any] = field(default_factory=dict)
     freed: int = 0
     timed_out: int = 0
 
@@ -66,6 +69,7 @@ class SlotTable:
         if self.rows.pop(seq_id, None) is None:
             return False
         self.last_used.pop(seq_id, None)
+        self.data.pop(seq_id, None)
         self.freed += 1
         return True
 
@@ -97,7 +101,7 @@ class TargetVerifier:
         self.max_seq_len = max_seq_len
         self.cache = target.new_cache(max_sequences, max_seq_len + max_block_size)
         self.slots = SlotTable(max_sequences, idle_timeout_s)
-        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = self.slots.data
 
     def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
@@ -132,12 +136,10 @@ class TargetVerifier:
         ]
 
     def free(self, seq_id: int) -> bool:
-        self.sampling.pop(seq_id, None)
         return self.slots.free(seq_id)
 
     def expire(self) -> None:
-        for s in self.slots.expire():
-            self.sampling.pop(s, None)
+        self.slots.expire()
 
 
 class KVInjector:

@@ -25,7 +25,6 @@ descriptors with ``tensorrt.plugin``) before any engine is deserialized; there i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from trtllm_dflash.engine import contract
-from trtllm_dflash.errors import ArtifactError, ConfigError, require
+from trtllm_dflash.errors import ArtifactError, ConfigError, read_json, require
 from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths
 from trtllm_dflash.serve.steps import SlotTable, StartResult, VerifyResult
 
@@ -66,23 +65,14 @@ def load_engine_set(engines_dir: str | Path, block_size: int, tap_layers: tuple[
         raise ArtifactError(root, "--engines is not a directory", fix)
     configs = {}
     for name in contract.ENGINES:
-        cfg_path = root / name / "config.json"
-        if not cfg_path.is_file():
-            raise ArtifactError(cfg_path, f"missing: the {name} engine is not built", fix)
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ArtifactError(cfg_path, f"is not JSON ({exc.msg})", "rebuild the engine") from None
+        cfg = read_json(root / name / "config.json", f"the {name} engine is not built or damaged; {fix}")
         missing = [k for k in ENGINE_CONFIG_KEYS if k not in cfg]
         require(not missing, f"{name}/config.json keys", missing, "are missing (an engine config has "
                 "version, pretrained_config, build_config)", "rebuild the engine with `trtllm-dflash build`")
         if not (root / name / "rank0.engine").is_file():
             raise ArtifactError(root / name / "rank0.engine", "missing", fix)
         configs[name] = cfg
-    man_path = root / BUILD_MANIFEST
-    if not man_path.is_file():
-        raise ArtifactError(man_path, "missing", fix)
-    manifest = json.loads(man_path.read_text())
+    manifest = read_json(root / BUILD_MANIFEST, fix)
     built = manifest.get("block_size")
     require(isinstance(built, int), f"{BUILD_MANIFEST}.block_size", built, "is missing or not an integer",
             "rebuild with `trtllm-dflash build`")
@@ -219,7 +209,7 @@ class SequenceBook:
     def __init__(self, max_sequences: int, max_seq_len: int, idle_timeout_s: float) -> None:
         self.slots = SlotTable(max_sequences, idle_timeout_s)
         self.max_seq_len = max_seq_len
-        self.state: dict[int, SequenceState] = {}
+        self.state: dict[int, SequenceState] = self.slots.data  # dropped by the SlotTable on free / time-out
 
     def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams) -> SequenceState:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
@@ -239,12 +229,10 @@ class SequenceBook:
         return st
 
     def free(self, seq_id: int) -> bool:
-        self.state.pop(seq_id, None)
         return self.slots.free(seq_id)
 
     def expire(self) -> None:
-        for s in self.slots.expire():
-            self.state.pop(s, None)
+        self.slots.expire()
 
 
 class ContextCache:

@@ -20,12 +20,10 @@ Example (the shipped SmolLM2 drafter; see training_config.json next to it for th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from pathlib import Path
 
-from trtllm_dflash.errors import ConfigError, DFlashError
+from trtllm_dflash.errors import DFlashError
 
 log = logging.getLogger(__name__)
 

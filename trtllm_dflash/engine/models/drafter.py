@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import tensorrt.plugin as trtp
 from tensorrt_llm._common import default_trtnet
 from tensorrt_llm.functional import (Tensor, _create_tensor, arange, argmax, cast, concat, constant, embedding, matmul,

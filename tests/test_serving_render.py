@@ -117,3 +117,17 @@ def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
     assert all(1 <= t <= block_size for t in taus) and (block_size == 1 or max(taus) > 1)
     assert [u.prev_len for u in updates[1:]] == [len(u.tokens) for u in updates[:-1]]
     assert not verifier.slots.rows and not steps.drafter.slots.rows  # state freed
+
+
+def test_server_env_bounds_openmp_spinning(tmp_path, monkeypatch):
+    """Step-model processes share the cores: by default their idle OpenMP threads spin a bounded while (neither the
+    unbounded default nor a futex sleep after every op); a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins."""
+    from trtllm_dflash.serve.server import OMP_SPINCOUNT, server_command
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    env = server_command(tmp_path, 1, 2, 3).env
+    assert env["GOMP_SPINCOUNT"] == str(OMP_SPINCOUNT) and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    env = server_command(tmp_path, 1, 2, 3).env
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env

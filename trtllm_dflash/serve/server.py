@@ -26,6 +26,8 @@ from pathlib import Path
 from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
 
+OMP_SPINCOUNT = 5_000  # libgomp spin iterations before an idle thread sleeps (see server_command)
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: Linux delivers SIGTERM to the server if the process that started it dies,
@@ -83,9 +85,15 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
         f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{grpc_port}",
     ]
     env = dict(os.environ)
-    # Idle OpenMP threads of one step model must not spin while another model computes: with several torch
-    # processes on few cores, spinning made steps ~10x slower.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The step models are torch processes sharing the cores. libgomp's default spin (300k iterations) made steps
+    # ~10x slower (idle threads of one model spin while another computes); OMP_WAIT_POLICY=PASSIVE fixed that but
+    # pays a futex wake-up on each of the ~500 parallel regions of a forward. A short bounded spin keeps threads
+    # warm between the ops of one forward and asleep between forwards: on the 2-core VM (perf/bench_serving.py,
+    # perf/results/README.md) 5k spins gave dflash 6.85 / 7.55 / 8.98 tok/s at c = 1 / 4 / 16 (PASSIVE 5.35 / 8.17
+    # / 9.47); 20k favours c = 1 (8.04) but loses under concurrency (6.10 at c = 4), when the target's and the
+    # drafter's threads share the cores. A user-set OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = str(OMP_SPINCOUNT)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     system = shutil.which("tritonserver")
     if system:

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
     from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.server import TritonServer, server_command
     from trtllm_dflash.specs import DrafterSpec
 
     if args.target is None:
@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024,
                                     max_sequences=max(conc) + 2), Path(tmp) / "repo")
+        env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
+        results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+                                        if k in env}
         with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
             run_point(server.grpc_url, "baseline", texts[:1], 4, 1)  # warm-up
             results["server_time_c1"] = {}

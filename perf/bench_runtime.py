@@ -7,12 +7,16 @@ including prefill, summed over prompts.
 
     python perf/bench_runtime.py --dataset humaneval --limit 20 --block-size 16 --max-new-tokens 256 --json
 
+``--block-size 16,8`` evaluates several block sizes against one autoregressive run (the baseline does not depend on
+the block size, so it is decoded once per batch) and prints one JSON line per block size.
+
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
 depend on the batch): the way to get τ and losslessness over a whole dataset on a slow machine. Its tokens/s and
 speed-up are then *batched* numbers (labelled by ``batch_size`` in the JSON); the latency-bound speed-up that DFlash
 is about is the batch-1 one.
 
-Defaults to the demo target and drafter (``trtllm-dflash demo-assets``). Prints one JSON object.
+Defaults to the demo target and drafter (``trtllm-dflash demo-assets``). Prints one JSON object per block size;
+``--out FILE`` also writes them there (atomically, one per line).
 """
 
 from __future__ import annotations
@@ -30,14 +34,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | path to a JSONL file of {\"prompt\"}")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    p.add_argument("--block-size", default=None,
+                   help="DFlash block size, or a comma list (e.g. 16,8) sharing one AR run (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
+    args = p.parse_args(argv)
+    try:
+        args.block_sizes = [int(b) for b in args.block_size.split(",")] if args.block_size else []
+        if any(b < 2 for b in args.block_sizes):
+            raise ValueError
+    except ValueError:
+        p.error(f"--block-size {args.block_size!r} must be an integer >= 2 or a comma list of them, e.g. 16,8")
+    return args
 
 
 def main(argv=None) -> int:
@@ -59,57 +72,67 @@ def main(argv=None) -> int:
     target, drafter = load_pair(args.target, args.drafter)
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
-    block = args.block_size or drafter.spec.block_size
-    ar, dflash = SpeculativeDecoder(target, None, 1), SpeculativeDecoder(target, drafter, block)
+    blocks = args.block_sizes or [drafter.spec.block_size]
+    decoders = {"ar": SpeculativeDecoder(target, None, 1)}
+    decoders.update({b: SpeculativeDecoder(target, drafter, b) for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 
-    totals = collections.Counter()
-    taus: list[int] = []
-    mismatches = []
+    ms, tokens = collections.Counter(), collections.Counter()
+    taus: dict[int, list[int]] = {b: [] for b in blocks}
+    mismatches: dict[int, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
-    bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={block} batch={args.batch_size}", file=sys.stderr,
-               disable=None)
+    bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
+               file=sys.stderr, disable=None)
     for batch in batches:
         reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
                 for p in batch]
-        for name, dec in (("ar", ar), ("dflash", dflash)):
+        outs = {}
+        for name, dec in decoders.items():
             t0 = time.perf_counter()
-            out = dec.generate(reqs)
-            totals[f"{name}_ms"] += (time.perf_counter() - t0) * 1e3
-            totals[f"{name}_tokens"] += sum(r.num_new_tokens for r in out)
-            if name == "ar":
-                ar_out = out
-        for p, a, d in zip(batch, ar_out, out):
-            taus.extend(d.acceptance_lengths)
-            if a.token_ids != d.token_ids:
-                mismatches.append(p.id)
+            outs[name] = dec.generate(reqs)
+            ms[name] += (time.perf_counter() - t0) * 1e3
+            tokens[name] += sum(r.num_new_tokens for r in outs[name])
+        for b in blocks:
+            for p, a, d in zip(batch, outs["ar"], outs[b]):
+                taus[b].extend(d.acceptance_lengths)
+                if a.token_ids != d.token_ids:
+                    mismatches[b].append(p.id)
         bar.update(len(batch))
     bar.close()
 
-    ar_tps = totals["ar_tokens"] / (totals["ar_ms"] / 1e3)
-    df_tps = totals["dflash_tokens"] / (totals["dflash_ms"] / 1e3)
-    hist = collections.Counter(taus)
-    result = {
-        "dataset": args.dataset,
-        "num_prompts": len(prompts),
-        "block_size": block,
-        "batch_size": args.batch_size,
-        "max_new_tokens": args.max_new_tokens,
-        "ar_tokens_per_second": round(ar_tps, 3),
-        "dflash_tokens_per_second": round(df_tps, 3),
-        "speedup": round(df_tps / ar_tps, 3),
-        "mean_acceptance_length": round(sum(taus) / len(taus), 3) if taus else None,
-        "acceptance_histogram": {str(k): hist[k] for k in range(1, block + 1)},
-        "lossless": not mismatches,
-        "mismatched_prompts": mismatches,
-        "num_new_tokens": totals["dflash_tokens"],
-        "target": os.path.basename(os.path.normpath(args.target)),
-        "drafter": os.path.basename(os.path.normpath(args.drafter)),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    print(json.dumps(result))
-    return 0 if result["lossless"] else 1
+    ar_tps = tokens["ar"] / (ms["ar"] / 1e3)
+    lines = []
+    for b in blocks:
+        df_tps = tokens[b] / (ms[b] / 1e3)
+        hist = collections.Counter(taus[b])
+        lines.append({
+            "dataset": args.dataset,
+            "num_prompts": len(prompts),
+            "block_size": b,
+            "batch_size": args.batch_size,
+            "max_new_tokens": args.max_new_tokens,
+            "ar_tokens_per_second": round(ar_tps, 3),
+            "dflash_tokens_per_second": round(df_tps, 3),
+            "speedup": round(df_tps / ar_tps, 3),
+            "mean_acceptance_length": round(sum(taus[b]) / len(taus[b]), 3) if taus[b] else None,
+            "acceptance_histogram": {str(k): hist[k] for k in range(1, b + 1)},
+            "lossless": not mismatches[b],
+            "mismatched_prompts": mismatches[b],
+            "num_new_tokens": tokens[b],
+            "target": os.path.basename(os.path.normpath(args.target)),
+            "drafter": os.path.basename(os.path.normpath(args.drafter)),
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+                       f"{torch.get_num_threads()} threads",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    print(text, end="")
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, args.out)
+    return 0 if all(line["lossless"] for line in lines) else 1
 
 
 if __name__ == "__main__":

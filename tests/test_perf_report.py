@@ -65,3 +65,24 @@ def test_report_without_a_baseline(sweep):
     rows = table(write_report(sweep).read_text())
     assert [row["model"] for row in rows] == ["dflash"] * len(rows) and all(row["speed-up"] == "" for row in rows)
     assert all((sweep / name).stat().st_size > 1000 for name in PLOTS)
+
+
+def test_acceptance_plot_renders_recorded_bench_runtime_files(tmp_path):
+    """perf/plot_acceptance.py draws the recorded in-process evaluations; a file that is not bench_runtime output
+    is refused with exit 2 and a message naming it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    files = sorted(str(p) for p in (root / "perf" / "results" / "drafter-cpu").glob("step800-*.json"))
+    assert files
+    png = tmp_path / "tau.png"
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_acceptance.py"), *files, "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"dataset": "humaneval"}\n')
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_acceptance.py"), str(bad), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "bad.json:1 has no acceptance_histogram" in run.stderr

@@ -71,6 +71,20 @@ def _series(records, key):
     return {k: sorted(v.items()) for k, v in sorted(pts.items())}
 
 
+def draw_tau_hist(ax, hist: dict[str, dict[int, int]], title: str) -> None:
+    """Grouped bars, one series per label: the fraction of verify steps that accepted τ tokens."""
+    width = 0.8 / max(1, len(hist))
+    for i, (name, h) in enumerate(sorted(hist.items())):
+        total = sum(h.values()) or 1
+        taus = sorted(h)
+        mean = sum(t * n for t, n in h.items()) / total
+        ax.bar([t + (i - (len(hist) - 1) / 2) * width for t in taus], [h[t] / total for t in taus], width,
+               label=f"{name} (mean τ {mean:.2f}, {total} steps)")
+    ax.set(xlabel="acceptance length τ", ylabel="fraction of verify steps", title=title)
+    if hist:
+        ax.legend(fontsize=8)
+
+
 def plot(records: list[PerfRecord], out: Path) -> list[Path]:
     import matplotlib
 
@@ -122,18 +136,9 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
     for r in records:
         if r.model == "dflash":
             for t, n in r.tau_hist.items():
-                hist[(r.dataset, r.block_size)][int(t)] += n
+                hist[f"{r.dataset} B={r.block_size}"][int(t)] += n
     fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / max(1, len(hist))
-    for i, ((d, b), h) in enumerate(sorted(hist.items())):
-        total = sum(h.values()) or 1
-        taus = sorted(h)
-        mean = sum(t * n for t, n in h.items()) / total
-        ax.bar([t + (i - (len(hist) - 1) / 2) * width for t in taus], [h[t] / total for t in taus], width,
-               label=f"{d} B={b} (mean τ {mean:.2f}, {total} steps)")
-    ax.set(xlabel="acceptance length τ", ylabel="fraction of verify steps", title="τ histogram (dflash)")
-    if hist:
-        ax.legend(fontsize=8)
+    draw_tau_hist(ax, hist, "τ histogram (dflash)")
     paths.append(save(fig, "tau_hist.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

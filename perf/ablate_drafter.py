@@ -7,8 +7,9 @@ metrics (expected τ = 1 + Σ_k Π_{j≤k} acc_j over the block, per-position ac
         --variants base,layers1,gamma4,init-random --json
 
 ``--source-work`` is a ``train-drafter`` work directory whose ``prompts.jsonl`` and ``taps/`` are reused (linked, not
-copied); its taps fix the tapped layers, so tap ablations need their own cache. Every variant trains with the
-shipped drafter's recipe (``BASE``) for ``--steps`` steps; only the named knob differs.
+copied). Tap variants (``taps-*``) keep its prompts and regenerated responses but re-tap them at their own layers
+(``train.data.retap_cache``: one teacher-forced forward per sample, written under the variant's work dir). Every
+variant trains with the shipped drafter's recipe (``BASE``) for ``--steps`` steps; only the named knob differs.
 """
 
 from __future__ import annotations
@@ -35,14 +36,39 @@ VARIANTS = {
     "gamma16": {"--gamma": "16.0"},
     "init-random": {"--init": "random"},
     "full-vocab-loss": {"--loss-vocab": "full"},
+    # taps: BASE spreads 3 taps over the depth (the default rule, 1/14/27 of SmolLM2's 30 layers)
+    # one late tap (EAGLE-1-like feature); 26 is the latest that leaves target layers 27-29 to initialise from
+    "taps-single": {"--target-layer-ids": ["26"]},
+    "taps-late": {"--target-layer-ids": ["23", "25", "27"]},  # three late layers
+    "taps-five": {"--target-layer-ids": ["1", "7", "14", "20", "27"]},  # five spread taps
 }
 
 
 def flags(variant: str, steps: int) -> list[str]:
     out, over = list(BASE), VARIANTS[variant]
     for key, value in over.items():
-        out[out.index(key) + 1] = value
+        i = out.index(key) + 1
+        j = next((k for k in range(i, len(out)) if out[k].startswith("--")), len(out))  # the key's old values
+        out[i:j] = value if isinstance(value, list) else [value]
     return out + ["--steps", str(steps), "--log-every", "10", "--ckpt-every", str(steps)]
+
+
+def retap(target_dir: str, src: Path, out: Path, layers: tuple[int, ...]) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.train.data import retap_cache
+
+    torch.set_num_threads(1)
+    bar = tqdm(desc=f"re-tapping at layers {list(layers)}", unit="shard", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    retap_cache(TargetModel.from_pretrained(target_dir), src, out, layers, progress)
+    bar.close()
 
 
 def main(argv=None) -> int:
@@ -64,9 +90,12 @@ def main(argv=None) -> int:
     for variant in args.variants.split(","):
         work, out = root / variant / "work", root / variant / "drafter"
         work.mkdir(parents=True, exist_ok=True)
-        for name in ("prompts.jsonl", "taps"):
+        taps = VARIANTS[variant].get("--target-layer-ids")
+        for name in ("prompts.jsonl", "taps") if taps is None else ("prompts.jsonl",):
             if not (work / name).exists():
                 (work / name).symlink_to(src / name)
+        if taps is not None:
+            retap(args.target, src / "taps", work / "taps", tuple(int(t) for t in taps))
         cmd = [sys.executable, "-m", "trtllm_dflash.train.cli", "--target", args.target, "--out", str(out),
                "--work-dir", str(work), *flags(variant, args.steps)]
         if (work / "checkpoint.pt").exists():

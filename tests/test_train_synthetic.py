@@ -101,3 +101,36 @@ def test_existing_checkpoint_needs_resume(trained):
         train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=False)
     # Resuming a finished run trains nothing more and leaves the export in place.
     train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=True)
+
+
+def test_retap_reproduces_the_decoding_pass_taps(tmp_path, one_thread):
+    """A tap ablation re-taps the cached samples with a teacher-forced forward instead of regenerating them: with the
+    same layers it must give the decoding pass's taps (bf16 rounding aside), with other layers those layers' taps."""
+    import transformers
+
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.train.data import retap_cache
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=HIDDEN // 4, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "target"))
+    target = TargetModel.from_pretrained(tmp_path / "target")
+    src = tmp_path / "src"
+    src.mkdir()
+    samples = generate_with_taps(target, [[5, 9, 20], [30, 31, 4, 4, 6]], 12, (), (1, 3))
+    write_shard(src / "shard-00000.safetensors", samples)
+    (src / "meta.json").write_text(json.dumps({"tap_layers": [1, 3], "max_new_tokens": 12, "num_prompts": 2}))
+
+    same = read_shard(retap_cache(target, src, tmp_path / "same", (1, 3))[0])
+    for a, b in zip(samples, same):
+        assert a.ids.tolist() == b.ids.tolist() and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(b.taps.float(), a.taps.float(), atol=2e-2, rtol=2e-2)
+    other = read_shard(retap_cache(target, src, tmp_path / "other", (2,))[0])
+    assert other[0].taps.shape == (len(samples[0].ids), HIDDEN)
+    assert not torch.allclose(other[0].taps[:-1].float(), samples[0].taps[:-1, :HIDDEN].float(), atol=1e-2)
+    assert json.loads((tmp_path / "other" / "meta.json").read_text())["tap_layers"] == [2]
+    with pytest.raises(ValueError, match="different settings"):
+        retap_cache(target, src, tmp_path / "other", (3,))

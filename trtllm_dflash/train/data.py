@@ -152,3 +152,34 @@ def build_taps_cache(
         if progress is not None:
             progress(sum(len(ch) for ch in chunks[: c + 1]), len(keep))
     return paths
+
+
+@torch.inference_mode()
+def retap_cache(target: TargetModel, src_dir: Path, out_dir: Path, tap_layers: tuple[int, ...],
+                progress=None) -> list[Path]:
+    """The same prompts and regenerated responses as ``src_dir``, with the taps of other layers: one teacher-forced
+    forward of each cached sample (no regeneration, so a tap ablation costs a prefill, not a decode). Row layout as
+    ``generate_with_taps`` (the last token's row is zero); resumes by shard."""
+    meta = json.loads((src_dir / "meta.json").read_text())
+    meta["tap_layers"] = list(tap_layers)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = out_dir / "meta.json"
+    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
+        raise ValueError(f"{out_dir} holds taps for different settings {meta_path.read_text()}; use a new directory")
+    meta_path.write_text(json.dumps(meta) + "\n")
+    srcs = sorted(src_dir.glob("shard-*.safetensors"))
+    paths = []
+    for n, src in enumerate(srcs):
+        dst = out_dir / src.name
+        paths.append(dst)
+        if not dst.is_file():
+            samples = []
+            for s in read_shard(src):
+                cache = target.new_cache(1, len(s.ids))
+                _, taps = target(s.ids[None, :-1].to(target.device), cache, tap_layers=tap_layers)  # [1, S−1, K·H]
+                t = taps[0].to(torch.bfloat16).cpu()
+                samples.append(Sample(s.ids, torch.cat([t, torch.zeros(1, t.shape[1], dtype=t.dtype)]), s.prompt_len))
+            write_shard(dst, samples)
+        if progress is not None:
+            progress(n + 1, len(srcs))
+    return paths

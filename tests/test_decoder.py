@@ -105,6 +105,43 @@ def test_accepted_lengths_worked_example():
     assert accepted_lengths(drafts, samples).tolist() == [2, 3, 0]
 
 
+@pytest.mark.parametrize("block", [1, 2, 3, 5, 8, 16])
+def test_lazy_greedy_verify_equals_the_eager_rule(block):
+    """verify_samples computes the LM head only for slots a row can still use; up to each row's bonus token it must
+    agree with target_samples + accepted_lengths for every accepted length and batch size."""
+    from trtllm_dflash.runtime.sampling import target_samples, verify_samples
+
+    gen = torch.Generator().manual_seed(block)
+    weight = torch.randn(8, 11, generator=gen)
+    calls = []
+
+    def head(h):
+        calls.append(h.shape[0] * h.shape[1])
+        return h @ weight
+
+    for b in range(1, 7):
+        hidden = torch.randn(b, block, 8, generator=gen)
+        drafts = (hidden @ weight).argmax(-1)[:, :-1].clone()
+        for r, k in enumerate(torch.randint(0, block, (b,), generator=gen).tolist()):  # row r accepts k drafts
+            if k < block - 1:
+                drafts[r, k] = (drafts[r, k] + 1) % 11
+        params = [SamplingParams()] * b
+        calls.clear()
+        samples, acc = verify_samples(head, hidden, drafts, params, [None] * b)
+        lazy_slots = sum(calls)
+        ref = target_samples(hidden @ weight, params, [None] * b)
+        assert acc.tolist() == accepted_lengths(drafts, ref).tolist()
+        for r in range(b):
+            assert samples[r, : acc[r] + 1].tolist() == ref[r, : acc[r] + 1].tolist()
+        assert lazy_slots <= b * block
+    hidden = torch.randn(2, block, 8, generator=gen)  # sampled rows: the eager path, the same RNG draws
+    params = [SamplingParams(temperature=1.0, seed=3)] * 2
+    samples, _ = verify_samples(head, hidden, torch.zeros(2, block - 1, dtype=torch.long), params,
+                                [torch.Generator().manual_seed(3) for _ in range(2)])
+    ref = target_samples(hidden @ weight, params, [torch.Generator().manual_seed(3) for _ in range(2)])
+    assert torch.equal(samples, ref)
+
+
 def test_top_k_top_p_filtering():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert processed_probs(logits, SamplingParams(1.0, top_k=2)).tolist()[0][2:] == [0.0, 0.0]

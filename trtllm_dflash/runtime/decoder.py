@@ -27,7 +27,7 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
+from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +194,10 @@ class SpeculativeDecoder:
                 drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
             verify_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, B]
             hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
-            samples = target_samples(
-                self.target.logits(hidden), [seqs[i].request.sampling for i in active],
+            samples, acc = verify_samples(
+                self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
                 [seqs[i].generator for i in active],
-            )  # [b, B]
-            acc = accepted_lengths(drafts, samples)  # [b]
+            )  # [b, B] (valid up to each row's bonus), [b]
             tcache.commit(rows, acc + 1)
             if dcache is not None:
                 self._inject(taps, acc + 1, dcache, rows)

@@ -23,7 +23,7 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
-from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths, target_samples
+from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 
 
 SLOTS_EXHAUSTED = "slots are in use"  # message marker the BLS loop waits on (serve/bls.py)
@@ -127,8 +127,8 @@ class TargetVerifier:
         params = [self.sampling[s] for s in seq_ids]
         with torch.inference_mode():
             hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
-            samples = target_samples(self.target.logits(hidden), [p for p, _ in params], [g for _, g in params])
-            acc = accepted_lengths(ids[:, 1:], samples)  # [b]
+            samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
+                                          [g for _, g in params])  # [b, B], [b]
         self.cache.commit(rows, acc + 1)
         return [
             VerifyResult(samples[j, : int(acc[j]) + 1].tolist(), taps[j, : int(acc[j]) + 1] if want_taps else None)

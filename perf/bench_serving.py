@@ -3,9 +3,11 @@
 
     python perf/bench_serving.py --dataset humaneval --prompts 8 --max-tokens 64 --concurrency 1,4,16 --json
 
-Starts its own server on a freshly rendered repository (demo assets unless --target/--drafter), runs each prompt
-in-process (batch 1) for the c=1 reference, then through the ``dflash`` and ``baseline`` ensembles at each
-concurrency (a pool of C client threads over one gRPC stream each). Prints one JSON object.
+Starts its own server on a freshly rendered repository (demo assets unless --target/--drafter). The c=1 comparison is
+paired: prompt by prompt, each prompt runs in-process (batch 1) and through the ensemble back to back, in alternating
+order, for --rounds rounds, so both sides see the same load on a shared machine, and the two outputs are checked to be
+the same tokens. Then each ensemble runs at the other concurrencies (a pool of C client threads over one gRPC stream
+each). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
+    p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the paired c=1 comparison")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -59,6 +63,42 @@ def run_point(url, model, prompts, max_tokens, concurrency):
     for t in threads:
         t.join()
     return tokens[0] / (time.perf_counter() - t0), time.perf_counter() - t0
+
+
+def paired_c1(url, model, decoder, encode, texts, max_tokens, rounds):
+    """Tokens/s of ``decoder`` in-process and of ensemble ``model`` through Triton at c=1, prompt by prompt back to
+    back in alternating order (so drifting load on a shared machine hits both sides alike). Also returns the
+    Triton-side wall time (for the server time split), the per-round ratios, and whether every Triton output equals
+    the in-process tokens."""
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.runtime.decoder import Request
+
+    def in_process(text):
+        return list(decoder.generate([Request(*encode(text, max_tokens))])[0].token_ids)
+
+    def triton(text):
+        return list(client.generate(model, GenerateParams(text, max_tokens)).token_ids)
+
+    secs, tokens, ratios, same = {"in_process": 0.0, "triton": 0.0}, {"in_process": 0, "triton": 0}, [], True
+    with DFlashClient(url) as client:
+        for r in range(rounds):
+            rs = {"in_process": 0.0, "triton": 0.0}
+            for i, text in enumerate(texts):
+                order = ("in_process", "triton") if (i + r) % 2 == 0 else ("triton", "in_process")
+                out = {}
+                for side in order:
+                    t0 = time.perf_counter()
+                    out[side] = (in_process if side == "in_process" else triton)(text)
+                    rs[side] += time.perf_counter() - t0
+                    tokens[side] += len(out[side])
+                same &= out["in_process"] == out["triton"]
+            ratios.append(round(rs["in_process"] / rs["triton"], 3))  # same tokens both sides: time ratio = tok/s ratio
+            secs = {k: secs[k] + rs[k] for k in secs}
+    tps = {k: tokens[k] / secs[k] for k in secs}
+    return {"in_process_tokens_per_second": round(tps["in_process"], 2),
+            "triton_tokens_per_second": round(tps["triton"], 2),
+            "triton_over_in_process": round(tps["triton"] / tps["in_process"], 3),
+            "round_ratios": ratios, "identical_tokens": same, "triton_seconds": secs["triton"]}
 
 
 STEP_MODELS = ("target_verify", "kv_inject", "drafter", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing")
@@ -100,6 +140,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
     from trtllm_dflash.serve.render import RepoConfig, make_repo
     from trtllm_dflash.serve.server import TritonServer, server_command
@@ -115,36 +156,39 @@ def main(argv=None) -> int:
     target, drafter = load_pair(args.target, args.drafter)
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
-    in_process = {}
-    for name, dec in (("dflash", SpeculativeDecoder(target, drafter, block)), ("baseline", SpeculativeDecoder(target, None, 1))):
-        n, t0 = 0, time.perf_counter()
-        for text in texts:
-            r = dec.generate([Request(tuple(encode_prompt(tok, text, True)), args.max_tokens, stop_token_ids=stops)])[0]
-            n += r.num_new_tokens
-        in_process[name] = n / (time.perf_counter() - t0)
-    del target, drafter
+    decoders = {"dflash": SpeculativeDecoder(target, drafter, block), "baseline": SpeculativeDecoder(target, None, 1)}
+
+    def encode(text, max_tokens):
+        return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
     results = {"dataset": args.dataset, "prompts": len(texts), "max_tokens": args.max_tokens, "block_size": block,
-               "in_process_tokens_per_second": {k: round(v, 2) for k, v in in_process.items()}, "triton": {}}
+               "rounds": args.rounds, "torch_threads": args.torch_threads, "in_process_tokens_per_second": {},
+               "triton": {}, "paired_c1": {}}
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024,
-                                    max_sequences=max(conc) + 2), Path(tmp) / "repo")
+                                    max_sequences=max(conc) + 2, torch_threads=args.torch_threads),
+                         Path(tmp) / "repo")
         env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
         results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
                                         if k in env}
         with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
             run_point(server.grpc_url, "baseline", texts[:1], 4, 1)  # warm-up
+            decoders["baseline"].generate([Request(*encode(texts[0], 4))])
             results["server_time_c1"] = {}
-            for model in ("dflash", "baseline"):
+            for model, dec in decoders.items():
                 results["triton"][model] = {}
-                for c in conc:
-                    before = server_times(server.grpc_url)
-                    tps, wall = run_point(server.grpc_url, model, texts, args.max_tokens, c)
+                before = server_times(server.grpc_url)
+                pair = paired_c1(server.grpc_url, model, dec, encode, texts, args.max_tokens, args.rounds)
+                results["server_time_c1"][model] = time_split(before, server_times(server.grpc_url),
+                                                              pair.pop("triton_seconds"))
+                results["paired_c1"][model] = pair
+                results["in_process_tokens_per_second"][model] = pair["in_process_tokens_per_second"]
+                results["triton"][model]["1"] = pair["triton_tokens_per_second"]
+                for c in (c for c in conc if c != 1):
+                    tps, _ = run_point(server.grpc_url, model, texts, args.max_tokens, c)
                     results["triton"][model][str(c)] = round(tps, 2)
-                    if c == 1:
-                        results["server_time_c1"][model] = time_split(before, server_times(server.grpc_url), wall)
-    tri1 = results["triton"]
-    results["triton_over_in_process_c1"] = {m: round(tri1[m]["1"] / in_process[m], 3) for m in tri1 if "1" in tri1[m]}
+    del target, drafter, decoders
+    results["triton_over_in_process_c1"] = {m: p["triton_over_in_process"] for m, p in results["paired_c1"].items()}
     results["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
     print(json.dumps(results))
     return 0

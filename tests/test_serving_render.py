@@ -131,3 +131,26 @@ def test_server_env_bounds_openmp_spinning(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     env = server_command(tmp_path, 1, 2, 3).env
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+
+
+def test_cpu_step_threads_follow_the_load():
+    """A CPU step model computes on every core while it serves one sequence and on one thread once several overlap
+    (the target's and the drafter's processes would otherwise fight over the cores at each op's barrier); a fixed
+    ``torch_threads`` wins at any load."""
+    from trtllm_dflash.serve.handlers import CpuThreads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        auto = CpuThreads({"torch_threads": "0"})
+        assert [auto.threads_for(n) for n in (0, 1, 2, 16)] == [2, 2, 1, 1]
+        auto(live=4)
+        assert torch.get_num_threads() == 1
+        auto(live=1)
+        assert torch.get_num_threads() == 2  # back to every core when the load is gone
+        fixed = CpuThreads({"torch_threads": "3"})
+        assert torch.get_num_threads() == 3 and [fixed.threads_for(n) for n in (1, 16)] == [3, 3]
+        fixed(live=16)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -31,7 +31,9 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sequences", type=int, default=d.max_sequences, help="live sequences per step model")
     parser.add_argument("--queue-delay-us", type=int, default=d.queue_delay_us, help="dynamic batcher delay")
     parser.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s, help="free idle sequence state")
-    parser.add_argument("--torch-threads", type=int, default=d.torch_threads, help="threads per step model (0 = auto)")
+    parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                        help="threads per CPU step model (0 = auto: every core for one sequence, one thread each "
+                        "once sequences overlap)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 

@@ -26,10 +26,33 @@ from trtllm_dflash.serve.triton_io import error_response, get, get_torch, scalar
 START, VERIFY, FREE, STATS = 0, 1, 2, 3
 
 
-def _threads(params: dict[str, str]) -> None:
-    n = int(params.get("torch_threads", "0") or 0)
-    if n > 0:
-        torch.set_num_threads(n)
+class CpuThreads:
+    """The torch threads a CPU step model computes with, chosen per execution.
+
+    The step models are separate processes sharing the cores. With one live DFlash sequence the step runs one stage
+    at a time (verify, inject, draft), so the stage computing gets every core. With more, the target's and the
+    drafter's forwards overlap in time; two OpenMP teams on the same cores then wait at each op's barrier for a
+    thread the other process holds, so each stage drops to ``busy`` threads (one). The baseline ensemble has no
+    second stage: target_verify counts only DFlash sequences and keeps every core for it. ``torch_threads`` > 0
+    fixes the count instead; on a GPU the count is left alone.
+    """
+
+    def __init__(self, params: dict[str, str], busy: int = 1) -> None:
+        n = int(params.get("torch_threads", "0") or 0)
+        self.fixed = n > 0 or _device() != "cpu"
+        if n > 0:
+            torch.set_num_threads(n)
+        self.alone = torch.get_num_threads()  # when not fixed: torch's default (the cores, or OMP_NUM_THREADS)
+        self.busy = busy
+
+    def threads_for(self, live: int) -> int:
+        """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch)."""
+        return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 else self.busy)
+
+    def __call__(self, live: int) -> None:
+        n = self.threads_for(live)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
 
 def _device() -> str:
@@ -134,7 +157,7 @@ class TargetVerifyModel:
         from trtllm_dflash.models.target import TargetModel
         from trtllm_dflash.serve.steps import TargetVerifier
 
-        _threads(params)
+        self.threads, self.drafting = CpuThreads(params), set()
         taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
         if _engine_backend(params):
             from trtllm_dflash.serve.trtllm_engine import EngineTargetVerifier, load_engine_set
@@ -151,6 +174,18 @@ class TargetVerifyModel:
                                        int(params["max_block_size"]), float(params["idle_timeout_s"]))
         self.tap_width = len(taps) * target.spec.hidden_size
 
+    def _drafting_load(self, pb_utils, requests) -> int:
+        """Live sequences with a drafter in their loop (they ask for taps), this batch's included: while there are
+        several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps)."""
+        self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
+        for req in requests:
+            try:
+                if scalar(pb_utils, req, "want_taps", False, bool):
+                    self.drafting.add(scalar(pb_utils, req, "seq_id", 0, int))
+            except Exception:  # a malformed request is answered with its error below
+                pass
+        return len(self.drafting)
+
     def _outputs(self, pb_utils, tokens, taps, extra=()):
         taps = torch.zeros((0, self.tap_width)) if taps is None else taps.float()  # stays on the target's device
         outs = [("out_tokens", np.array(tokens, dtype=np.int32)), *extra]
@@ -159,6 +194,7 @@ class TargetVerifyModel:
 
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
+        self.threads(self._drafting_load(pb_utils, requests))
         responses: list = [None] * len(requests)
         groups: dict[tuple[int, bool], list[int]] = {}
         parsed = []
@@ -198,7 +234,7 @@ class KVInjectModel:
         from trtllm_dflash.checkpoints import load_pair
         from trtllm_dflash.serve.steps import KVInjector
 
-        _threads(params)
+        CpuThreads(params)(live=2)  # a few ms per step, as fast on one thread: one thread at any load
         if _engine_backend(params):
             from trtllm_dflash.serve.trtllm_engine import EngineKVInjector, load_engine_set
 
@@ -227,7 +263,7 @@ class DrafterStepModel:
         from trtllm_dflash.checkpoints import load_pair
         from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
 
-        _threads(params)
+        self.threads = CpuThreads(params)
         if _engine_backend(params):
             from trtllm_dflash.serve.trtllm_engine import EngineBlockDrafter, load_engine_set
             from trtllm_dflash.specs import DrafterSpec
@@ -243,6 +279,7 @@ class DrafterStepModel:
 
     def execute(self, pb_utils, requests) -> list:
         self.drafter.expire()
+        self.threads(max(len(self.drafter.slots.rows), len(requests)))
         responses: list = [None] * len(requests)
         groups: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, int]]] = {}
         for i, req in enumerate(requests):

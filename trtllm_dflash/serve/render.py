@@ -78,7 +78,7 @@ class RepoConfig:
     max_sequences: int = 32  # live sequences (KV-cache rows) per step model
     queue_delay_us: int = 200  # dynamic batcher wait for more requests
     idle_timeout_s: float = 120.0  # a sequence's state is freed after this long unused
-    torch_threads: int = 0  # torch threads per step model process (0 = torch's default)
+    torch_threads: int = 0  # torch threads per CPU step model (0 = by load: handlers.CpuThreads)
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
     checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
 

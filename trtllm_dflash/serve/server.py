@@ -26,7 +26,7 @@ from pathlib import Path
 from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
 
-OMP_SPINCOUNT = 5_000  # libgomp spin iterations before an idle thread sleeps (see server_command)
+OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
 
 
 def _die_with_parent() -> None:
@@ -85,13 +85,13 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
         f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{grpc_port}",
     ]
     env = dict(os.environ)
-    # The step models are torch processes sharing the cores. libgomp's default spin (300k iterations) made steps
-    # ~10x slower (idle threads of one model spin while another computes); OMP_WAIT_POLICY=PASSIVE fixed that but
-    # pays a futex wake-up on each of the ~500 parallel regions of a forward. A short bounded spin keeps threads
-    # warm between the ops of one forward and asleep between forwards: on the 2-core VM (perf/bench_serving.py,
-    # perf/results/README.md) 5k spins gave dflash 6.85 / 7.55 / 8.98 tok/s at c = 1 / 4 / 16 (PASSIVE 5.35 / 8.17
-    # / 9.47); 20k favours c = 1 (8.04) but loses under concurrency (6.10 at c = 4), when the target's and the
-    # drafter's threads share the cores. A user-set OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
+    # The step models are torch processes sharing the cores. How their idle OpenMP threads wait sets the CPU speed:
+    # a futex sleep after every op (OMP_WAIT_POLICY=PASSIVE) or a short spin (5k iterations, ~0.2 ms) costs a
+    # wake-up on many of a forward's ops (Triton c=1 at 0.88-0.90 of in-process, perf/results/README.md); libgomp's
+    # default (300k, ~10 ms) keeps one process's threads spinning while the next stage computes. 50k (~2 ms) spans
+    # the gaps inside a forward and sleeps between stages: c=1 at 0.92-1.0 of in-process. Concurrency is handled by
+    # the step models' thread count instead (handlers.CpuThreads: one thread each once DFlash sequences overlap).
+    # A user-set OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = str(OMP_SPINCOUNT)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

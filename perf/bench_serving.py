@@ -29,13 +29,17 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="prompts per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--models", default="dflash,baseline", help="ensembles to measure")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the paired c=1 comparison")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.models or not set(args.models.split(",")) <= {"dflash", "baseline"}:
+        p.error(f"--models {args.models!r}: a comma list of dflash and/or baseline, e.g. dflash,baseline")
+    return args
 
 
 def run_point(url, model, prompts, max_tokens, concurrency):
@@ -157,6 +161,7 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     decoders = {"dflash": SpeculativeDecoder(target, drafter, block), "baseline": SpeculativeDecoder(target, None, 1)}
+    decoders = {m: decoders[m] for m in args.models.split(",")}
 
     def encode(text, max_tokens):
         return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops

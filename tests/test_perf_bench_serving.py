@@ -28,3 +28,8 @@ def test_paired_c1_is_lossless_and_consistent(smollm2):
         assert out["server_time_c1"][model]["target_verify"]["executions"] >= 2 * 2 * 2  # prefill + steps, 2 rounds
     assert out["server_time_c1"]["dflash"]["drafter"]["executions"] > 0
     assert "drafter" not in out["server_time_c1"]["baseline"]
+
+
+def test_bad_models_exits_2():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--models", "dflash,nope"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--models 'dflash,nope'" in run.stderr and "e.g. dflash,baseline" in run.stderr

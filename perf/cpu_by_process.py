@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """CPU seconds per process of the Triton server's process group while one model serves c=1 requests.
 
-    python perf/cpu_by_process.py baseline 6        # model, number of HumanEval prompts (48 tokens each)
+    python perf/cpu_by_process.py baseline 6                 # model, number of HumanEval prompts (48 tokens each)
+    GOMP_SPINCOUNT=5000 python perf/cpu_by_process.py baseline 6 --in-process
 
-Each row is a process of the server's group (the server and its python-backend stubs) with the CPU time it used
-during the measured requests, busiest first; the busiest is the model doing the work (target_verify for baseline).
-Session-3 run: perf/results/README.md.
+Each row is a process of the server's group (the server and its python-backend stubs) with the CPU time and the
+voluntary context switches (a thread going to sleep) it had during the measured requests, busiest first; the busiest
+is the model doing the work (target_verify for baseline). ``--in-process`` runs the same requests in this process
+instead (no server), for the same two numbers. Runs: perf/results/README.md.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,11 +41,47 @@ def cpu_seconds(pgid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def sleeps(pid: int | str) -> int:
+    """Voluntary context switches over all threads of process ``pid`` so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for line in Path(f"/proc/{pid}/task/{task}/status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
+def in_process(model: str, texts: list[str], target: str, drafter: str) -> int:
+    """The same c=1 requests through the in-process decoder: tokens/s, CPU seconds and sleeps of this process."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    t, d = load_pair(target, drafter)
+    tok = load_tokenizer(target)
+    stops = stop_token_ids(tok, t.spec.eos_token_ids)
+    dec = SpeculativeDecoder(t, d, 16) if model == "dflash" else SpeculativeDecoder(t, None, 1)
+
+    def run(text, n):
+        return dec.generate([Request(tuple(encode_prompt(tok, text, True)), n, stop_token_ids=stops)])[0]
+
+    run(texts[0], 4)  # warm-up
+    c0, s0, w0 = os.times(), sleeps("self"), time.perf_counter()
+    n = sum(run(text, 48).num_new_tokens for text in texts)
+    c1, s1, wall = os.times(), sleeps("self"), time.perf_counter() - w0
+    print(f"{model} in-process: {n / wall:.2f} tok/s, wall {wall:.1f} s, "
+          f"{c1.user + c1.system - c0.user - c0.system:.1f} CPU-s, {s1 - s0} sleeps")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="dflash | baseline")
     p.add_argument("prompts", type=int, help="number of HumanEval prompts")
+    p.add_argument("--in-process", action="store_true", help="run the requests in this process, not through Triton")
     args = p.parse_args(argv)
+    if args.model not in ("dflash", "baseline"):
+        p.error(f"model {args.model!r}: dflash or baseline")
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.serve.render import RepoConfig, make_repo
@@ -50,19 +89,23 @@ def main(argv=None) -> int:
 
     assets = prepare_demo_assets()
     texts = [q.text for q in load_prompts("humaneval", args.prompts)]
+    if args.in_process:
+        return in_process(args.model, texts, assets["target"], assets["drafter"])
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=16, max_seq_len=1024,
                                     max_sequences=4), Path(tmp) / "repo")
         with TritonServer(repo) as server:
             run_point(server.grpc_url, args.model, texts[:1], 4, 1)  # warm-up
             before, t0 = cpu_seconds(server.proc.pid), os.times()
+            slept = {pid: sleeps(pid) for pid in before}
             tps, wall = run_point(server.grpc_url, args.model, texts, 48, 1)
             after, t1 = cpu_seconds(server.proc.pid), os.times()
+            slept = {pid: sleeps(pid) - n for pid, n in slept.items()}
     client = t1.user + t1.system - t0.user - t0.system
     print(f"{args.model}: {tps:.2f} tok/s, wall {wall:.1f} s, client CPU {client:.1f} s")
     used = {pid: cpu - before.get(pid, ("", 0.0))[1] for pid, (_, cpu) in after.items()}
     for pid in sorted(used, key=used.get, reverse=True):
-        print(f"  {used[pid]:7.1f} CPU-s  pid {pid}  {after[pid][0]}")
+        print(f"  {used[pid]:7.1f} CPU-s  {slept.get(pid, 0):6d} sleeps  pid {pid}  {after[pid][0]}")
     return 0
 
 

@@ -32,22 +32,21 @@ class CpuThreads:
     The step models are separate processes sharing the cores. With one live DFlash sequence the step runs one stage
     at a time (verify, inject, draft), so the stage computing gets every core. With more, the target's and the
     drafter's forwards overlap in time; two OpenMP teams on the same cores then wait at each op's barrier for a
-    thread the other process holds, so each stage drops to ``busy`` threads (one). The baseline ensemble has no
+    thread the other process holds, so each stage drops to one thread. The baseline ensemble has no
     second stage: target_verify counts only DFlash sequences and keeps every core for it. ``torch_threads`` > 0
     fixes the count instead; on a GPU the count is left alone.
     """
 
-    def __init__(self, params: dict[str, str], busy: int = 1) -> None:
+    def __init__(self, params: dict[str, str]) -> None:
         n = int(params.get("torch_threads", "0") or 0)
         self.fixed = n > 0 or _device() != "cpu"
         if n > 0:
             torch.set_num_threads(n)
         self.alone = torch.get_num_threads()  # when not fixed: torch's default (the cores, or OMP_NUM_THREADS)
-        self.busy = busy
 
     def threads_for(self, live: int) -> int:
         """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch)."""
-        return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 else self.busy)
+        return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 else 1)
 
     def __call__(self, live: int) -> None:
         n = self.threads_for(live)

@@ -173,18 +173,6 @@ class TargetVerifyModel:
                                        int(params["max_block_size"]), float(params["idle_timeout_s"]))
         self.tap_width = len(taps) * target.spec.hidden_size
 
-    def _drafting_load(self, pb_utils, requests) -> int:
-        """Live sequences with a drafter in their loop (they ask for taps), this batch's included: while there are
-        several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps)."""
-        self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
-        for req in requests:
-            try:
-                if scalar(pb_utils, req, "want_taps", False, bool):
-                    self.drafting.add(scalar(pb_utils, req, "seq_id", 0, int))
-            except Exception:  # a malformed request is answered with its error below
-                pass
-        return len(self.drafting)
-
     def _outputs(self, pb_utils, tokens, taps, extra=()):
         taps = torch.zeros((0, self.tap_width)) if taps is None else taps.float()  # stays on the target's device
         outs = [("out_tokens", np.array(tokens, dtype=np.int32)), *extra]
@@ -193,19 +181,25 @@ class TargetVerifyModel:
 
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
-        self.threads(self._drafting_load(pb_utils, requests))
         responses: list = [None] * len(requests)
-        groups: dict[tuple[int, bool], list[int]] = {}
-        parsed = []
+        parsed: dict[int, tuple[int, int, list[int], bool]] = {}  # request index -> (mode, seq_id, tokens, want_taps)
         for i, req in enumerate(requests):
             try:
-                mode = scalar(pb_utils, req, "mode", None, int)
-                seq = scalar(pb_utils, req, "seq_id", 0, int)
-                tokens = np.asarray(get(pb_utils, req, "tokens", np.zeros(0, np.int32))).reshape(-1).tolist()
-                want = bool(scalar(pb_utils, req, "want_taps", False, bool))
-                parsed.append((mode, seq, tokens, want))
+                parsed[i] = (scalar(pb_utils, req, "mode", None, int), scalar(pb_utils, req, "seq_id", 0, int),
+                             np.asarray(get(pb_utils, req, "tokens", np.zeros(0, np.int32))).reshape(-1).tolist(),
+                             bool(scalar(pb_utils, req, "want_taps", False, bool)))
+            except Exception as exc:
+                responses[i] = error_response(pb_utils, exc)
+        # Live sequences with a drafter in their loop (they ask for taps), this batch's included: while there are
+        # several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps).
+        self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
+        self.drafting.update(seq for _, seq, _, want in parsed.values() if want)
+        self.threads(len(self.drafting))
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (mode, seq, tokens, want) in parsed.items():
+            try:
                 if mode == START:
-                    r = self.verifier.start(seq, tokens, sampling_from(pb_utils, req), want)
+                    r = self.verifier.start(seq, tokens, sampling_from(pb_utils, requests[i]), want)
                     responses[i] = self._outputs(pb_utils, [r.first_token], r.taps)
                 elif mode == VERIFY:
                     groups.setdefault((len(tokens), want), []).append(i)

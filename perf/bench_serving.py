@@ -69,6 +69,25 @@ def run_point(url, model, prompts, max_tokens, concurrency):
     return tokens[0] / (time.perf_counter() - t0), time.perf_counter() - t0
 
 
+def in_process_decoders(target_dir, drafter_dir, block_size):
+    """The in-process reference: ``dflash`` and ``baseline`` decoders over one loaded pair, and ``encode(text, n)`` ->
+    the ``Request`` fields the ensembles use too (chat template, greedy, the target's stop tokens)."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    target, drafter = load_pair(target_dir, drafter_dir)
+    tok = load_tokenizer(target_dir)
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+
+    def encode(text, max_tokens):
+        return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
+
+    return {"dflash": SpeculativeDecoder(target, drafter, block_size),
+            "baseline": SpeculativeDecoder(target, None, 1)}, encode
+
+
 def paired_c1(url, model, decoder, encode, texts, max_tokens, rounds):
     """Tokens/s of ``decoder`` in-process and of ensemble ``model`` through Triton at c=1, prompt by prompt back to
     back in alternating order (so drifting load on a shared machine hits both sides alike). Also returns the
@@ -141,11 +160,8 @@ def time_split(before, after, wall_s: float) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from trtllm_dflash.assets import prepare_demo_assets
-    from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.serve.render import RepoConfig, make_repo
     from trtllm_dflash.serve.server import TritonServer, server_command
     from trtllm_dflash.specs import DrafterSpec
@@ -157,14 +173,8 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     texts = [p.text for p in load_prompts(args.dataset, args.prompts)]
 
-    target, drafter = load_pair(args.target, args.drafter)
-    tok = load_tokenizer(args.target)
-    stops = stop_token_ids(tok, target.spec.eos_token_ids)
-    decoders = {"dflash": SpeculativeDecoder(target, drafter, block), "baseline": SpeculativeDecoder(target, None, 1)}
+    decoders, encode = in_process_decoders(args.target, args.drafter, block)
     decoders = {m: decoders[m] for m in args.models.split(",")}
-
-    def encode(text, max_tokens):
-        return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
     results = {"dataset": args.dataset, "prompts": len(texts), "max_tokens": args.max_tokens, "block_size": block,
                "rounds": args.rounds, "torch_threads": args.torch_threads, "in_process_tokens_per_second": {},
@@ -192,7 +202,7 @@ def main(argv=None) -> int:
                 for c in (c for c in conc if c != 1):
                     tps, _ = run_point(server.grpc_url, model, texts, args.max_tokens, c)
                     results["triton"][model][str(c)] = round(tps, 2)
-    del target, drafter, decoders
+    del decoders
     results["triton_over_in_process_c1"] = {m: p["triton_over_in_process"] for m, p in results["paired_c1"].items()}
     results["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
     print(json.dumps(results))

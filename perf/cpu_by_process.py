@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import run_point  # noqa: E402
+from bench_serving import in_process_decoders, run_point  # noqa: E402
 
 
 def cpu_seconds(pgid: int) -> dict[int, tuple[str, float]]:
@@ -53,17 +53,12 @@ def sleeps(pid: int | str) -> int:
 
 def in_process(model: str, texts: list[str], target: str, drafter: str) -> int:
     """The same c=1 requests through the in-process decoder: tokens/s, CPU seconds and sleeps of this process."""
-    from trtllm_dflash.checkpoints import load_pair
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.runtime.decoder import Request
 
-    t, d = load_pair(target, drafter)
-    tok = load_tokenizer(target)
-    stops = stop_token_ids(tok, t.spec.eos_token_ids)
-    dec = SpeculativeDecoder(t, d, 16) if model == "dflash" else SpeculativeDecoder(t, None, 1)
+    decoders, encode = in_process_decoders(target, drafter, 16)
 
     def run(text, n):
-        return dec.generate([Request(tuple(encode_prompt(tok, text, True)), n, stop_token_ids=stops)])[0]
+        return decoders[model].generate([Request(*encode(text, n))])[0]
 
     run(texts[0], 4)  # warm-up
     c0, s0, w0 = os.times(), sleeps("self"), time.perf_counter()

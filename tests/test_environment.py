@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -39,7 +40,10 @@ def locked() -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    """What pip installed into this environment's site-packages. Not all of sys.path: once setuptools is imported it
+    puts its vendored copies (importlib-metadata, zipp, ...) there, which are no installed packages."""
+    dirs = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=dirs)}
 
 
 def keeps_cuda_torch() -> bool:

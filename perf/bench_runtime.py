@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device of both models, e.g. cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                   help="weights and activations (default float32)")
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     if args.target is None:
         assets = prepare_demo_assets()
         args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
-    target, drafter = load_pair(args.target, args.drafter)
+    target, drafter = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device)
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
@@ -123,6 +126,8 @@ def main(argv=None) -> int:
             "drafter": os.path.basename(os.path.normpath(args.drafter)),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads",
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "dtype": args.dtype,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
     text = "".join(json.dumps(line) + "\n" for line in lines)

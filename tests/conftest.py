@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: idle threads sleep, not spin
 
+import dataclasses  # noqa: E402
 import random  # noqa: E402
 
 import pytest
@@ -15,6 +16,30 @@ import torch
 from trtllm_dflash.checkpoints import drafter_spec_for, load_pair, random_drafter_state, write_drafter, write_tiny_target
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.specs import TargetSpec
+
+
+# The device the kernel tests launch on: the CPU (Triton's interpreter, the default everywhere CI runs), or a GPU
+# with TRTLLM_DFLASH_TEST_DEVICE=cuda and TRITON_INTERPRET=0 (perf/gpu_session.py runs them so, natively compiled).
+DEVICE = torch.device(os.environ.get("TRTLLM_DFLASH_TEST_DEVICE", "cpu"))
+
+
+def on_device(*items):
+    """A test case moved to DEVICE: tensors, RaggedBatch/InjectWeights-style dataclasses of tensors, and tuples or lists
+    of them; anything else passes through. The identity on the CPU."""
+    if DEVICE.type == "cpu":
+        return items if len(items) != 1 else items[0]
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(DEVICE)
+        if isinstance(x, (tuple, list)):
+            return type(x)(move(y) for y in x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        return x
+
+    moved = tuple(move(x) for x in items)
+    return moved if len(moved) != 1 else moved[0]
 
 
 def make_tiny_pair(root, family="llama", seed=0, block_size=16, vocab_size=256, drafter_layers=2, **target_kw):

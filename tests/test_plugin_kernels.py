@@ -1,4 +1,5 @@
-"""Every Triton kernel against its torch reference, run by Triton's CPU interpreter, on random ragged batches.
+"""Every Triton kernel against its torch reference, run by Triton's CPU interpreter, on random ragged batches (or
+compiled natively on a GPU: TRTLLM_DFLASH_TEST_DEVICE=cuda TRITON_INTERPRET=0, as perf/gpu_session.py runs them).
 
 Batches include empty sequences, context length 0, block sizes 1 and 16 and GQA ratios 1/4/8. Float tolerances are
 stated where used; token outputs must match exactly.
@@ -19,6 +20,8 @@ from trtllm_dflash.plugin import accept as A  # noqa: E402
 from trtllm_dflash.plugin import block_attention as BA  # noqa: E402
 from trtllm_dflash.plugin import kv_inject as KI  # noqa: E402
 from trtllm_dflash.plugin.ragged import RaggedBatch  # noqa: E402
+
+from conftest import on_device  # noqa: E402
 
 # fp32 storage: kernels and references both compute in fp32 but sum in different orders (tiles, online softmax)
 FP32_TOL = dict(atol=2e-5, rtol=2e-5)
@@ -67,9 +70,10 @@ def test_kv_inject_matches_reference(seqlens, num_kv, head_dim):
     x, batch, start, rows, w, cos, sin, shape = _inject_case(seqlens, num_kv, head_dim, torch.float32)
     caches = [torch.full(shape, 7.0) for _ in range(4)]  # sentinel: untouched slots must stay 7
     KI.kv_inject_reference(x, batch, start, rows, w, cos, sin, caches[0], caches[1])
-    KI.kv_inject_triton(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
-    torch.testing.assert_close(caches[2], caches[0], **FP32_TOL)
-    torch.testing.assert_close(caches[3], caches[1], **FP32_TOL)
+    dev = on_device(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
+    KI.kv_inject_triton(*dev)
+    torch.testing.assert_close(dev[7].cpu(), caches[0], **FP32_TOL)
+    torch.testing.assert_close(dev[8].cpu(), caches[1], **FP32_TOL)
     written = (caches[0] != 7.0).any(-1).any(-1).sum().item()  # (layer, row, pos) slots written
     assert written == shape[0] * sum(seqlens)
 
@@ -78,9 +82,10 @@ def test_kv_inject_bf16_cache():
     x, batch, start, rows, w, cos, sin, shape = _inject_case([4, 0, 9], 2, 16, torch.bfloat16, seed=1)
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(4)]
     KI.kv_inject_reference(x, batch, start, rows, w, cos, sin, caches[0], caches[1])
-    KI.kv_inject_triton(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
-    torch.testing.assert_close(caches[2].float(), caches[0].float(), **BF16_TOL)
-    torch.testing.assert_close(caches[3].float(), caches[1].float(), **BF16_TOL)
+    dev = on_device(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
+    KI.kv_inject_triton(*dev)
+    torch.testing.assert_close(dev[7].cpu().float(), caches[0].float(), **BF16_TOL)
+    torch.testing.assert_close(dev[8].cpu().float(), caches[1].float(), **BF16_TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,7 +110,7 @@ def test_block_attention_gqa_and_block_sizes(group, block):
     # three sequences: normal context, context 0, and an empty one (no queries) in the middle of a batch
     case = _attn_case([block, 0, block, block], [37, 5, 0, 70], num_heads=8, num_kv=8 // group, seed=group + block)
     ref = BA.block_attention_reference(*case)
-    out = BA.block_attention_triton(*case)
+    out = BA.block_attention_triton(*on_device(case)).cpu()
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
@@ -113,20 +118,20 @@ def test_block_attention_gqa_and_block_sizes(group, block):
 def test_block_attention_causal_and_window(causal, window):
     case = _attn_case([16, 3, 16], [50, 0, 9], num_heads=4, num_kv=1, head_dim=32, seed=3)
     ref = BA.block_attention_reference(*case, causal=causal, window=window)
-    out = BA.block_attention_triton(*case, causal=causal, window=window)
+    out = BA.block_attention_triton(*on_device(case), causal=causal, window=window).cpu()
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
 def test_block_attention_bf16():
     case = _attn_case([16, 0, 5], [33, 2, 0], num_heads=8, num_kv=2, head_dim=32, dtype=torch.bfloat16, seed=5)
     ref = BA.block_attention_reference(*case)
-    out = BA.block_attention_triton(*case)
+    out = BA.block_attention_triton(*on_device(case)).cpu()
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
 
 
 def test_block_attention_no_mask_means_bidirectional():
     """Changing a later block key must change an earlier query's output (it would not under a causal mask)."""
-    q, kb, vb, kc, vc, batch, rows, ctx = _attn_case([4], [3], num_heads=2, num_kv=2)
+    q, kb, vb, kc, vc, batch, rows, ctx = on_device(_attn_case([4], [3], num_heads=2, num_kv=2))
     before = BA.block_attention_triton(q, kb, vb, kc, vc, batch, rows, ctx)
     vb2 = vb.clone()
     vb2[3] += 1.0
@@ -161,10 +166,10 @@ def test_accept_worked_example():
     d, cu, x = torch.tensor([7, 8, 9]), torch.tensor([0, 3], dtype=torch.int32), torch.tensor([7, 8, 5, 4])
     expected = A.AcceptOutput.make_dummy([[7, 8, 5]], 4)
     for fn in (A.accept_reference, A.accept_triton):
-        out = fn(d, cu, x, 3)
+        out = fn(*on_device(d, cu, x), 3)
         for got, want in zip((out.accepted_lengths, out.bonus_ids, out.emitted_ids),
                              (expected.accepted_lengths, expected.bonus_ids, expected.emitted_ids)):
-            assert torch.equal(got, want)
+            assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("num_drafts", [[15, 0, 15, 3, 15, 1], [0], [0, 0, 2], [1] * 7, [15] * 20])
@@ -174,10 +179,10 @@ def test_accept_matches_reference_and_runtime(num_drafts):
     drafts, cu, targets = _accept_case(num_drafts, vocab=5, seed=len(num_drafts))
     width = max(num_drafts)
     ref = A.accept_reference(drafts, cu, targets, width)
-    out = A.accept_triton(drafts, cu, targets, width)
-    assert torch.equal(out.accepted_lengths, ref.accepted_lengths)
-    assert torch.equal(out.bonus_ids, ref.bonus_ids)
-    assert torch.equal(out.emitted_ids, ref.emitted_ids)
+    out = A.accept_triton(*on_device(drafts, cu, targets), width)
+    assert torch.equal(out.accepted_lengths.cpu(), ref.accepted_lengths)
+    assert torch.equal(out.bonus_ids.cpu(), ref.bonus_ids)
+    assert torch.equal(out.emitted_ids.cpu(), ref.emitted_ids)
     # the runtime's padded rule agrees wherever a batch is uniform
     for i, n in enumerate(num_drafts):
         d = drafts[cu[i]: cu[i + 1]][None]
@@ -192,7 +197,7 @@ def test_greedy_samples_match_torch_argmax_with_ties():
     logits[2, [3, 7]] = 100.0  # tie inside a tile
     logits[3] = 0.0  # all equal -> 0
     logits[4, -1] = 100.0  # the last element
-    assert torch.equal(A.greedy_samples_triton(logits), logits.argmax(-1))
+    assert torch.equal(A.greedy_samples_triton(on_device(logits)).cpu(), logits.argmax(-1))
 
 
 def test_inverse_cdf_matches_reference_exactly():
@@ -203,5 +208,5 @@ def test_inverse_cdf_matches_reference_exactly():
     u = torch.rand(64, generator=g)
     u[1], u[2] = 0.0, 1.0 - 2**-24  # the extreme fp32 uniforms
     ref = A.inverse_cdf_reference(probs, u)
-    assert torch.equal(A.inverse_cdf_triton(probs, u), ref)
+    assert torch.equal(A.inverse_cdf_triton(*on_device(probs, u)).cpu(), ref)
     assert ref[0] == 4999 and bool((probs.gather(1, ref[:, None]) > 0).all())

@@ -1,0 +1,47 @@
+"""The GPU session's one command (perf/gpu_session.py), rehearsed on the CPU so a lent GPU's minutes go to running it,
+not debugging it: every step runs, the prompt export the GPU machine depends on works, and the JSON says what a
+reader of a GPU run needs (device, commit, parity verdicts, lossless benchmark lines)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "perf" / "gpu_session.py"
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
+    prompts, out = tmp_path / "prompts", tmp_path / "out"
+    export = subprocess.run([sys.executable, str(SCRIPT), "--export-prompts", str(prompts)],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    assert json.loads(export.stdout) == {"humaneval": 164, "mtbench": 80}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--device", "cpu", "--prompts", str(prompts),
+         "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--limit", "2", "--max-new-tokens", "8",
+         "--block-sizes", "16", "--commit", "rehearsal"],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "gpu_session.json").read_text())["steps"]
+    assert report["env"]["commit"] == "rehearsal" and report["env"]["device"] == "cpu"
+    assert report["kernel_tests"]["exit"] == 0 and " passed" in report["kernel_tests"]["summary"]
+    parity = report["parity"]
+    assert parity["float64_device_equals_cpu"] and parity["float32_kernels_lossless"]
+    assert parity["float32_torch_lossless"] and parity["real_float32_device_dflash_equals_cpu_ar"]
+    assert "needs CUDA" in report["bench_kernels"]["skipped"] and "needs CUDA" in report["bench_gpu"]["bf16"]["skipped"]
+    runs = report["dflash_vs_ar"]["runs"]
+    assert [(r["dataset"], r["batch_size"]) for r in runs] == [("humaneval", 1), ("humaneval", 8), ("mtbench", 1),
+                                                                ("mtbench", 8)]
+    for r in runs:
+        (line,) = r["results"]
+        assert r["exit"] == 0 and line["lossless"] and line["num_prompts"] == 2 and line["dtype"] == "float32"
+    assert json.loads(run.stdout.splitlines()[-1])["failed_steps"] == []
+
+
+def test_unknown_step_exits_2(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", "env,warp"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "'warp'" in run.stderr and "choose from" in run.stderr

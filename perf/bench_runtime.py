@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     if args.target is None:
         assets = prepare_demo_assets()
         args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
-    target, drafter = load_pair(args.target, args.drafter)
+    target, drafter = load_pair(args.target, args.drafter, device=args.device)
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]

@@ -121,7 +121,10 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
 
 
 def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
-          resume: bool) -> DrafterModel:
+          resume: bool, deadline: float | None = None) -> DrafterModel:
+    """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
+    pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
+    GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments."""
     from tqdm import tqdm
 
     samples = [s for p in shards for s in read_shard(p) if len(s.ids) - s.prompt_len >= 2]
@@ -162,7 +165,10 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
         ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
         drafter.load_state_dict(ck["drafter"])
-        opt.load_state_dict(ck["optimizer"])
+        if "optimizer" in ck:
+            opt.load_state_dict(ck["optimizer"])
+        else:
+            log.warning("%s holds no optimizer state: AdamW moments restart from zero", ckpt_path)
         start, log_doc = ck["step"], ck["log"]
         log_doc["total_steps"] = steps
         log.info("resumed from %s at step %d", ckpt_path, start)
@@ -178,7 +184,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         ev = evaluate(drafter, target, held_out, cfg, tap_scale)
         log_doc["held_out"].append({"step": step, **ev})
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc}, tmp)
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc,
+                    "tap_scale": tap_scale.cpu()}, tmp)
         os.replace(tmp, ckpt_path)
         export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
@@ -217,10 +224,14 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             })
             log.info("step %d %s", done, {k: v for k, v in log_doc["records"][-1].items() if k != "accuracy"})
             window, t_last = [], now
-        if done % cfg.ckpt_every == 0 or done == steps:
+        out_of_time = deadline is not None and time.monotonic() > deadline
+        if done % cfg.ckpt_every == 0 or done == steps or out_of_time:
             drafter.eval()
             save(done)
             drafter.train()
+        if out_of_time and done < steps:
+            log.info("time box reached at step %d of %d: checkpointed; resume to continue", done, steps)
+            break
     bar.close()
     if start >= steps and not (Path(cfg.out) / "model.safetensors").is_file():
         save(steps)

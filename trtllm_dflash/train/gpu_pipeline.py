@@ -120,8 +120,53 @@ def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts
         for p in parts:
             h.update((carry / p["name"]).read_bytes())
         manifest["sha256"] = h.hexdigest()
+    manifest["commands"] = plan_commands(carry, manifest)
     _write_json(carry / "manifest.json", manifest)
     return manifest
+
+
+TRANSFER_BUDGET = 63 * MiB  # one command's working tree + carried paths (64 MiB), less a margin
+
+
+def tree_bytes(repo: Path) -> int:
+    """Bytes of what a device command sends besides ``carry``: tracked and untracked-not-ignored files."""
+    try:
+        names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                               capture_output=True, check=True).stdout.split(b"\0")
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    total = 0
+    for n in filter(None, names):
+        path = repo / os.fsdecode(n)
+        if path.is_file() and not path.is_symlink():
+            total += path.stat().st_size
+    return total
+
+
+def plan_commands(carry: Path, manifest: dict, repo: Path | None = None) -> list[dict]:
+    """Which carried paths each device command takes so that none exceeds the transfer budget: one part per command,
+    the small files with whichever command has room; an error if a part cannot fit at all."""
+    repo = repo or Path.cwd()
+    room = TRANSFER_BUDGET - tree_bytes(repo)
+    rel = os.path.relpath(carry, repo)
+    small = [("manifest.json", 64 * 1024)] + [(k, (carry / k).stat().st_size) for k in manifest["files"]]
+    cmds = []
+    for p in manifest["parts"]:
+        if p["size"] + 64 * 1024 > room:
+            raise ConfigError("--part-mib", round(p["size"] / MiB, 1), f"does not fit one command next to the "
+                              f"{(TRANSFER_BUDGET - room) / MiB:.1f} MiB working tree (64 MiB cap)",
+                              f"use --part-mib {max(1, int((room - MiB) / MiB))} or less")
+        cmds.append({"carry": [f"{rel}/manifest.json", f"{rel}/{p['name']}"], "bytes": p["size"] + 64 * 1024})
+    for name, size in small[1:]:
+        best = min(cmds, key=lambda c: c["bytes"])
+        if best["bytes"] + size > room:
+            raise ConfigError("prompt pool", size, "does not fit any command", "carry fewer prompts")
+        best["carry"].append(f"{rel}/{name.split('/')[0]}" if name.startswith("wheels/") else f"{rel}/{name}")
+        best["carry"] = list(dict.fromkeys(best["carry"]))
+        best["bytes"] += size
+    for c in cmds:
+        c["tree_mib"] = round((TRANSFER_BUDGET - room + c["bytes"]) / MiB, 1)
+    return cmds
 
 
 # ---------------------------------------------------------------- recv / start (GPU)
@@ -216,11 +261,38 @@ def _ensure_gguf(home: Path) -> None:
     os.environ["PYTHONPATH"] = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
 
 
+def stash_resume(src: Path, home: Path) -> list[str]:
+    """Copy the returned checkpoint files carried this time into home/resume (the fp32 shards may need more than one
+    command next to a part); returns what is still missing there."""
+    dst = home / "resume"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in list(src.glob(f"{STATE_PREFIX}-*.safetensors")) + [src / n for n in ("status.json", "config.json",
+                                                                                   "training_config.json")]:
+        if f.is_file():
+            shutil.copyfile(f, dst / (f.name + ".tmp"))
+            os.replace(dst / (f.name + ".tmp"), dst / f.name)
+    return _resume_missing(dst)
+
+
+def _resume_missing(d: Path) -> list[str]:
+    shards = sorted(d.glob(f"{STATE_PREFIX}-*-of-*.safetensors"))
+    if not shards:
+        return [f"{STATE_PREFIX}-*.safetensors"]
+    n = int(shards[0].stem.rsplit("-of-", 1)[1])
+    want = [f"{STATE_PREFIX}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)] + ["status.json"]
+    return [w for w in want if not (d / w).is_file()]
+
+
 def start(carry: Path, home: Path, run_args: dict, resume_from: Path | None) -> dict:
     state = recv(carry, home)
-    assemble(home)
     if resume_from is not None:
-        _seed_resume(resume_from, home)
+        state["resume_missing"] = stash_resume(resume_from, home)
+        if state["resume_missing"]:
+            raise ArtifactError(home / "resume", f"missing {state['resume_missing']}",
+                                "carry them with recv --resume-from DIR first")
+    assemble(home)
+    if (home / "resume").is_dir() and not _resume_missing(home / "resume"):
+        _seed_resume(home / "resume", home)
     status = read_status(home)
     if status.get("pid") and _alive(status["pid"]) and status.get("phase") not in ("done", "failed"):
         return {"started": False, "why": f"job {status['pid']} already running", **state}
@@ -489,10 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--carry", default="artifacts/gpu")
         q.add_argument("--home", default=home_default, help="state directory on the GPU machine (default "
                        "$DFLASH_GPU_HOME or /tmp/dflash-gpu: outside the repository copy)")
-    q.add_argument("--resume-from", default=None, help="folder a previous poll returned (carry it)")
+        q.add_argument("--resume-from", default=None, help="folder a previous poll returned (carry its files)")
     q.add_argument("--wait", type=float, default=0, help="then poll for this many seconds")
     q.add_argument("--out", default=None, help="with --wait: where poll writes the checkpoint ($OUT)")
-    defaults = dict(num_prompts=20480, max_new_tokens=256, max_prompt_len=512, gen_batch_size=512, top_k=8,
+    defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=512, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
                     speed_limit=8, device="cuda", ckpt_every=200)
@@ -519,6 +591,8 @@ def main(argv=None) -> int:
                        Path(args.eval_prompts) if args.eval_prompts else None, [Path(w) for w in args.wheel])
         elif args.cmd == "recv":
             res = recv(Path(args.carry), Path(args.home))
+            if args.resume_from:
+                res["resume_missing"] = stash_resume(Path(args.resume_from), Path(args.home))
         elif args.cmd == "start":
             res = start(Path(args.carry), Path(args.home), {k: getattr(args, k) for k in RUN_FLAGS},
                         Path(args.resume_from) if args.resume_from else None)

@@ -8,6 +8,7 @@ resumed run sees exactly the batches an uninterrupted one would have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -190,6 +191,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
 
+    autocast = (torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
+                else contextlib.nullcontext())
     window: list = []
     t_last = time.perf_counter()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
@@ -201,7 +204,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
-        m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g))
+        with autocast:
+            m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g))
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))

@@ -19,12 +19,13 @@ import platform
 import sys
 import time
 
-CONFIGS = {  # name: (sequences per step, anchors per sequence, autocast bf16, loss vocab)
-    "before: 4 seq x 16 anchors, fp32, full vocab": (4, 16, False, "full"),
-    "4 seq x 16 anchors, fp32, data vocab (shipped recipe)": (4, 16, False, "data"),
-    "4 seq x 128 anchors, fp32, full vocab": (4, 128, False, "full"),
-    "4 seq x 128 anchors, bf16 autocast, full vocab": (4, 128, True, "full"),
-    "4 seq x 128 anchors, bf16 autocast, data vocab": (4, 128, True, "data"),
+CONFIGS = {  # name: (sequences per step, anchors per sequence, autocast bf16, loss vocab, packed attention)
+    "before: 4 seq x 16 anchors, fp32, full vocab, per-block context copy": (4, 16, False, "full", False),
+    "4 seq x 16 anchors, fp32, data vocab, per-block copy (shipped recipe)": (4, 16, False, "data", False),
+    "4 seq x 128 anchors, fp32, full vocab, per-block copy": (4, 128, False, "full", False),
+    "4 seq x 128 anchors, fp32, full vocab, packed": (4, 128, False, "full", True),
+    "4 seq x 128 anchors, bf16 autocast, full vocab, packed": (4, 128, True, "full", True),
+    "4 seq x 128 anchors, bf16 autocast, data vocab, packed": (4, 128, True, "data", True),
 }
 
 
@@ -60,24 +61,24 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-6)
 
     def step(cfg, measure_grad=False):
-        n, a, bf16, lv = cfg
+        n, a, bf16, lv, packed = cfg
         anchors = [sample_anchors(s.prompt_len, len(s.ids), a, torch.Generator().manual_seed(1)) for s in samples[:n]]
         batch = collate(samples[:n], anchors, "cpu")
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         t0 = time.perf_counter()
         with ctx:
-            m = dflash_loss(drafter, target.embed, target.lm_head, batch, 7.0, vocab if lv == "data" else None)
+            m = dflash_loss(drafter, target.embed, target.lm_head, batch, 7.0, vocab if lv == "data" else None, packed)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad = torch.cat([q.grad.flatten() for q in drafter.parameters()]) if measure_grad else None
         if not measure_grad:
             opt.step()
-        return time.perf_counter() - t0, int(batch.anchor_valid.sum()) * spec.block_size, float(m.loss), grad
+        return time.perf_counter() - t0, int(batch.anchor_valid.sum()) * spec.block_size, float(m.loss.detach()), grad
 
     # accuracy: each configuration against fp32 with the same anchors, vocabulary and weights
     acc = {}
     for name, cfg in CONFIGS.items():
-        ref = step((cfg[0], cfg[1], False, cfg[3]), measure_grad=True)
+        ref = step((cfg[0], cfg[1], False, cfg[3], False), measure_grad=True)
         got = step(cfg, measure_grad=True)
         cos = float(torch.nn.functional.cosine_similarity(ref[3].double(), got[3].double(), dim=0))
         acc[name] = {"loss_fp32": round(ref[2], 5), "loss": round(got[2], 5), "grad_cosine_vs_fp32": round(cos, 5)}

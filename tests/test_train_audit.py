@@ -73,3 +73,15 @@ def test_training_sample_and_inference_step_agree(smollm2, one_thread):
     assert s["lossless"] and 0.0 < s["position1_accuracy"] <= 1.0
     # the two readings of acceptance tell the same story (all-anchor expectation vs the decoder's own steps)
     assert abs(s["expected_tau_all_anchors"] - s["inference_tau"]) < 0.5, s
+
+
+def test_prompt_lookup_replay_by_hand():
+    from trtllm_dflash.train.audit import prompt_lookup_taus
+
+    # prompt 1 2 3 4, output 1 2 3 4 5: after the prefill's "1", the 1-gram "1" recurs at 0 -> draft 2 3 4, all
+    # accepted (+ bonus 5): one step of 4
+    assert prompt_lookup_taus([1, 2, 3, 4, 1, 2, 3, 4, 5], 4, 4) == [4]
+    # the longest n-gram wins: "1 2" recurs at 0 (followed by 3 4), the 1-gram "2" more recently at 4 (followed by
+    # 5 1); the 2-gram's draft 3 4 gets 3 accepted, then the bonus 9 ends the output: one step of 2
+    assert prompt_lookup_taus([1, 2, 3, 4, 2, 5, 1, 2, 3, 9], 7, 3) == [2]
+    assert prompt_lookup_taus([7, 8, 9, 10], 2, 16) == [1]  # nothing recurs: no draft, τ = 1 per step

@@ -56,6 +56,32 @@ def training_drafts(target: TargetModel, drafter: DrafterModel, sample: Sample, 
     return torch.cat(out) if out else torch.empty(0, drafter.spec.block_size - 1, dtype=torch.long)
 
 
+def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3) -> list[int]:
+    """Acceptance lengths of prompt-lookup decoding replayed over a known greedy output ``ids`` (prompt + response).
+
+    As the decoder: the prefill emits the first response token, then each step drafts B − 1 tokens and accepts their
+    longest prefix that equals the output, plus the target's bonus token. The draft is the B − 1 tokens that followed
+    the most recent earlier occurrence of the longest suffix n-gram (n = max_ngram .. 1) of the sequence so far;
+    no occurrence, no draft (τ = 1). A free heuristic: a trained drafter has to beat it."""
+    taus, c, end = [], prompt_len + 1, len(ids)
+    while c < end:
+        draft: list[int] = []
+        for n in range(min(max_ngram, c - 1), 0, -1):
+            suffix = ids[c - n : c]
+            for j in range(c - n - 1, -1, -1):
+                if ids[j : j + n] == suffix:
+                    draft = ids[j + n : min(j + n + block_size - 1, c)]
+                    break
+            if draft:
+                break
+        acc = 0
+        while acc < len(draft) and c + acc < end and draft[acc] == ids[c + acc]:
+            acc += 1
+        taus.append(acc + 1)
+        c += acc + 1
+    return taus
+
+
 def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix
     return hit.long().cumprod(1).sum(1)
 
@@ -73,6 +99,7 @@ class PromptAudit:
     correct: list[int] = field(default_factory=list)  # per slot k: teacher-forced hits over every response anchor
     counted: list[int] = field(default_factory=list)
     all_anchor_taus: list[int] = field(default_factory=list)
+    prompt_lookup_taus: list[int] = field(default_factory=list)  # the free heuristic on the same output
 
 
 def audit_prompt(target: TargetModel, drafter: DrafterModel, prompt_id: str, prompt_ids: list[int],
@@ -105,6 +132,7 @@ def audit_prompt(target: TargetModel, drafter: DrafterModel, prompt_id: str, pro
         slots_agree=int(((tr_drafts == inf_drafts) & labelled).sum()), slots_compared=int(labelled.sum()),
     )
     assert len(_prefix(hit_inf)) == len(inf_anchors)
+    audit.prompt_lookup_taus = prompt_lookup_taus(ids.tolist(), p0, bs)
     if all_anchors and s - 1 > p0:
         anchors = list(range(p0, s - 1))  # every response anchor with a next token (train.objective.sample_anchors)
         hit_all, lab_all = hits(training_drafts(target, drafter, sample, anchors), anchors)
@@ -127,6 +155,7 @@ def summarize(audits: list[PromptAudit]) -> dict:
         "inference_tau": mean([t for a in audits for t in a.inference_taus]),
         "train_path_tau_at_inference_anchors": mean([t for a in audits for t in a.train_taus_at_inference_anchors]),
         "expected_tau_all_anchors": mean([t for a in audits for t in a.all_anchor_taus]),
+        "prompt_lookup_tau": mean([t for a in audits for t in a.prompt_lookup_taus]),
         "accuracy_by_slot": [round(c / max(n, 1), 3) for c, n in zip(correct, counted)],
         "position1_accuracy": round(correct[0] / max(counted[0], 1), 3) if k else None,
         "draft_slot_agreement": round(sum(a.slots_agree for a in audits) / max(1, sum(a.slots_compared for a in audits)), 4),

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--device", "cpu", "--num-prompts", "10", "--max-new-tokens", "10", "--max-prompt-len", "300",
        "--gen-batch-size", "4", "--top-k", "4", "--samples-per-step", "2", "--anchors-per-sample", "6",
        "--num-layers", "1", "--block-size", "4", "--lr", "0.003", "--ckpt-every", "3", "--train-seconds", "300",
-       "--eval-batch-size", "2", "--eval-max-new-tokens", "8", "--speed-limit", "0"]
+       "--eval-batch-size", "2", "--eval-max-new-tokens", "8", "--speed-limit", "0", "--distill", "0.5"]
 
 
 def _script(*args, env=None):

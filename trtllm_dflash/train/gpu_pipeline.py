@@ -47,7 +47,7 @@ OUT_MAX_FILES, OUT_MAX_BYTES = 8, 16 * MiB
 STATE_PREFIX = "drafter-fp32"
 RUN_FLAGS = ("num_prompts", "max_new_tokens", "max_prompt_len", "gen_batch_size", "top_k", "steps", "samples_per_step",
              "anchors_per_sample", "num_layers", "block_size", "lr", "seed", "train_seconds", "eval_limit",
-             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast")
+             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill")
 
 
 def sha256(path: Path) -> str:
@@ -507,7 +507,7 @@ def _train_config(home: Path, a: dict):
              str(a["ckpt_every"]), "--max-new-tokens", str(a["max_new_tokens"]), "--max-prompt-len",
              str(a["max_prompt_len"]), "--gen-batch-size", str(a["gen_batch_size"]), "--data",
              str(home / "prompts.jsonl.gz"), "--threads", str(os.cpu_count() or 1), "--log-every", "20",
-             "--autocast", a["autocast"]]
+             "--autocast", a["autocast"], "--distill", str(a["distill"])]
     return TrainConfig.from_args(p.parse_args(flags))
 
 
@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=512, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
-                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16")
+                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0)
     for k, v in defaults.items():
         q.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
     q = sub.add_parser("run", help="(background) the job itself")

@@ -42,6 +42,8 @@ class Batch:
     anchors: torch.Tensor  # [n, A] int64 anchor positions
     anchor_valid: torch.Tensor  # [n, A] bool (False = padding block, no loss)
     lengths: torch.Tensor  # [n] int64 real tokens per sequence
+    topk_ids: torch.Tensor | None = None  # [n, S, k] the target's top-k next tokens per position (data.Sample)
+    topk_logits: torch.Tensor | None = None  # [n, S, k]
 
 
 def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -71,7 +73,17 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
     if tap_scale is not None:
         taps = taps * tap_scale.to(dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
-    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device))
+    topk_ids = topk_logits = None
+    if all(x.topk_ids is not None for x in samples):
+        k = samples[0].topk_ids.shape[1]
+        topk_ids = torch.zeros(n, s_max, k, dtype=torch.long)
+        topk_logits = torch.full((n, s_max, k), float("-inf"))
+        for i, x in enumerate(samples):
+            topk_ids[i, : len(x.ids)] = x.topk_ids.long()
+            topk_logits[i, : len(x.ids)] = x.topk_logits.float()
+        topk_ids, topk_logits = topk_ids.to(device), topk_logits.to(device)
+    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device), topk_ids,
+                 topk_logits)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
@@ -200,8 +212,11 @@ def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:  #
 
 
 def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: float,
-                vocab: torch.Tensor | None = None, packed: bool = True) -> StepMetrics:
-    """``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
+                vocab: torch.Tensor | None = None, packed: bool = True, distill: float = 0.0) -> StepMetrics:
+    """``distill`` in [0, 1]: weight of self-distillation, the cross-entropy against the target's own next-token
+    distribution renormalised over its stored top-k (``batch.topk_*``), mixed with the hard-label cross-entropy
+    (1 − distill); needs the full vocabulary (``vocab=None``).
+``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
     restricts the softmax to those candidates — a CPU economy, since the head over all slots dominates the cost; the
     drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``."""
     bs = drafter.spec.block_size
@@ -218,6 +233,14 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
         logits = F.linear(hidden[:, 1:], lm_head.weight[vocab]).float()  # [b, B − 1, V']
         labels = torch.searchsorted(vocab, labels)  # token id -> candidate index
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    if distill > 0:
+        if batch.topk_ids is None or vocab is not None:
+            raise ValueError("distill > 0 needs top-k target logits in the data and the full-vocabulary loss")
+        rows = (label_pos - 1).clamp(max=batch.ids.shape[1] - 1)  # row j holds the prediction of token j + 1
+        t_ids = batch.topk_ids[owner[:, None], rows]  # [b, B − 1, k]
+        t_p = torch.softmax(batch.topk_logits[owner[:, None], rows], dim=-1).nan_to_num(0.0)
+        logq = torch.log_softmax(logits, dim=-1).gather(-1, t_ids)  # [b, B − 1, k]
+        ce = (1 - distill) * ce - distill * (t_p * logq).sum(-1)
     w = loss_weights(bs, gamma, anchors.device)[None, :] * labelled  # [b, B − 1]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():

@@ -171,7 +171,7 @@ def tap_shards(target: TargetModel, regen_paths: list[Path], out_dir: Path, tap_
                 taps = taps.to(torch.bfloat16).cpu()  # [b, S_max − 1, K·H]
                 for j, r in enumerate(part):
                     t = torch.cat([taps[j, : len(r.ids) - 1], torch.zeros(1, taps.shape[2], dtype=taps.dtype)])
-                    samples.append(Sample(r.ids, t, r.prompt_len))
+                    samples.append(Sample(r.ids, t, r.prompt_len, r.topk_ids, r.topk_logits))
             write_shard(dst, samples)
         if progress is not None:
             progress(n + 1, len(regen_paths))

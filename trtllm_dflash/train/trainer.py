@@ -205,7 +205,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             group["lr"] = lr
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
         with autocast:
-            m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g))
+            m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g),
+                            distill=cfg.distill)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))

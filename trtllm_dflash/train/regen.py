@@ -148,6 +148,30 @@ def build_regen(target: TargetModel, encoded: list[list[int]], out_dir: Path, *,
     return paths
 
 
+@torch.no_grad()
+def with_taps(target: TargetModel, samples: list[Sample], tap_layers: tuple[int, ...]) -> list[Sample]:
+    """``samples`` with their taps computed now (one padded teacher-forced forward; the last row zero, as on disk):
+    the online alternative to ``tap_shards`` when the target is cheap to run (a GPU)."""
+    s_max = max(len(x.ids) for x in samples)
+    ids = torch.zeros(len(samples), max(1, s_max - 1), dtype=torch.long)
+    for j, x in enumerate(samples):
+        ids[j, : len(x.ids) - 1] = x.ids[:-1]
+    _, taps = target(ids.to(target.device), target.new_cache(len(samples), s_max), tap_layers=tap_layers)
+    taps = taps.to(torch.bfloat16)
+    out = []
+    for j, x in enumerate(samples):
+        t = torch.cat([taps[j, : len(x.ids) - 1], taps.new_zeros(1, taps.shape[2])])
+        out.append(Sample(x.ids, t, x.prompt_len, x.topk_ids, x.topk_logits))
+    return out
+
+
+def samples_without_taps(regen_paths: list[Path]) -> list[Sample]:
+    """Regenerated samples (ids + top-k, no taps) for training with ``with_taps``: ~40 bytes per token in memory
+    instead of the 3.5 KB of cached taps."""
+    return [Sample(r.ids, None, r.prompt_len, r.topk_ids, r.topk_logits) for p in regen_paths
+            for r in read_regen_shard(p)]
+
+
 @torch.inference_mode()
 def tap_shards(target: TargetModel, regen_paths: list[Path], out_dir: Path, tap_layers: tuple[int, ...],
                batch_size: int = 32, progress=None) -> list[Path]:

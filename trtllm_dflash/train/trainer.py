@@ -122,13 +122,24 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
 
 
 def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
-          resume: bool, deadline: float | None = None) -> DrafterModel:
+          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None) -> DrafterModel:
     """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
     pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
-    GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments."""
+    GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
+    ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
+    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences)."""
     from tqdm import tqdm
 
-    samples = [s for p in shards for s in read_shard(p) if len(s.ids) - s.prompt_len >= 2]
+    from trtllm_dflash.train.regen import with_taps
+
+    if samples is None:
+        samples = [s for p in shards for s in read_shard(p)]
+    samples = [s for s in samples if len(s.ids) - s.prompt_len >= 2]
+    online = bool(samples) and samples[0].taps is None
+
+    def tapped(xs: list[Sample]) -> list[Sample]:
+        return with_taps(target, xs, spec.target_layer_ids) if online and xs else xs
+
     if not samples:
         raise ConfigError("data", len(samples), "no sequence has a response of >= 2 tokens")
     train_set, held_out = split(samples, cfg.seed)
@@ -138,7 +149,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         "num_response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
         "num_prompt_tokens": sum(s.prompt_len for s in samples),
     }
-    tap_scale = tap_standardizer(train_set).to(cfg.device)  # [K·H]
+    held_out = tapped(held_out)
+    tap_scale = tap_standardizer(tapped(train_set[:64]) if online else train_set).to(cfg.device)  # [K·H]
     vocab = None
     if cfg.loss_vocab == "data":
         vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
@@ -171,6 +183,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         else:
             log.warning("%s holds no optimizer state: AdamW moments restart from zero", ckpt_path)
         start, log_doc = ck["step"], ck["log"]
+        if "tap_scale" in ck:  # the scale the weights were trained with, whatever the data now give
+            tap_scale = ck["tap_scale"].to(cfg.device)
         log_doc["total_steps"] = steps
         log.info("resumed from %s at step %d", ckpt_path, start)
     else:
@@ -198,7 +212,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
     for step in bar:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        picked = [train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)]
+        picked = tapped([train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)])
         anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
         for group in opt.param_groups:

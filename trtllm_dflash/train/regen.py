@@ -157,7 +157,7 @@ def with_taps(target: TargetModel, samples: list[Sample], tap_layers: tuple[int,
     for j, x in enumerate(samples):
         ids[j, : len(x.ids) - 1] = x.ids[:-1]
     _, taps = target(ids.to(target.device), target.new_cache(len(samples), s_max), tap_layers=tap_layers)
-    taps = taps.to(torch.bfloat16)
+    taps = taps.to(torch.bfloat16).cpu()  # samples live on the host, as when read from disk; collate moves them
     out = []
     for j, x in enumerate(samples):
         t = torch.cat([taps[j, : len(x.ids) - 1], taps.new_zeros(1, taps.shape[2])])

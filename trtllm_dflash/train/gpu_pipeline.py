@@ -17,7 +17,7 @@ network and no ``gguf`` package, and is lent for 30 minutes. So:
                      after every shard and phase; resumable at each phase
     poll     (GPU)   wait up to --wait seconds for the job, print its status, and write the latest checkpoint to
                      --out: fp32 training-space weights in ≤ 16 MiB shards + config.json, training_config.json and
-                     status.json (≤ 6 files), enough to resume on a fresh machine (``start --resume-from``)
+                     status.json (7 files for SmolLM2's drafter), enough to resume on a fresh machine (``start --resume-from``)
     merge    (here)  turn returned files into a z-lab drafter directory (bf16 model.safetensors)
 
 Everything that crosses the boundary is checked: a part with a wrong size or SHA-256, a missing part, or a returned

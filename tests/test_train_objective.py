@@ -128,3 +128,63 @@ def test_init_from_target_copies_the_layers_after_the_first_tap(tmp_path):
     x = taps[0, :, :] * scale
     torch.testing.assert_close(x @ state["fc.weight"].T, taps[0, :, :h], rtol=1e-5, atol=1e-5)
     drafter.load_state_dict(state)  # every key present, every shape right
+
+
+def test_packed_block_attention_equals_the_per_block_copy(tmp_path):
+    """The packed formulation (one context K/V per sequence) gives the reference's hidden states and gradients, with
+    padding anchors, a causal layer and a sliding-window layer in the mix."""
+    tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    spec = drafter.spec
+    from dataclasses import replace
+
+    from trtllm_dflash.specs import LayerType
+
+    for layer_types, causal in [(spec.layer_types, spec.layer_causal),
+                                ((LayerType.SLIDING,) + spec.layer_types[1:], (True,) + spec.layer_causal[1:])]:
+        d = DrafterModel(replace(spec, layer_types=layer_types, layer_causal=causal, sliding_window=5),
+                         dtype=torch.float64)
+        d.load_state_dict(drafter.state_dict())
+        gen = torch.Generator().manual_seed(3)
+        samples = []
+        with torch.no_grad():
+            for s in (18, 11):
+                ids = torch.randint(0, 256, (s,), generator=gen)
+                _, taps = target(ids[None], target.new_cache(1, s), tap_layers=spec.target_layer_ids)
+                samples.append(Sample(ids, taps[0], prompt_len=2))
+        batch = collate(samples, [torch.tensor([2, 5, 9, 15]), torch.tensor([3, 8])], "cpu", dtype=torch.float64)
+        outs = []
+        for packed in (False, True):
+            d.zero_grad()
+            m = dflash_loss(d, target.embed, target.lm_head, batch, gamma=2.0, packed=packed)
+            m.loss.backward()
+            outs.append((drafter_blocks(d, target.embed, batch, packed).detach(), m.loss.detach(),
+                         [p.grad.clone() for p in d.parameters()]))
+        torch.testing.assert_close(outs[1][0], outs[0][0])
+        torch.testing.assert_close(outs[1][1], outs[0][1])
+        for g_packed, g_ref in zip(outs[1][2], outs[0][2]):
+            torch.testing.assert_close(g_packed, g_ref)
+
+
+def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
+    """distill = 1 with the full distribution stored (k = V) is the cross-entropy to the target's softmax; distill = 0
+    is the hard-label loss; the mix is linear."""
+    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=5, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden, taps = target(ids[None], target.new_cache(1, 14), tap_layers=drafter.spec.target_layer_ids)
+        t_logits = target.logits(hidden)[0]  # [S, V]: row j predicts token j + 1
+    top = t_logits.topk(256, dim=-1)
+    sample = Sample(ids, taps[0], 3, top.indices.int(), top.values)
+    batch = collate([sample], [torch.tensor([3, 6, 9])], "cpu", dtype=torch.float64)
+    losses = {w: float(dflash_loss(drafter, target.embed, target.lm_head, batch, 2.0, distill=w).loss) for w in (0, 0.5, 1)}
+    with torch.no_grad():
+        h = drafter_blocks(drafter, target.embed, batch)[:, 1:]  # [3, B − 1, H]
+        logq = torch.log_softmax(target.lm_head(h).double(), dim=-1)
+    pos = torch.tensor([3, 6, 9])[:, None] + torch.arange(1, 4)  # label positions
+    p = torch.softmax(t_logits[pos - 1].double(), dim=-1)
+    ce = -(p * logq).sum(-1)
+    w = torch.exp(-(torch.arange(1, 4, dtype=torch.float64) - 1) / 2.0).expand(3, 3)
+    assert abs(losses[1] - float((ce * w).sum() / w.sum())) < 1e-6
+    assert abs(losses[0.5] - (losses[0] + losses[1]) / 2) < 1e-6

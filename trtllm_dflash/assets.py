@@ -52,10 +52,15 @@ def prepare_demo_target(root: Path | None = None) -> Path:
     out = (root or cache_dir()) / TARGET_NAME
     if (out / COMPLETE).is_file():
         return out
+    return convert_gguf(_gguf_path(), out)
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """A GGUF checkpoint (via transformers' GGUF loader, which needs the ``gguf`` package) as an HF directory at
+    ``out`` (bf16 weights, tokenizer files), written atomically with a ``.complete`` marker."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
     log.info("converting %s to a Hugging Face directory at %s (once, ~30 s)", gguf.name, out)
     from trtllm_dflash.models.weights import write_state_dict
     from trtllm_dflash.staging import staged_output
@@ -71,7 +76,7 @@ def prepare_demo_target(root: Path | None = None) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
         write_state_dict(state, tmp / "model.safetensors")
-        (tmp / COMPLETE).write_text(f"converted from {GGUF_PACKAGE}/{GGUF_FILE}\n")
+        (tmp / COMPLETE).write_text(f"converted from {gguf.name}\n")
     return out
 
 

@@ -66,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-negatives", type=int, default=8192,
                    help="with --loss-vocab data: random tokens absent from the data added to each step's softmax, "
                         "so the full-vocabulary argmax at inference does not pick them (default 8192)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="self-distillation weight in [0, 1]: cross-entropy against the target's top-k next-token "
+                        "distribution stored by train/regen.py, mixed with the hard labels (needs --loss-vocab full "
+                        "and data with top-k logits; default 0 = hard labels only)")
+    p.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                   help="run the objective under bf16 autocast (weights and AdamW stay fp32; perf/bench_trainer.py "
+                        "measures speed and the loss/gradient against fp32; default none)")
     p.add_argument("--init", choices=("target", "random"), default="target",
                    help="drafter initialisation: the target's early layers (train/init.py; default) or random")
     p.add_argument("--seed", type=int, default=0)

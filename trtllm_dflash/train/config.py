@@ -49,6 +49,8 @@ class TrainConfig:
     threads: int
     log_every: int
     ckpt_every: int
+    distill: float = 0.0  # self-distillation weight (objective.dflash_loss)
+    autocast: str = "none"  # "none" | "bf16": the objective under torch.autocast (weights and optimizer stay fp32)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -82,6 +84,10 @@ class TrainConfig:
         require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", self.gamma, "must be a positive number")
         require(self.loss_vocab in ("full", "data"), "loss_vocab", self.loss_vocab, "must be 'full' or 'data'")
         require(self.init in ("target", "random"), "init", self.init, "must be 'target' or 'random'")
+        require(0.0 <= self.distill <= 1.0, "distill", self.distill, "must be in [0, 1]")
+        require(self.distill == 0 or self.loss_vocab == "full", "distill", self.distill,
+                "needs the full-vocabulary loss", "pass --loss-vocab full or --distill 0")
+        require(self.autocast in ("none", "bf16"), "autocast", self.autocast, "must be 'none' or 'bf16'")
         require(self.loss_negatives >= 0, "loss_negatives", self.loss_negatives, "must be >= 0")
         require(self.mask_token_id >= 0, "mask_token_id", self.mask_token_id, "must be >= 0")
 

@@ -38,6 +38,8 @@ class Sample:
     ids: torch.Tensor  # [S] int64 prompt + response
     taps: torch.Tensor  # [S, K·H] target taps (last row unused)
     prompt_len: int
+    topk_ids: torch.Tensor | None = None  # [S, k] int32: row j = the target's top-k next tokens after ids[: j + 1]
+    topk_logits: torch.Tensor | None = None  # [S, k] their logits (train/regen.py); None = hard labels only
 
 
 @torch.inference_mode()
@@ -97,6 +99,9 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
         "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in samples]),
     }
+    if all(s.topk_ids is not None for s in samples):
+        tensors["topk_ids"] = torch.cat([s.topk_ids for s in samples]).contiguous()
+        tensors["topk_logits"] = torch.cat([s.topk_logits for s in samples]).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
@@ -105,8 +110,10 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
 def read_shard(path: Path) -> list[Sample]:
     t = load_file(str(path))
     cu = t["cu_seqlens"].tolist()
+    ti, tl = t.get("topk_ids"), t.get("topk_logits")
     return [
-        Sample(t["ids"][a:b], t["taps"][a:b], int(pl)) for a, b, pl in zip(cu[:-1], cu[1:], t["prompt_lens"].tolist())
+        Sample(t["ids"][a:b], t["taps"][a:b], int(pl), None if ti is None else ti[a:b], None if tl is None else tl[a:b])
+        for a, b, pl in zip(cu[:-1], cu[1:], t["prompt_lens"].tolist())
     ]
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_dflash.models.drafter import DrafterModel
-from trtllm_dflash.models.layers import attention
+from trtllm_dflash.models.layers import attention, widen
 from trtllm_dflash.specs import LayerType
 
 
@@ -42,6 +42,8 @@ class Batch:
     anchors: torch.Tensor  # [n, A] int64 anchor positions
     anchor_valid: torch.Tensor  # [n, A] bool (False = padding block, no loss)
     lengths: torch.Tensor  # [n] int64 real tokens per sequence
+    topk_ids: torch.Tensor | None = None  # [n, S, k] the target's top-k next tokens per position (data.Sample)
+    topk_logits: torch.Tensor | None = None  # [n, S, k]
 
 
 def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -71,7 +73,17 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
     if tap_scale is not None:
         taps = taps * tap_scale.to(dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
-    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device))
+    topk_ids = topk_logits = None
+    if all(x.topk_ids is not None for x in samples):
+        k = samples[0].topk_ids.shape[1]
+        topk_ids = torch.zeros(n, s_max, k, dtype=torch.long)
+        topk_logits = torch.full((n, s_max, k), float("-inf"))
+        for i, x in enumerate(samples):
+            topk_ids[i, : len(x.ids)] = x.topk_ids.long()
+            topk_logits[i, : len(x.ids)] = x.topk_logits.float()
+        topk_ids, topk_logits = topk_ids.to(device), topk_logits.to(device)
+    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device), topk_ids,
+                 topk_logits)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
@@ -116,10 +128,40 @@ def block_visibility(
     return allowed
 
 
+def packed_block_attention(
+    q: torch.Tensor,  # [n·A, B, heads, d] block queries, A blocks per sequence
+    k: torch.Tensor,  # [n·A, B, kv, d] block keys
+    v: torch.Tensor,  # [n·A, B, kv, d]
+    ck: torch.Tensor,  # [n, T, kv, d] context keys of each sequence (shared by its A blocks)
+    cv: torch.Tensor,  # [n, T, kv, d]
+    allowed: torch.Tensor,  # [n·A, B, T + B] bool, as block_visibility
+) -> torch.Tensor:  # [n·A, B, heads·d]
+    """``layers.attention`` over [context ; own block] keys without copying the context K/V once per block: the A
+    blocks of a sequence attend to its one context K/V in a single matmul, their own B keys in a batched one, and the
+    two score sets share one softmax. Same result as ``attention(q, cat(ck[owner], k), cat(cv[owner], v), allowed)``
+    (tests/test_train_objective.py)."""
+    n, t, kv, d = ck.shape
+    b, bs, h, _ = q.shape
+    a, g = b // n, h // kv
+    qg = q.reshape(n, a, bs, kv, g, d).permute(0, 3, 4, 1, 2, 5)  # [n, kv, g, A, B, d]
+    s_ctx = torch.matmul(qg.reshape(n, kv, g * a * bs, d), ck.permute(0, 2, 3, 1).to(q.dtype))  # [n, kv, g·A·B, T]
+    kb = k.reshape(n, a, bs, kv, d).permute(0, 3, 1, 4, 2)[:, :, None]  # [n, kv, 1, A, d, B]
+    s_blk = torch.matmul(qg, kb.to(q.dtype))  # [n, kv, g, A, B, B]
+    scores = torch.cat([s_ctx.view(n, kv, g, a, bs, t), s_blk], dim=-1) * d**-0.5  # [n, kv, g, A, B, T + B]
+    mask = allowed.view(n, 1, 1, a, bs, t + bs)
+    probs = torch.softmax(widen(scores).masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    p_ctx, p_blk = probs[..., :t], probs[..., t:]
+    out = torch.matmul(p_ctx.reshape(n, kv, g * a * bs, t), cv.permute(0, 2, 1, 3).to(q.dtype))  # [n, kv, g·A·B, d]
+    vb = v.reshape(n, a, bs, kv, d).permute(0, 3, 1, 2, 4)[:, :, None]  # [n, kv, 1, A, B, d]
+    out = out.view(n, kv, g, a, bs, d) + torch.matmul(p_blk, vb.to(q.dtype))  # [n, kv, g, A, B, d]
+    return out.permute(0, 3, 4, 1, 2, 5).reshape(b, bs, h * d)
+
+
 def drafter_blocks(
     drafter: DrafterModel,
     embed,  # target embedding: ids [..] -> [.., H]
     batch: Batch,
+    packed: bool = True,  # False: the per-block context copy (the reference formulation, kept for benchmarks)
 ) -> torch.Tensor:  # [n·A, B, H] final-normed drafter hidden states of every block
     spec = drafter.spec
     n, s = batch.ids.shape
@@ -146,9 +188,12 @@ def drafter_blocks(
         k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
         v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
         q, k = drafter.rotary.apply(q, positions), drafter.rotary.apply(k, positions)
-        k_all = torch.cat([ck[owner], k], dim=1).transpose(1, 2)  # [b, kv, ctx_len + B, d]
-        v_all = torch.cat([cv[owner], v], dim=1).transpose(1, 2)
-        x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+        if packed:
+            x = x + attn.o_proj(packed_block_attention(q, k, v, ck, cv, allowed))
+        else:
+            k_all = torch.cat([ck[owner], k], dim=1).transpose(1, 2)  # [b, kv, ctx_len + B, d]
+            v_all = torch.cat([cv[owner], v], dim=1).transpose(1, 2)
+            x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x)
 
@@ -167,12 +212,15 @@ def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:  #
 
 
 def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: float,
-                vocab: torch.Tensor | None = None) -> StepMetrics:
-    """``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
+                vocab: torch.Tensor | None = None, packed: bool = True, distill: float = 0.0) -> StepMetrics:
+    """``distill`` in [0, 1]: weight of self-distillation, the cross-entropy against the target's own next-token
+    distribution renormalised over its stored top-k (``batch.topk_*``), mixed with the hard-label cross-entropy
+    (1 − distill); needs the full vocabulary (``vocab=None``).
+``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
     restricts the softmax to those candidates — a CPU economy, since the head over all slots dominates the cost; the
     drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``."""
     bs = drafter.spec.block_size
-    hidden = drafter_blocks(drafter, embed, batch)  # [b, B, H]
+    hidden = drafter_blocks(drafter, embed, batch, packed)  # [b, B, H]
     anchors = batch.anchors.reshape(-1)  # [b]
     owner_len = batch.lengths.repeat_interleave(batch.anchors.shape[1])  # [b]
     label_pos = anchors[:, None] + torch.arange(1, bs, device=anchors.device)  # [b, B − 1]
@@ -185,6 +233,14 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
         logits = F.linear(hidden[:, 1:], lm_head.weight[vocab]).float()  # [b, B − 1, V']
         labels = torch.searchsorted(vocab, labels)  # token id -> candidate index
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    if distill > 0:
+        if batch.topk_ids is None or vocab is not None:
+            raise ValueError("distill > 0 needs top-k target logits in the data and the full-vocabulary loss")
+        rows = (label_pos - 1).clamp(max=batch.ids.shape[1] - 1)  # row j holds the prediction of token j + 1
+        t_ids = batch.topk_ids[owner[:, None], rows]  # [b, B − 1, k]
+        t_p = torch.softmax(batch.topk_logits[owner[:, None], rows], dim=-1).nan_to_num(0.0)
+        logq = torch.log_softmax(logits, dim=-1).gather(-1, t_ids)  # [b, B − 1, k]
+        ce = (1 - distill) * ce - distill * (t_p * logq).sum(-1)
     w = loss_weights(bs, gamma, anchors.device)[None, :] * labelled  # [b, B − 1]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():

@@ -8,6 +8,7 @@ resumed run sees exactly the batches an uninterrupted one would have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -121,10 +122,24 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
 
 
 def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
-          resume: bool) -> DrafterModel:
+          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None) -> DrafterModel:
+    """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
+    pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
+    GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
+    ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
+    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences)."""
     from tqdm import tqdm
 
-    samples = [s for p in shards for s in read_shard(p) if len(s.ids) - s.prompt_len >= 2]
+    from trtllm_dflash.train.regen import with_taps
+
+    if samples is None:
+        samples = [s for p in shards for s in read_shard(p)]
+    samples = [s for s in samples if len(s.ids) - s.prompt_len >= 2]
+    online = bool(samples) and samples[0].taps is None
+
+    def tapped(xs: list[Sample]) -> list[Sample]:
+        return with_taps(target, xs, spec.target_layer_ids) if online and xs else xs
+
     if not samples:
         raise ConfigError("data", len(samples), "no sequence has a response of >= 2 tokens")
     train_set, held_out = split(samples, cfg.seed)
@@ -134,7 +149,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         "num_response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
         "num_prompt_tokens": sum(s.prompt_len for s in samples),
     }
-    tap_scale = tap_standardizer(train_set).to(cfg.device)  # [K·H]
+    held_out = tapped(held_out)
+    tap_scale = tap_standardizer(tapped(train_set[:64]) if online else train_set).to(cfg.device)  # [K·H]
     vocab = None
     if cfg.loss_vocab == "data":
         vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
@@ -162,8 +178,13 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
         ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
         drafter.load_state_dict(ck["drafter"])
-        opt.load_state_dict(ck["optimizer"])
+        if "optimizer" in ck:
+            opt.load_state_dict(ck["optimizer"])
+        else:
+            log.warning("%s holds no optimizer state: AdamW moments restart from zero", ckpt_path)
         start, log_doc = ck["step"], ck["log"]
+        if "tap_scale" in ck:  # the scale the weights were trained with, whatever the data now give
+            tap_scale = ck["tap_scale"].to(cfg.device)
         log_doc["total_steps"] = steps
         log.info("resumed from %s at step %d", ckpt_path, start)
     else:
@@ -178,23 +199,28 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         ev = evaluate(drafter, target, held_out, cfg, tap_scale)
         log_doc["held_out"].append({"step": step, **ev})
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc}, tmp)
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc,
+                    "tap_scale": tap_scale.cpu()}, tmp)
         os.replace(tmp, ckpt_path)
         export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
 
+    autocast = (torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
+                else contextlib.nullcontext())
     window: list = []
     t_last = time.perf_counter()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
     for step in bar:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        picked = [train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)]
+        picked = tapped([train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)])
         anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
         lr = lr_at(step, steps, cfg.lr, cfg.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
-        m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g))
+        with autocast:
+            m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g),
+                            distill=cfg.distill)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))
@@ -217,10 +243,14 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             })
             log.info("step %d %s", done, {k: v for k, v in log_doc["records"][-1].items() if k != "accuracy"})
             window, t_last = [], now
-        if done % cfg.ckpt_every == 0 or done == steps:
+        out_of_time = deadline is not None and time.monotonic() > deadline
+        if done % cfg.ckpt_every == 0 or done == steps or out_of_time:
             drafter.eval()
             save(done)
             drafter.train()
+        if out_of_time and done < steps:
+            log.info("time box reached at step %d of %d: checkpointed; resume to continue", done, steps)
+            break
     bar.close()
     if start >= steps and not (Path(cfg.out) / "model.safetensors").is_file():
         save(steps)

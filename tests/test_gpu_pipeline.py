@@ -1,0 +1,128 @@
+"""The GPU training pipeline (build_scripts/gpu_train_drafter.sh, train/gpu_pipeline.py) rehearsed end to end on CPU
+with a tiny random target: checksummed parts carried one command at a time, reassembly, the background job (regen →
+taps → train → eval through perf/bench_runtime.py) polled by later commands, returned files within the machine's
+limits, merge into a loadable drafter, and resume on a fresh machine from the returned checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_dflash.checkpoints import write_tiny_target
+from trtllm_dflash.train import gpu_pipeline as gp
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ["--device", "cpu", "--num-prompts", "10", "--max-new-tokens", "10", "--max-prompt-len", "300",
+       "--gen-batch-size", "4", "--top-k", "4", "--samples-per-step", "2", "--anchors-per-sample", "6",
+       "--num-layers", "1", "--block-size", "4", "--lr", "0.003", "--ckpt-every", "3", "--train-seconds", "300",
+       "--eval-batch-size", "2", "--eval-max-new-tokens", "8", "--speed-limit", "0", "--distill", "0.5"]
+
+
+def _script(*args, env=None):
+    env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    return subprocess.run([str(ROOT / "build_scripts" / "gpu_train_drafter.sh"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def _carry_only(carry: Path, dst: Path, names: list[str]) -> Path:
+    """What one device command carries: the manifest plus the named parts/files."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shutil.copyfile(carry / "manifest.json", dst / "manifest.json")
+    for n in names:
+        (dst / n).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(carry / n, dst / n)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny_target_with_tokenizer(smollm2, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, so prompts, chat template and the HumanEval
+    evaluation go through the same code as on the GPU."""
+    out = tmp_path_factory.mktemp("gpu") / "tiny-smol"
+    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
+                      max_position_embeddings=1024)
+    for f in Path(smollm2["target"]).iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+@pytest.mark.slow
+def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Tell me fact number {i} about rivers.", "chat": True})
+                            + "\n" for i in range(12)))
+    carry, home = tmp_path / "carry", tmp_path / "home"
+    r = _script("pack", "--source", tiny_target_with_tokenizer, "--carry", carry, "--part-mib", "4",
+                "--prompts", pool, "--eval-prompts", "humaneval")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((carry / "manifest.json").read_text())
+    parts = [p["name"] for p in m["parts"]]
+    assert m["kind"] == "hf-tar" and len(parts) >= 3 and all(p["size"] <= 4 * gp.MiB for p in m["parts"])
+    assert sum(1 for _ in open(carry / "eval.jsonl")) == 164
+
+    # one part per command; a corrupted part is refused, naming the file
+    bad = _carry_only(carry, tmp_path / "cmd-bad", [parts[0]])
+    with open(bad / parts[0], "r+b") as f:
+        f.write(b"\x00")
+    assert gp.main(["recv", "--carry", str(bad), "--home", str(home)]) == 2
+    missing = None
+    for i, name in enumerate(parts[:-1]):
+        extra = list(m["files"]) if i == 0 else []
+        res = gp.recv(_carry_only(carry, tmp_path / f"cmd-{i}", [name, *extra]), home)
+        assert name in res["have"] and (missing is None or len(res["missing"]) < len(missing))
+        missing = res["missing"]
+    assert missing == [parts[-1]]
+    with pytest.raises(gp.ArtifactError, match="missing"):
+        gp.assemble(home)
+
+    # the last part + start: reassembled, verified, job launched in the background; later commands poll it
+    last = _carry_only(carry, tmp_path / "cmd-last", [parts[-1]])
+    r = _script("start", "--carry", last, "--home", home, *RUN, "--steps", "6", "--eval-limit", "2", "--taps", "cached",
+                "--wait", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["started"] is True
+    out = tmp_path / "out1"
+    for _ in range(8):
+        status = gp.poll(home, 30, out)
+        if status.get("phase") in ("done", "failed"):
+            break
+    log_tail = (home / "job.log").read_text()[-3000:]
+    assert status["phase"] == "done", log_tail
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= gp.OUT_MAX_FILES and all((out / f).stat().st_size <= gp.OUT_MAX_BYTES for f in files)
+    assert {"config.json", "training_config.json", "status.json"} <= set(files)
+    returned = json.loads((out / "status.json").read_text())
+    assert returned["train_log"]["records"][-1]["step"] == 6 and set(returned["timings"]) >= {"regen", "taps", "train"}
+    tau = returned["eval"]["tau"][0]
+    assert tau["lossless"] and tau["num_prompts"] == 2 and tau["block_size"] == 4
+
+    # returned files -> a drafter the runtime loads, identical to what the machine exported
+    from trtllm_dflash.checkpoints import load_pair
+
+    merged = tmp_path / "merged"
+    assert gp.main(["merge", "--parts", str(out), "--out", str(merged)]) == 0
+    _, d_merged = load_pair(tiny_target_with_tokenizer, merged)
+    _, d_home = load_pair(tiny_target_with_tokenizer, home / "drafter")
+    for k, v in d_home.state_dict().items():
+        torch.testing.assert_close(d_merged.state_dict()[k], v, rtol=1e-2, atol=1e-3)
+
+    # a fresh machine next time: every part again + the returned checkpoint; training continues at step 6 (taps now
+    # computed online by the target at each step, the default)
+    home2 = tmp_path / "home2"
+    r = _script("start", "--carry", carry, "--home", home2, "--resume-from", out, *RUN, "--steps", "9",
+                "--eval-limit", "0", "--wait", "240", "--out", tmp_path / "out2")
+    assert r.returncode == 0, r.stderr
+    status2 = json.loads((tmp_path / "out2" / "status.json").read_text())
+    assert status2["phase"] == "done", status2.get("job_log_tail")
+    steps = [rec["step"] for rec in status2["train_log"]["records"]]
+    assert steps[-1] == 9 and "resumed from" in status2["job_log_tail"] and "optimizer" in status2["job_log_tail"]
+    assert "taps" not in status2["timings"] and status2["train_log"]["data"]["num_sequences"] >= 8

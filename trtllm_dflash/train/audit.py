@@ -1,0 +1,164 @@
+"""Training/inference consistency audit: does a training sample see what an inference draft step sees?
+
+The usual causes of "good training accuracy, poor acceptance" are a mismatch between the two paths: taps off by one,
+another chat template, another mask token, another LM head or final norm at inference. This module runs both paths
+on the same prompts and compares what comes out, so any of those shows up as disagreeing drafts:
+
+    data path       ``train.data.generate_with_taps`` (the exact function that builds training shards) regenerates
+                    the response of each chat-templated prompt and records the taps; ``train.objective.drafter_blocks``
+                    + the target's LM head turn a block anchored at p into the training-time prediction.
+    inference path  ``runtime.decoder.SpeculativeDecoder`` decodes the same prompt; every draft it proposes is recorded
+                    with its anchor (the committed length, i.e. the bonus token's position).
+
+For each inference step, the training path's block at the same anchor must propose the same drafts (up to bf16
+rounding of the cached taps), and the response must be token-identical to the lossless DFlash output. The report puts
+the training metrics (per-slot accuracy over every anchor of the held-out responses, expected τ) next to the τ the
+drafter actually gets, so the two can be read side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.train.data import Sample, generate_with_taps
+from trtllm_dflash.train.objective import collate, drafter_blocks
+
+
+class RecordingDecoder(SpeculativeDecoder):
+    """The real decoder, recording (anchor, drafts) of every draft step of a single-request batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[int, list[int]]] = []
+
+    def propose(self, bonus, dcache, rows, committed):
+        drafts = super().propose(bonus, dcache, rows, committed)
+        assert drafts.shape[0] == 1, "RecordingDecoder records one request at a time"
+        self.steps.append((int(committed[0]), drafts[0].tolist()))
+        return drafts
+
+
+@torch.no_grad()
+def training_drafts(target: TargetModel, drafter: DrafterModel, sample: Sample, anchors: list[int],
+                    chunk: int = 64) -> torch.Tensor:  # [A, B − 1] greedy drafts of the training-time blocks
+    """What the training objective predicts for blocks anchored at ``anchors`` of ``sample`` (raw taps, as exported)."""
+    out = []
+    for i in range(0, len(anchors), chunk):
+        a = torch.tensor(anchors[i : i + chunk])
+        batch = collate([sample], [a], target.device, dtype=drafter.dtype)
+        hidden = drafter_blocks(drafter, target.embed, batch)  # [a, B, H]
+        out.append(target.lm_head(hidden[:, 1:].to(target.dtype)).argmax(-1).cpu())
+    return torch.cat(out) if out else torch.empty(0, drafter.spec.block_size - 1, dtype=torch.long)
+
+
+def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3) -> list[int]:
+    """Acceptance lengths of prompt-lookup decoding replayed over a known greedy output ``ids`` (prompt + response).
+
+    As the decoder: the prefill emits the first response token, then each step drafts B − 1 tokens and accepts their
+    longest prefix that equals the output, plus the target's bonus token. The draft is the B − 1 tokens that followed
+    the most recent earlier occurrence of the longest suffix n-gram (n = max_ngram .. 1) of the sequence so far;
+    no occurrence, no draft (τ = 1). A free heuristic: a trained drafter has to beat it."""
+    taus, c, end = [], prompt_len + 1, len(ids)
+    while c < end:
+        draft: list[int] = []
+        for n in range(min(max_ngram, c - 1), 0, -1):
+            suffix = ids[c - n : c]
+            for j in range(c - n - 1, -1, -1):
+                if ids[j : j + n] == suffix:
+                    draft = ids[j + n : min(j + n + block_size - 1, c)]
+                    break
+            if draft:
+                break
+        acc = 0
+        while acc < len(draft) and c + acc < end and draft[acc] == ids[c + acc]:
+            acc += 1
+        taus.append(acc + 1)
+        c += acc + 1
+    return taus
+
+
+def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix
+    return hit.long().cumprod(1).sum(1)
+
+
+@dataclass
+class PromptAudit:
+    id: str
+    prompt_len: int
+    response_len: int
+    lossless: bool  # inference output == the regenerated training response (stop token dropped)
+    inference_taus: list[int]
+    train_taus_at_inference_anchors: list[int]  # the training path's acceptance at the same anchors
+    slots_agree: int  # draft slots where training and inference proposed the same token
+    slots_compared: int
+    correct: list[int] = field(default_factory=list)  # per slot k: teacher-forced hits over every response anchor
+    counted: list[int] = field(default_factory=list)
+    all_anchor_taus: list[int] = field(default_factory=list)
+    prompt_lookup_taus: list[int] = field(default_factory=list)  # the free heuristic on the same output
+
+
+def audit_prompt(target: TargetModel, drafter: DrafterModel, prompt_id: str, prompt_ids: list[int],
+                 max_new_tokens: int, stop_token_ids: tuple[int, ...], all_anchors: bool = True) -> PromptAudit:
+    spec = drafter.spec
+    bs = spec.block_size
+    sample = generate_with_taps(target, [prompt_ids], max_new_tokens, stop_token_ids, spec.target_layer_ids)[0]
+    dec = RecordingDecoder(target, drafter, bs)
+    res = dec.generate([Request(tuple(prompt_ids), max_new_tokens, stop_token_ids=stop_token_ids)])[0]
+    ids = sample.ids
+    s, p0 = len(ids), sample.prompt_len
+    response = [t for t in ids[p0:].tolist() if t not in stop_token_ids]
+    lossless = list(res.token_ids) == response
+
+    def hits(drafts: torch.Tensor, anchors: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.tensor(anchors)[:, None] + torch.arange(1, bs)  # [A, B − 1] label positions
+        labelled = pos < s
+        labels = ids[pos.clamp(max=s - 1)]
+        return (drafts == labels) & labelled, labelled
+
+    inf_anchors = [a for a, _ in dec.steps if a < s]
+    inf_drafts = torch.tensor([d for a, d in dec.steps if a < s], dtype=torch.long).view(-1, bs - 1)
+    tr_drafts = training_drafts(target, drafter, sample, inf_anchors)
+    hit_tr, labelled = hits(tr_drafts, inf_anchors)
+    hit_inf, _ = hits(inf_drafts, inf_anchors)
+    audit = PromptAudit(
+        id=prompt_id, prompt_len=p0, response_len=s - p0, lossless=lossless,
+        inference_taus=list(res.acceptance_lengths),
+        train_taus_at_inference_anchors=(_prefix(hit_tr) + 1).tolist(),
+        slots_agree=int(((tr_drafts == inf_drafts) & labelled).sum()), slots_compared=int(labelled.sum()),
+    )
+    assert len(_prefix(hit_inf)) == len(inf_anchors)
+    audit.prompt_lookup_taus = prompt_lookup_taus(ids.tolist(), p0, bs)
+    if all_anchors and s - 1 > p0:
+        anchors = list(range(p0, s - 1))  # every response anchor with a next token (train.objective.sample_anchors)
+        hit_all, lab_all = hits(training_drafts(target, drafter, sample, anchors), anchors)
+        audit.correct, audit.counted = hit_all.sum(0).tolist(), lab_all.sum(0).tolist()
+        audit.all_anchor_taus = (_prefix(hit_all) + 1).tolist()
+    return audit
+
+
+def summarize(audits: list[PromptAudit]) -> dict:
+    """Training-path metrics beside inference τ, pooled over prompts (τ = mean over draft steps, as bench_runtime)."""
+    def mean(xs):
+        return round(sum(xs) / len(xs), 3) if xs else None
+
+    k = len(audits[0].correct) if audits and audits[0].correct else 0
+    correct = [sum(a.correct[i] for a in audits if a.correct) for i in range(k)]
+    counted = [sum(a.counted[i] for a in audits if a.counted) for i in range(k)]
+    return {
+        "num_prompts": len(audits),
+        "lossless": all(a.lossless for a in audits),
+        "inference_tau": mean([t for a in audits for t in a.inference_taus]),
+        "train_path_tau_at_inference_anchors": mean([t for a in audits for t in a.train_taus_at_inference_anchors]),
+        "expected_tau_all_anchors": mean([t for a in audits for t in a.all_anchor_taus]),
+        "prompt_lookup_tau": mean([t for a in audits for t in a.prompt_lookup_taus]),
+        "accuracy_by_slot": [round(c / max(n, 1), 3) for c, n in zip(correct, counted)],
+        "position1_accuracy": round(correct[0] / max(counted[0], 1), 3) if k else None,
+        "draft_slot_agreement": round(sum(a.slots_agree for a in audits) / max(1, sum(a.slots_compared for a in audits)), 4),
+        "num_draft_steps": sum(len(a.inference_taus) for a in audits),
+        "num_response_tokens": sum(a.response_len for a in audits),
+    }

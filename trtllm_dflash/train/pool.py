@@ -1,0 +1,158 @@
+"""A large training-prompt pool from every installed Python package (no downloads): the scale-up of train/prompts.py.
+
+train/prompts.py mines top-level functions and class/module docstrings of eight packages (~8k items). Here every
+package in the interpreter's site-packages and the stdlib is read, methods count as functions too, and every
+documentation paragraph (not only the first) of modules, classes, functions and methods becomes a chat prompt. Each
+mined item is used once, with one seeded template, so the count is of distinct content, not of template variants.
+Every prompt is checked against HumanEval and MT-Bench with the same ``EvalIndex`` as the training CLI; rejected
+prompts are counted in the summary.
+
+    python -m trtllm_dflash.train.pool --out artifacts/pool/pool.jsonl --summary perf/results/drafter-pool/summary.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+from trtllm_dflash.train.prompts import (
+    CHAT_TEMPLATES, CODE_TEMPLATE, CODE_VARIANTS, EvalIndex, _python_files, _stub,
+)
+
+
+def package_roots() -> list[tuple[str, Path]]:
+    """(name, directory) of the stdlib and of every package directory in site-packages, sorted by name."""
+    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
+    site = Path(sysconfig.get_paths()["purelib"])
+    for d in sorted(site.iterdir()):
+        if d.is_dir() and (d / "__init__.py").is_file() and not d.name.startswith(("_", "test")):
+            roots.append((d.name, d))
+    return roots
+
+
+def _paragraphs(doc: str) -> list[str]:
+    out = []
+    for para in doc.strip().split("\n\n"):
+        text = " ".join(para.split())
+        if 80 <= len(text) <= 700 and not re.search(r"[{}<>|=]{3}|\.\. |:(func|class|meth):|>>>", text):
+            out.append(text)
+    return out
+
+
+def mine_file(path: Path, root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """([(name, stub)], [(name, paragraph)]) of one source file."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError):
+        return [], []
+    module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+    stubs, paras = [], []
+    doc = ast.get_docstring(tree)
+    if doc:
+        paras += [(module, p) for p in _paragraphs(doc)]
+
+    def visit(body, prefix: str, depth: int) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                d = ast.get_docstring(node)
+                if not d:
+                    continue
+                name = f"{prefix}{node.name}"
+                if isinstance(node, ast.FunctionDef):
+                    stub = _stub(node, d)
+                    if stub:
+                        stubs.append((name, stub))
+                paras.extend((name, p) for p in _paragraphs(d))
+                if isinstance(node, ast.ClassDef) and depth == 0:
+                    visit(node.body, f"{node.name}.", 1)
+
+    visit(tree.body, "", 0)
+    return [(module + ":" + n, s) for n, s in stubs], [(module + ":" + n, p) for n, p in paras]
+
+
+def build_pool(seed: int = 0, index: EvalIndex | None = None, progress=None) -> tuple[list[dict], dict]:
+    """Every distinct mined item as one prompt, in a seeded order; plus a summary (counts per source, rejections)."""
+    index = index or EvalIndex.build()
+    seen: set[str] = set()
+    items: list[tuple[str, str, str, str]] = []  # (kind, source, name, content)
+    per_source = collections.Counter()
+    roots = package_roots()
+    for n, (source, root) in enumerate(roots):
+        for path in _python_files(root):
+            stubs, paras = mine_file(path, root)
+            for kind, found in (("code", stubs), ("chat", paras)):
+                for name, content in found:
+                    if content not in seen:
+                        seen.add(content)
+                        items.append((kind, source, name, content))
+                        per_source[source] += 1
+        if progress is not None:
+            progress(n + 1, len(roots), len(items))
+    rng = random.Random(seed)
+    rng.shuffle(items)
+    rows, rejected = [], collections.Counter()
+    for kind, source, name, content in items:
+        short = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+        if kind == "code":
+            text = (CODE_TEMPLATE if rng.random() < 0.8 else rng.choice(CODE_VARIANTS)).format(code=content)
+        else:
+            module = name.split(":", 1)[0]
+            text = rng.choice(CHAT_TEMPLATES[:3]).format(text=content, name=short, module=module)
+        why = index.overlap(text, short if kind == "code" else None)
+        if why is not None:
+            rejected[why.split(" ")[0] + " " + why.split(" ")[1]] += 1
+            continue
+        rows.append({"id": f"{kind}/{source}/{name}", "prompt": text, "chat": True})
+    digest = hashlib.sha256("\n\x00".join(r["prompt"] for r in rows).encode()).hexdigest()[:16]
+    kinds = collections.Counter(r["id"].split("/", 1)[0] for r in rows)
+    summary = {"num_prompts": len(rows), "num_distinct_texts": len({r["prompt"] for r in rows}),
+               "by_kind": dict(kinds), "num_sources": len(per_source),
+               "top_sources": dict(per_source.most_common(25)), "rejected_overlap": dict(rejected),
+               "digest": digest, "seed": seed, "python": sys.version.split()[0],
+               "eval_sets_checked": ["HumanEval (164 entry points + word 8-grams)", "MT-Bench (80 questions, 8-grams)"]}
+    return rows, summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="pool JSONL to write (atomically)")
+    p.add_argument("--summary", default=None, help="also write the summary JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    bar = tqdm(desc="mining packages", unit="pkg", file=sys.stderr)
+
+    def progress(done, total, n):
+        bar.total = total
+        bar.set_postfix(items=n, refresh=False)
+        bar.update(done - bar.n)
+
+    rows, summary = build_pool(args.seed, progress=progress)
+    bar.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, out)
+    summary["command"] = "python -m trtllm_dflash.train.pool " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(args.summary).with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        os.replace(tmp, args.summary)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

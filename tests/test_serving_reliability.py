@@ -2,6 +2,7 @@
 points users call, overload past --max-sequences, a battery of malformed requests, and a killed step model.
 One server for the module; the killed-model test runs last (it reloads a model)."""
 
+import json
 import threading
 import time
 import urllib.error
@@ -191,6 +192,24 @@ def test_malformed_request_gets_a_named_error_and_the_server_stays_healthy(serve
 
 def test_battery_is_large_enough():
     assert len(BATTERY) >= 30
+
+
+def test_short_soak_loses_hangs_and_leaks_nothing(server, smollm2):
+    """perf/soak.py's load for 30 s at c=8 against this server: normal (checked against the in-process runtime),
+    cancelled and malformed requests mixed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).parents[1] / "perf" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    expected = soak.oracle(smollm2["target"], smollm2["drafter"], 12)
+    result = soak.run_soak(server, expected, concurrency=8, duration_s=30, max_tokens=12, request_timeout_s=120)
+    checks = soak.verdict(result, max_rss_growth_pct=25.0)
+    print(json.dumps({k: result[k] for k in ("requests", "idle_after_s", "rss_mib_after_warmup",
+                                             "rss_mib_after_run")}))
+    assert all(checks.values()), (checks, result)
+    assert {"correct", "cancelled", "bad_refused"} <= set(result["requests"]), result["requests"]
 
 
 def test_killed_step_model_fails_in_flight_requests_naming_it(server):

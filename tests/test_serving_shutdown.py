@@ -94,3 +94,48 @@ def test_serve_reloads_a_killed_model_and_sigterm_leaves_nothing_behind(smollm2,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_path):
+    """serve itself SIGKILLed (no clean-up of its own) with 16 generations in flight: its tritonserver dies with it
+    (PR_SET_PDEATHSIG) and every stub within seconds (serve/lifecycle.py), none left computing."""
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
+                                max_sequences=16), tmp_path / "repo")
+    grpc = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash", "serve", "--repo", str(repo), "--http-port",
+                             str(free_port()), "--grpc-port", str(grpc), "--metrics-port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["grpc"] == f"127.0.0.1:{grpc}", "serve did not start"
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+        got = []
+        c.start_stream(callback=lambda result, error: got.append(error))
+        for i in range(16):
+            c.async_stream_infer("dflash", build_inputs(GenerateParams(f"Write a long story {i}.", 200)))
+        t0 = time.monotonic()
+        while len(got) < 16 and time.monotonic() - t0 < 120:
+            time.sleep(0.1)
+        assert len(stub_processes(repo)) == 9
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while stub_processes(repo) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        assert not stub_processes(repo), stub_processes(repo)
+        servers = [p for p in os.listdir("/proc") if p.isdigit() and _is_server_of(p, repo)]
+        assert not servers, f"tritonserver {servers} outlived serve"
+        print(f"serve SIGKILLed: every stub gone {gone_s:.1f} s later, no tritonserver left")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _is_server_of(pid: str, repo) -> bool:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and argv[0].endswith(b"bin/tritonserver") and f"--model-repository={repo}".encode() in argv

@@ -8,6 +8,7 @@ the server was gone. ``watch_parent`` ends the stub within a second of its serve
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,20 +25,46 @@ def parent_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def watch_parent(period_s: float = 0.5) -> None:
+def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
     """Exit this process (at once, no clean-up: the server that would collect its results is gone) as soon as the
-    process that started it is gone. Called from every model's ``initialize``; one watcher per process."""
+    process that started it is gone. Called from every model's ``initialize``; one watcher per process.
+
+    ``needs``: the models a loop model calls. Once they were seen alive, all of them gone at once for two checks
+    means the server is shutting down (a failed model is reloaded alone): Triton 2.51 then waits for this stub's
+    in-flight decoupled requests instead of finalizing it, and would hang, so the stub exits."""
     if getattr(watch_parent, "_started", False):
         return
     watch_parent._started = True
     parent = os.getppid()
 
     def run() -> None:
+        seen, gone = False, 0
         while parent_alive(parent):
             time.sleep(period_s)
+            if needs:
+                alive = any(stub_pids(m, parent) for m in needs)
+                seen = seen or alive
+                gone = gone + 1 if seen and not alive else 0
+                if gone >= 2:
+                    break
         os._exit(0)
 
     threading.Thread(target=run, name="dflash-parent-watch", daemon=True).start()
+    # A stub blocked in Triton's IPC can hold the GIL, so the thread above may never run once its server is gone
+    # (seen: a target_verify stub left behind): a shell watchdog outside the interpreter kills it then as well.
+    subprocess.Popen(["/bin/sh", "-c", _WATCHDOG, "dflash-stub-watchdog", str(parent), str(os.getpid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# $1 = the server, $2 = the stub; exits with the stub, SIGKILLs it when the server is gone or a zombie
+_WATCHDOG = """
+while [ -d /proc/$2 ]; do
+  line=""; read -r line < /proc/$1/stat 2>/dev/null
+  st=${line##*) }; st=${st%% *}
+  case "$st" in ""|Z|X) kill -9 $2; exit 0;; esac
+  sleep 1
+done
+"""
 
 
 def stub_pids(model: str, parent: int | None = None) -> set[int]:

@@ -32,12 +32,13 @@ STOP_GRACE_S = 10.0  # then TritonServer.stop kills what is left (stubs still ge
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: Linux delivers SIGTERM to the server if the process that started it dies,
-    so a killed test run or demo leaves no server behind."""
+    """Runs in the child before exec: Linux kills the server if the process that started it dies, so a killed test
+    run, demo or ``serve`` leaves no server behind (its stubs then exit too, serve/lifecycle.py). SIGKILL, not
+    SIGTERM: Triton 2.51 shutting down alone with decoupled requests in flight never finishes unloading."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 

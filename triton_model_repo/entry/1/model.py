@@ -11,7 +11,7 @@ from trtllm_dflash.serve.triton_io import model_parameters
 
 class TritonPythonModel:
     def initialize(self, args):
-        watch_parent()
+        watch_parent(needs=("target_verify", "kv_inject", "drafter"))
         self.loop = LoopModel(model_parameters(args), pb_utils)
 
     async def execute(self, requests):

@@ -98,6 +98,7 @@ def main(argv=None) -> int:
                     rounds.append({"in_process_tokens_per_second": round(tps["in_process"], 2),
                                    "triton_tokens_per_second": round(tps["triton"], 2),
                                    "triton_over_in_process": round(tps["triton"] / tps["in_process"], 3)})
+                    print(json.dumps({model: {"round": r, **rounds[-1]}}), file=sys.stderr, flush=True)
                 ratios = sorted(x["triton_over_in_process"] for x in rounds)
                 result["models"][model] = {"rounds": rounds, "median_ratio": ratios[len(ratios) // 2],
                                            "identical_outputs": f"{same}/{args.rounds * len(texts)}"}

@@ -124,7 +124,8 @@ def paired_c1(url, model, decoder, encode, texts, max_tokens, rounds):
             "round_ratios": ratios, "identical_tokens": same, "triton_seconds": secs["triton"]}
 
 
-STEP_MODELS = ("target_verify", "kv_inject", "drafter", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing")
+STEP_MODELS = ("target_verify", "kv_inject", "drafter", "dflash", "baseline", "dflash_bls", "baseline_bls", "preprocessing",
+               "postprocessing")
 
 
 def server_times(url) -> dict[str, dict[str, float]]:

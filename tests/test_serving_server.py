@@ -186,11 +186,9 @@ def bls_inputs(tok, prompt: str, max_tokens: int):
 
 
 def test_cancelled_streams_free_their_state(server, oracle):
-    """50 streams cancelled mid-generation (gRPC stream cancellation of the decoupled loop model): the loop sees
-    the cancellation at its next step and frees the sequence's state in both stateful models.
-
-    The requests go to dflash_bls directly: Triton 2.51 (the CPU build) does not pass a client's cancellation on
-    to the models inside an ensemble, so there a cancelled request runs to its end (or its idle timeout)."""
+    """50 streams cancelled mid-generation on the token-level loop model dflash_bls: the loop sees the cancellation
+    at its next step and frees the sequence's state in both stateful models. (The entry points dflash / baseline
+    run the same loop: tests/test_serving_reliability.py cancels through them.)"""
     _, tok = oracle
     for _ in range(10):
         c = grpcclient.InferenceServerClient(server.grpc_url)

@@ -34,6 +34,11 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
                         help="threads per CPU step model (0 = auto: every core for one sequence, one thread each "
                         "once sequences overlap)")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue,
+                        help="requests (per entry model) that may wait for a sequence slot once --max-sequences are "
+                             "live; more are refused at once with UNAVAILABLE (RESOURCE_EXHAUSTED message)")
+    parser.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
+                        help="longest wait for a sequence slot before the request is refused")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -49,6 +54,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
     block = args.block_size or DrafterSpec.load(args.drafter).block_size
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
+                     max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
@@ -62,6 +68,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--log", default=None, help="server log file (default: discard)")
+    parser.add_argument("--on-model-failure", choices=("reload", "unload", "exit"), default="reload",
+                        help="when a model's python stub dies (killed, crashed), the model is unloaded at once (its "
+                             "readiness and the server's turn false; requests in flight fail naming it), then: "
+                             "reload it (default; its live sequences are lost), leave it unloaded for an operator "
+                             "(POST /v2/repository/models/<model>/load), or stop the server and exit 1 (for "
+                             "systemd or Kubernetes to restart)")
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -79,6 +91,15 @@ def serve_main(args: argparse.Namespace) -> int:
                           "metrics": server.metrics_url}), flush=True)
         while not stop.is_set() and server.proc is not None and server.proc.poll() is None:
             stop.wait(1.0)
+            for model, pids in server.dead_models().items():
+                print(json.dumps({"event": "model_died", "model": model, "stub_pids": sorted(pids),
+                                  "action": args.on_model_failure}), file=sys.stderr, flush=True)
+                server.unload(model)
+                if args.on_model_failure == "exit":
+                    return 1
+                if args.on_model_failure == "reload":
+                    server.reload(model)
+                    print(json.dumps({"event": "model_reloaded", "model": model}), file=sys.stderr, flush=True)
         return 0 if stop.is_set() else 1
     finally:
         server.stop()

@@ -35,7 +35,7 @@ from trtllm_dflash.perf.metrics import LoopCounters
 from trtllm_dflash.perf.record import PerfRecord, append_record
 
 PROJECT = Path(__file__).resolve().parents[2]
-BLS = {"dflash": "dflash_bls", "baseline": "baseline_bls"}  # ensemble -> the BLS model labelling its counters
+BLS = {"dflash": "dflash", "baseline": "baseline"}  # entry model -> the model labelling its loop counters (itself)
 
 
 @dataclass

@@ -14,6 +14,8 @@ one-hot (greedy) proposal this equals Leviathan/Chen speculative sampling (arXiv
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ class SamplingParams:
 
     def validate(self, prefix: str = "") -> None:
         require(self.temperature >= 0, f"{prefix}temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        require(math.isfinite(self.temperature), f"{prefix}temperature", self.temperature, "must be finite")
         require(self.top_k >= 0, f"{prefix}top_k", self.top_k, "must be >= 0 (0 = off)")
         require(0 < self.top_p <= 1, f"{prefix}top_p", self.top_p, "must be in (0, 1]")
 

@@ -3,18 +3,27 @@
 ``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
 once; the step models' dynamic batchers then batch the concurrent sequences' steps (continuous batching emerges from
 the server). A request that fails gets one error response (INVALID_ARGUMENT for bad input) and the final flag.
+
+The same class is the user-facing entry point (``dflash`` / ``baseline``, ``frontend: on``): it then tokenizes and
+validates the text request (handlers.Preprocessor) and detokenizes each response itself, so a client's cancellation
+reaches the loop, which Triton 2.51 does not do through an ensemble. A cancelled request (or every request once the
+server stops the model) ends before its next step and frees its slots. Past ``max_sequences`` live sequences a
+request waits in a bounded queue (``max_queue`` waiting, ``queue_timeout_s`` at most), else it is refused with
+UNAVAILABLE and a RESOURCE_EXHAUSTED message naming the limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Callable
 
 import numpy as np
 import torch
 
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
@@ -27,6 +36,16 @@ class StepError(DFlashError):
     """A step model answered with an error (its message is passed on to the client)."""
 
 
+class Overloaded(DFlashError):
+    """Every sequence slot is taken and the wait queue is full (or the wait timed out): UNAVAILABLE."""
+
+    triton_code = "UNAVAILABLE"
+
+
+class Cancelled(Exception):
+    """The client cancelled (or the server is stopping) while the request waited for a slot."""
+
+
 class TritonSteps:
     """StepClient over BLS calls to the target_verify / kv_inject / drafter models."""
 
@@ -35,7 +54,11 @@ class TritonSteps:
         self.target = params["target_verify_model"]
         self.injector = params.get("kv_inject_model", "kv_inject")
         self.drafter = params.get("drafter_model", "drafter")
-        self.slot_wait_s = float(params.get("slot_wait_s", "300"))
+        self.max_sequences = int(params.get("max_sequences", "0") or 0)
+        self.max_queue = int(params.get("max_queue", "64"))
+        self.queue_timeout_s = float(params.get("queue_timeout_s", "300"))
+        self.waiting = 0  # requests of this model instance waiting for a slot
+        self.watch = StubWatch()
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
         # then go target_verify -> kv_inject -> drafter without touching the host (see ``_call``).
         self.memory = {}
@@ -51,7 +74,15 @@ class TritonSteps:
             model_name=model, requested_output_names=outputs, **self.memory,
             inputs=[pb.Tensor(name, np.ascontiguousarray(arr[None])) if isinstance(arr, np.ndarray) else arr
                     for name, arr in inputs.items()])
-        response = await request.async_exec()
+        stubs = self.watch.current(model)
+        call = asyncio.ensure_future(request.async_exec())
+        while not (await asyncio.wait({call}, timeout=1.0))[0]:
+            if self.watch.died(stubs):  # Triton 2.51 never answers a call whose stub was killed: fail it here
+                call.cancel()
+                raise StepError(f"step model '{model}' died: its python stub process (pid "
+                                f"{', '.join(map(str, sorted(stubs)))}) exited during this request; `serve` "
+                                "reloads it (see --on-model-failure), retry the request")
+        response = call.result()
         if response.has_error():
             raise StepError(response.error().message())
         return {n: pb.get_output_tensor_by_name(response, n) if n in keep
@@ -61,17 +92,41 @@ class TritonSteps:
     def _seq(seq_id: int) -> np.ndarray:
         return np.array([seq_id], dtype=np.uint64)
 
-    async def start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
-        """Waits (up to ``slot_wait_s``) for a free sequence slot rather than failing: concurrency above the
-        repository's max_sequences queues instead of erroring."""
-        deadline = asyncio.get_running_loop().time() + self.slot_wait_s
-        while True:
-            try:
-                return await self._start(seq_id, prompt_ids, sampling, want_taps)
-            except StepError as exc:
-                if SLOTS_EXHAUSTED not in str(exc) or asyncio.get_running_loop().time() > deadline:
-                    raise
+    def for_request(self, is_cancelled: Callable[[], bool]) -> "RequestSteps":
+        return RequestSteps(self, is_cancelled)
+
+    async def wait_for_slot(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps,
+                            is_cancelled: Callable[[], bool]):
+        """``_start``, waiting for a free sequence slot when all are taken: at most ``max_queue`` requests wait, each
+        at most ``queue_timeout_s``; beyond that the request is refused (Overloaded). A cancelled waiter leaves."""
+        try:
+            return await self._start(seq_id, prompt_ids, sampling, want_taps)
+        except StepError as exc:
+            if SLOTS_EXHAUSTED not in str(exc):
+                raise
+        limit = f"--max-sequences {self.max_sequences}" if self.max_sequences else "--max-sequences"
+        if self.waiting >= self.max_queue:
+            raise Overloaded(f"RESOURCE_EXHAUSTED: all sequence slots are in use ({limit}) and {self.waiting} "
+                             f"requests already wait for one (--max-queue {self.max_queue}); retry later, or render "
+                             "the repository with a larger --max-sequences or --max-queue")
+        self.waiting += 1
+        try:
+            deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
+            while True:
                 await asyncio.sleep(0.05)
+                if is_cancelled():
+                    raise Cancelled()
+                try:
+                    return await self._start(seq_id, prompt_ids, sampling, want_taps)
+                except StepError as exc:
+                    if SLOTS_EXHAUSTED not in str(exc):
+                        raise
+                if asyncio.get_running_loop().time() > deadline:
+                    raise Overloaded(f"RESOURCE_EXHAUSTED: no sequence slot freed within {self.queue_timeout_s:g} s "
+                                     f"(--queue-timeout-s; all {limit} slots in use); retry later, or render the "
+                                     "repository with a larger --max-sequences") from None
+        finally:
+            self.waiting -= 1
 
     async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._call(
@@ -99,9 +154,26 @@ class TritonSteps:
         return out["drafts"].tolist()
 
     async def free(self, seq_id, drafter):
-        await self._call(self.target, ["num_active"], mode=np.array([FREE], np.int32), seq_id=self._seq(seq_id))
-        if drafter:
-            await self._call(self.drafter, ["num_active"], mode=np.array([FREE], np.int32), seq_id=self._seq(seq_id))
+        """Free the sequence in both stateful models; a model that cannot answer (it died) is skipped, so the
+        request's own error is what the client sees and the other model's slot is still freed."""
+        for model in (self.target, self.drafter) if drafter else (self.target,):
+            try:
+                await self._call(model, ["num_active"], mode=np.array([FREE], np.int32), seq_id=self._seq(seq_id))
+            except StepError:
+                pass
+
+
+class RequestSteps:
+    """One request's view of TritonSteps: the slot wait sees that request's cancellation."""
+
+    def __init__(self, steps: TritonSteps, is_cancelled: Callable[[], bool]) -> None:
+        self._steps, self._is_cancelled = steps, is_cancelled
+
+    async def start(self, seq_id, prompt_ids, sampling, want_taps):
+        return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+
+    def __getattr__(self, name):  # verify, inject, draft, free
+        return getattr(self._steps, name)
 
 
 def parse_request(pb_utils, request) -> GenerateRequest:
@@ -123,6 +195,12 @@ class LoopModel:
         self.block_size = int(params["block_size"])
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
+        self.stopping = False  # set by finalize: every live request ends before its next step
+        self.frontend = None
+        if params.get("frontend", "off") == "on":  # the entry point: text in, text out (no ensemble around it)
+            from trtllm_dflash.serve.handlers import Preprocessor
+
+            self.frontend = Preprocessor(params)
         self.telemetry = None
         if params.get("metrics", "on") == "on":
             from trtllm_dflash.serve.telemetry import LoopTelemetry
@@ -135,12 +213,23 @@ class LoopModel:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
+    def finalize(self) -> None:
+        """Server shutdown or unload: live generations stop at their next step instead of running to max_tokens."""
+        self.stopping = True
+
     def _response(self, u: Update):
         pb = self.pb
+        if self.frontend is not None:  # the ensemble's outputs, with postprocessing's text delta
+            from trtllm_dflash.runtime.text import text_delta
+
+            delta = text_delta(self.frontend.tokenizer, u.tokens, u.prev_len, u.final)
+            tensors = [tensor(pb, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
+        else:
+            tensors = [tensor(pb, "prev_len", np.array([u.prev_len], dtype=np.int32)),
+                       tensor(pb, "is_final", np.array([u.final], dtype=bool))]
         return pb.InferenceResponse(output_tensors=[
+            *tensors,
             tensor(pb, "output_ids", np.array(u.tokens, dtype=np.int32)),
-            tensor(pb, "prev_len", np.array([u.prev_len], dtype=np.int32)),
-            tensor(pb, "is_final", np.array([u.final], dtype=bool)),
             tensor(pb, "acceptance_lengths", np.array(u.acceptance_lengths, dtype=np.int32)),
             tensor(pb, "num_draft_tokens", np.array([u.num_draft_tokens], dtype=np.int32)),
             tensor(pb, "num_accepted_draft_tokens", np.array([u.num_accepted_draft_tokens], dtype=np.int32)),
@@ -149,6 +238,9 @@ class LoopModel:
     async def _serve(self, request) -> None:
         pb, sender = self.pb, request.get_response_sender()
         final_sent = False
+
+        def cancelled() -> bool:
+            return self.stopping or sender.is_cancelled()
 
         async def on_update(u: Update) -> None:
             nonlocal final_sent
@@ -161,15 +253,28 @@ class LoopModel:
         if self.telemetry is not None:
             self.telemetry.active(+1)
         try:
-            gen = parse_request(pb, request)
-            await run_generation(self.steps, gen, self.block_size, secrets.randbits(62), on_update,
-                                 is_cancelled=sender.is_cancelled)
+            gen = self.frontend.parse(pb, request) if self.frontend is not None else parse_request(pb, request)
+            await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
+                                 on_update, is_cancelled=cancelled)
+        except Cancelled:
+            pass
         except Exception as exc:  # the client gets the message; the server keeps serving
             if not final_sent:
-                sender.send(error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                final_sent = True
+                final_sent = _send_final(pb, sender, error_response(pb, exc))
         finally:
-            if not final_sent:  # cancelled: no more data, but the stream must still be closed
-                sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             if self.telemetry is not None:
                 self.telemetry.active(-1)
+            if not final_sent:  # cancelled: no more data, but the stream must still be closed
+                _send_final(pb, sender, None)
+
+
+def _send_final(pb, sender, response) -> bool:
+    """The last response of a request (or just the final flag); a stream the client already closed is no error."""
+    try:
+        if response is None:
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return True
+    except Exception:  # noqa: BLE001 - nothing left to tell the client
+        return False

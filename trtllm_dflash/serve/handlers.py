@@ -20,7 +20,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.protocol import decode_text, encode_stops, validate_generation
+from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, decode_text, encode_stops, validate_generation
 from trtllm_dflash.serve.triton_io import error_response, get, get_torch, scalar, tensor, torch_output
 
 START, VERIFY, FREE, STATS = 0, 1, 2, 3
@@ -88,7 +88,8 @@ class Preprocessor:
             eos.add(int(self.tokenizer.eos_token_id))
         self.default_stops = [[e] for e in sorted(eos)]
 
-    def __call__(self, pb_utils, request) -> list:
+    def parse(self, pb_utils, request) -> GenerateRequest:
+        """Validate a request's inputs (each error names its field) into what the loop runs."""
         from trtllm_dflash.runtime.text import encode_prompt
 
         raw = get(pb_utils, request, "text_input")
@@ -115,15 +116,20 @@ class Preprocessor:
                 if word:
                     stops = stops + [self.tokenizer.encode(word, add_special_tokens=False)]
         stream = bool(scalar(pb_utils, request, "stream", False, bool))
+        return GenerateRequest(tuple(ids), max_tokens, sampling, decode_stops(encode_stops(stops)), stream)
+
+    def __call__(self, pb_utils, request) -> list:
+        g = self.parse(pb_utils, request)
         return [
-            tensor(pb_utils, "input_ids", np.array(ids, dtype=np.int32)),
-            tensor(pb_utils, "out_max_tokens", np.array([max_tokens], dtype=np.int32)),
-            tensor(pb_utils, "out_stream", np.array([stream], dtype=bool)),
-            tensor(pb_utils, "out_temperature", np.array([sampling.temperature], dtype=np.float32)),
-            tensor(pb_utils, "out_top_k", np.array([sampling.top_k], dtype=np.int32)),
-            tensor(pb_utils, "out_top_p", np.array([sampling.top_p], dtype=np.float32)),
-            tensor(pb_utils, "out_seed", np.array([sampling.seed], dtype=np.uint64)),
-            tensor(pb_utils, "stop_sequences", np.array(encode_stops(stops), dtype=np.int32)),
+            tensor(pb_utils, "input_ids", np.array(g.input_ids, dtype=np.int32)),
+            tensor(pb_utils, "out_max_tokens", np.array([g.max_tokens], dtype=np.int32)),
+            tensor(pb_utils, "out_stream", np.array([g.stream], dtype=bool)),
+            tensor(pb_utils, "out_temperature", np.array([g.sampling.temperature], dtype=np.float32)),
+            tensor(pb_utils, "out_top_k", np.array([g.sampling.top_k], dtype=np.int32)),
+            tensor(pb_utils, "out_top_p", np.array([g.sampling.top_p], dtype=np.float32)),
+            tensor(pb_utils, "out_seed", np.array([g.sampling.seed], dtype=np.uint64)),
+            tensor(pb_utils, "stop_sequences", np.array(encode_stops([list(s) for s in g.stop_sequences]),
+                                                        dtype=np.int32)),
         ]
 
 

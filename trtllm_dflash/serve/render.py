@@ -22,6 +22,8 @@ BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
+QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
+ENTRY_KEYS = ("name", "max_batch_size", "block_size", "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances")),
@@ -32,10 +34,11 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
                             "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
-    "dflash_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances")),
-    "baseline_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances")),
-    "dflash": ("ensemble", ("name", "max_batch_size", "bls_model")),
-    "baseline": ("ensemble", ("name", "max_batch_size", "bls_model")),
+    "dflash_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances", *QUEUE_KEYS)),
+    "baseline_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances", *QUEUE_KEYS)),
+    # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
+    "dflash": ("entry", ENTRY_KEYS),
+    "baseline": ("entry", ENTRY_KEYS),
 }
 # backend trtllm-pytorch: NVIDIA's LLM-API model twice (DFlash / baseline model.yaml) behind our ensemble I/O
 LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -79,6 +82,8 @@ class RepoConfig:
     queue_delay_us: int = 200  # dynamic batcher wait for more requests
     idle_timeout_s: float = 120.0  # a sequence's state is freed after this long unused
     torch_threads: int = 0  # torch threads per CPU step model (0 = by load: handlers.CpuThreads)
+    max_queue: int = 64  # requests per entry model waiting for a sequence slot; beyond: refused (UNAVAILABLE)
+    queue_timeout_s: float = 60.0  # longest wait for a sequence slot; then refused (UNAVAILABLE)
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
     checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
 
@@ -108,6 +113,8 @@ class RepoConfig:
                 f"must be in [16, {target.max_position_embeddings}] (the target's context limit)")
         require(self.queue_delay_us >= 0, "--queue-delay-us", self.queue_delay_us, "must be >= 0")
         require(self.idle_timeout_s > 0, "--idle-timeout-s", self.idle_timeout_s, "must be > 0")
+        require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
+        require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm_engine import load_engine_set
 
@@ -120,14 +127,15 @@ class RepoConfig:
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": self.block_size,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
-            "torch_threads": self.torch_threads, "tap_layers": ",".join(map(str, tap_layers)),
+            "torch_threads": self.torch_threads, "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s,
+            "tap_layers": ",".join(map(str, tap_layers)),
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
         per_model = {
             "dflash_bls": {"name": "dflash_bls"},
             "baseline_bls": {"name": "baseline_bls", "block_size": 1},
-            "dflash": {"name": "dflash", "bls_model": "dflash_bls", "bridge_model": "dflash_llmapi"},
-            "baseline": {"name": "baseline", "bls_model": "baseline_bls", "bridge_model": "baseline_llmapi"},
+            "dflash": {"name": "dflash", "bridge_model": "dflash_llmapi"},
+            "baseline": {"name": "baseline", "block_size": 1, "bridge_model": "baseline_llmapi"},
             "tensorrt_llm_dflash": {"name": "tensorrt_llm_dflash"},
             "tensorrt_llm_baseline": {"name": "tensorrt_llm_baseline"},
             "dflash_llmapi": {"name": "dflash_llmapi", "llm_model": "tensorrt_llm_dflash",

@@ -27,15 +27,18 @@ from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
 
 OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
+EXIT_TIMEOUT_S = 5  # Triton's own wait for in-flight requests on SIGTERM
+STOP_GRACE_S = 10.0  # then TritonServer.stop kills what is left (stubs still generating included)
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: Linux delivers SIGTERM to the server if the process that started it dies,
-    so a killed test run or demo leaves no server behind."""
+    """Runs in the child before exec: Linux kills the server if the process that started it dies, so a killed test
+    run, demo or ``serve`` leaves no server behind (its stubs then exit too, serve/lifecycle.py). SIGKILL, not
+    SIGTERM: Triton 2.51 shutting down alone with decoupled requests in flight never finishes unloading."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -80,7 +83,9 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     common = [
         f"--model-repository={repo}", f"--http-address={host}", f"--http-port={http_port}",
         f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--metrics-address={host}",
-        f"--metrics-port={metrics_port}", "--exit-timeout-secs=5", f"--log-verbose={log_verbose}",
+        f"--metrics-port={metrics_port}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}",
+        # every model loaded at start, and reloadable one by one (TritonServer.reload: a step model whose stub died)
+        "--model-control-mode=explicit", "--load-model=*",
         # distinct shared-memory names, so several servers (tests, demo) can run side by side
         f"--backend-config=python,shm-region-prefix-name=dflash{os.getpid()}_{grpc_port}",
     ]
@@ -132,6 +137,7 @@ class TritonServer:
         self.metrics_port = metrics_port or free_port()
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self._stubs: dict[str, set[int]] = {}  # python model -> its stub pids last seen alive (dead_models)
 
     @property
     def grpc_url(self) -> str:
@@ -159,18 +165,58 @@ class TritonServer:
                 tail = self.log_path.read_text()[-3000:] if self.log_path else "(no log; pass log_path)"
                 raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n{tail}")
             if self._ready():
+                self.dead_models()  # remember every model's stubs, so one that dies later is noticed
                 return self
             time.sleep(0.5)
         self.stop()
         raise ArtifactError(self.repo, f"tritonserver not ready after {timeout_s:.0f} s", "see the server log")
 
-    def stop(self) -> None:
+    def python_models(self) -> list[str]:
+        return sorted(p.parent.parent.name for p in self.repo.glob("*/1/model.py"))
+
+    def dead_models(self) -> dict[str, set[int]]:
+        """{model: exited stub pids} for python models whose every stub seen alive so far has exited while the
+        server runs (a killed or crashed step model: Triton 2.51 neither restarts it nor reports it not ready)."""
+        from trtllm_dflash.serve.lifecycle import stub_pids
+
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        dead = {}
+        for model in self.python_models():
+            now = stub_pids(model, parent=self.proc.pid)
+            seen = self._stubs.get(model, set())
+            if seen and not now:
+                dead[model] = seen
+            elif now:
+                self._stubs[model] = now
+        return dead
+
+    def _repository_call(self, model: str, action: str) -> None:
+        req = urllib.request.Request(f"http://{self.host}:{self.http_port}/v2/repository/models/{model}/{action}",
+                                     data=b"{}", method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+
+    def unload(self, model: str) -> None:
+        """Take ``model`` out of service: its readiness (and the server's) turns false until it is loaded again."""
+        self._repository_call(model, "unload")
+        self._stubs.pop(model, None)
+
+    def reload(self, model: str) -> None:
+        """Unload ``model`` and load it again (fresh stubs, empty sequence state; Triton ignores a load of a model it
+        considers loaded and unchanged); returns when it is ready again."""
+        self.unload(model)
+        self._repository_call(model, "load")
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM (Triton waits EXIT_TIMEOUT_S for in-flight requests, then unloads), then after ``grace_s`` SIGKILL
+        to the whole process group: generations still running in a stub end with it, nothing outlives ``stop``."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # graceful: Triton unloads models and ends the stubs
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass
         try:  # whatever is left of the process group (stubs included)

@@ -68,6 +68,8 @@ def tensor(pb_utils, name: str, array) -> Any:
 
 
 def error_response(pb_utils, exc: BaseException):
-    """INVALID_ARGUMENT for bad input (DFlashError), INTERNAL otherwise; the message names the problem."""
+    """INVALID_ARGUMENT for bad input (DFlashError), the error's own ``triton_code`` where it has one (e.g.
+    UNAVAILABLE for an overloaded server), INTERNAL otherwise; the message names the problem."""
     code = pb_utils.TritonError.INVALID_ARG if isinstance(exc, DFlashError) else pb_utils.TritonError.INTERNAL
+    code = getattr(pb_utils.TritonError, getattr(exc, "triton_code", ""), code)
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc), code))

@@ -3,11 +3,13 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.llmapi import LlmApiBridge
+from trtllm_dflash.serve.lifecycle import watch_parent
 from trtllm_dflash.serve.triton_io import model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_parent()
         self.bridge = LlmApiBridge(model_parameters(args), pb_utils)
 
     async def execute(self, requests):

@@ -3,11 +3,13 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.handlers import Preprocessor
+from trtllm_dflash.serve.lifecycle import watch_parent
 from trtllm_dflash.serve.triton_io import error_response, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_parent()
         self.pre = Preprocessor(model_parameters(args))
 
     def execute(self, requests):

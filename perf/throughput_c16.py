@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Aggregate throughput through Triton at concurrency C against the in-process runtime decoding the same C prompts
+as one batch (the meaningful ceiling on a small CPU machine), paired and alternating.
+
+    python perf/throughput_c16.py --concurrency 16 --max-tokens 64 --rounds 3 --out perf/results/reliability/c16.json
+
+Each round runs both sides back to back in alternating order on the same C prompts (so drifting load on a shared
+machine hits both alike): in-process, one ``generate`` call over all C requests; Triton, C client threads with one
+prompt each over their own gRPC streams. Reports tokens/s of both per round, their ratio per round and overall, and
+how many Triton outputs equal the in-process ones. Starts its own server (demo assets unless --target/--drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--models", default="dflash,baseline")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def triton_outputs(url, model, texts, max_tokens):
+    """Every text on its own client thread and stream at once: (outputs in order, wall seconds)."""
+    import threading
+
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+
+    out: list = [None] * len(texts)
+
+    def one(i):
+        with DFlashClient(url) as client:
+            out[i] = client.generate(model, GenerateParams(texts[i], max_tokens)).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from bench_serving import in_process_decoders
+
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime.decoder import Request
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    if args.target is None:
+        assets = prepare_demo_assets()
+        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    texts = [p.text for p in load_prompts(args.dataset, args.concurrency)]
+    decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size)
+    result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "dataset": args.dataset,
+              "block_size": args.block_size, "rounds": args.rounds, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = make_repo(RepoConfig(args.target, args.drafter, block_size=args.block_size, max_seq_len=1024,
+                                    max_sequences=args.concurrency + 2), Path(tmp) / "repo")
+        with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
+            triton_outputs(server.grpc_url, "baseline", texts[:2], 4)  # warm-up
+            for model in args.models.split(","):
+                dec = decoders[model]
+                rounds, same = [], 0
+                for r in range(args.rounds):
+                    sides = {}
+                    for side in (("in_process", "triton") if r % 2 == 0 else ("triton", "in_process")):
+                        if side == "in_process":
+                            t0 = time.perf_counter()
+                            outs = [list(x.token_ids) for x in
+                                    dec.generate([Request(*encode(t, args.max_tokens)) for t in texts])]
+                            sides[side] = (outs, time.perf_counter() - t0)
+                        else:
+                            sides[side] = triton_outputs(server.grpc_url, model, texts, args.max_tokens)
+                    same += sum(a == b for a, b in zip(sides["in_process"][0], sides["triton"][0]))
+                    tps = {k: sum(map(len, o)) / s for k, (o, s) in sides.items()}
+                    rounds.append({"in_process_tokens_per_second": round(tps["in_process"], 2),
+                                   "triton_tokens_per_second": round(tps["triton"], 2),
+                                   "triton_over_in_process": round(tps["triton"] / tps["in_process"], 3)})
+                    print(json.dumps({model: {"round": r, **rounds[-1]}}), file=sys.stderr, flush=True)
+                ratios = sorted(x["triton_over_in_process"] for x in rounds)
+                result["models"][model] = {"rounds": rounds, "median_ratio": ratios[len(ratios) // 2],
+                                           "identical_outputs": f"{same}/{args.rounds * len(texts)}"}
+                print(json.dumps({model: result["models"][model]}), file=sys.stderr, flush=True)
+    result["command"] = " ".join(["python", "perf/throughput_c16.py", *(argv if argv is not None else sys.argv[1:])])
+    result["machine"] = f"{platform.machine()}, shared 2-core VM (other engineers' jobs running)"
+    print(json.dumps(result, indent=2))
+    if args.out:
+        from trtllm_dflash.models.weights import write_json
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

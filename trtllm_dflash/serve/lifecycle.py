@@ -1,0 +1,118 @@
+"""Keeping the python stubs tied to their server.
+
+Triton's python stub checks that its parent still exists, but a server that exited without being reaped (a zombie,
+e.g. when whatever started it was killed) still exists, so the stubs kept computing at full CPU for minutes after
+the server was gone. ``watch_parent`` ends the stub within a second of its server exiting, zombie or not.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+
+def parent_alive(pid: int) -> bool:
+    """True while ``pid`` is this process's parent and is neither a zombie nor dead."""
+    if os.getppid() != pid:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
+    """Exit this process (at once, no clean-up: the server that would collect its results is gone) as soon as the
+    process that started it is gone. Called from every model's ``initialize``; one watcher per process.
+
+    ``needs``: the models a loop model calls. Once they were seen alive, all of them gone at once for two checks
+    means the server is shutting down (a failed model is reloaded alone): Triton 2.51 then waits for this stub's
+    in-flight decoupled requests instead of finalizing it, and would hang, so the stub exits."""
+    if getattr(watch_parent, "_started", False):
+        return
+    watch_parent._started = True
+    parent = os.getppid()
+
+    def run() -> None:
+        seen, gone = False, 0
+        while parent_alive(parent):
+            time.sleep(period_s)
+            if needs:
+                alive = any(stub_pids(m, parent) for m in needs)
+                seen = seen or alive
+                gone = gone + 1 if seen and not alive else 0
+                if gone >= 2:
+                    break
+        os._exit(0)
+
+    threading.Thread(target=run, name="dflash-parent-watch", daemon=True).start()
+    # A stub blocked in Triton's IPC can hold the GIL, so the thread above may never run once its server is gone
+    # (seen: a target_verify stub left behind): a shell watchdog outside the interpreter kills it then as well.
+    subprocess.Popen(["/bin/sh", "-c", _WATCHDOG, "dflash-stub-watchdog", str(parent), str(os.getpid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# $1 = the server, $2 = the stub; exits with the stub, SIGKILLs it when the server is gone or a zombie
+_WATCHDOG = """
+while [ -d /proc/$2 ]; do
+  line=""; read -r line < /proc/$1/stat 2>/dev/null
+  st=${line##*) }; st=${st%% *}
+  case "$st" in ""|Z|X) kill -9 $2; exit 0;; esac
+  sleep 1
+done
+"""
+
+
+def stub_pids(model: str, parent: int | None = None) -> set[int]:
+    """Live python-stub processes of ``model`` started by ``parent`` (default: this process's parent, i.e. from a
+    stub, its sibling stubs of the same server). A stub's argv[1] is ``<repository>/<model>/1/model.py``."""
+    parent = os.getppid() if parent is None else parent
+    suffix = f"/{model}/1/model.py"
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] in ("Z", "X") or int(stat[1]) != parent:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").endswith(suffix):
+            out.add(int(entry.name))
+    return out
+
+
+class StubWatch:
+    """The live stubs of the models a BLS model calls, rescanned at most every ``period_s`` per model: a call
+    remembers the stubs serving it when it starts and is failed when all of them have exited (``died``)."""
+
+    def __init__(self, period_s: float = 2.0) -> None:
+        self.period_s = period_s
+        self._pids: dict[str, tuple[float, set[int]]] = {}
+
+    def current(self, model: str) -> set[int]:
+        now = time.monotonic()
+        when, pids = self._pids.get(model, (-1e9, set()))
+        if now - when > self.period_s or not all(_alive(p) for p in pids):
+            pids = stub_pids(model)
+            self._pids[model] = (now, pids)
+        return pids
+
+    @staticmethod
+    def died(pids: set[int]) -> bool:
+        """True when ``pids`` (a call's stubs) were known and none is alive any more."""
+        return bool(pids) and not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

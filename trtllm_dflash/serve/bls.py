@@ -112,8 +112,10 @@ class TritonSteps:
         self.waiting += 1
         try:
             deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
+            delay = 0.05
             while True:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(delay)
+                delay = min(0.5, delay * 1.5)  # many waiters must not flood target_verify with refused starts
                 if is_cancelled():
                     raise Cancelled()
                 try:

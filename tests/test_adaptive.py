@@ -250,3 +250,40 @@ def test_auto_equals_block_size_1_on_the_real_model(smollm2, temperature):
     out = oracle.generate(reqs)
     assert [r.token_ids for r in out] == ar
     assert len({k for r in out for k in r.draft_lengths}) >= 3, "the oracle should make auto verify several k"
+
+
+@pytest.mark.slow
+def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_factory):
+    """A real Triton server on a repository rendered with --block-size auto: the dflash ensemble (auto) streams
+    what the baseline ensemble streams, greedy and sampled, and the metrics endpoint carries the chosen-k counts,
+    the time split and the ecosystem's speculative-decoding counter names."""
+    pytest.importorskip("tritonclient.grpc")
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.perf.metrics import fetch_metrics, parse_prometheus
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
+                                max_sequences=4, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
+    with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as server, \
+            DFlashClient(server.grpc_url) as client:
+        for params in (GenerateParams("Write a Python function that adds two numbers.", 24),
+                       GenerateParams("Name a colour.", 16, temperature=0.8, seed=3)):
+            auto = client.generate("dflash", params)
+            assert auto.token_ids == client.generate("baseline", params).token_ids
+        samples = parse_prometheus(fetch_metrics(server.metrics_url))
+
+    def total(name, **labels):
+        return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+    steps = total("dflash_steps_total", model="dflash_bls")
+    assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash_bls") == steps
+    assert total("dflash_step_seconds_total", model="dflash_bls", part="verify") > 0
+    drafted = total("dflash_draft_tokens_total", model="dflash_bls")
+    assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
+    assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash_bls")
+    assert total("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="dflash_bls") == accepted
+    tau = total("trtllm_spec_decode_acceptance_length", model_name="dflash_bls")
+    assert tau == pytest.approx((accepted + steps) / steps, rel=1e-3)
+    assert 0 <= total("trtllm_spec_decode_draft_overhead", model_name="dflash_bls") < 1

@@ -14,8 +14,10 @@ Invariant at the top of every step: drafter context length == target committed l
 Block size 1 skips the drafter (and the taps): it is plain autoregressive decoding through the same code, the
 built-in baseline. Block size ``"auto"`` asks ``runtime.adaptive`` each step how many drafts k ∈ [0, B−1] every row
 verifies (k = 0: no draft pass for that row); the step verifies a rectangular [b, K + 1] block, rows drafting fewer
-than K padded with drafts that never match, so acceptance, crop and injection are the same code. Sequences of a batch accept different lengths (ragged caches, ``KVCache.lengths``) and finish
-independently (stop tokens, max_new_tokens); finished rows simply drop out of the step's ``rows``.
+than K padded with drafts that never match, so acceptance, crop and injection are the same code.
+
+Sequences of a batch accept different lengths (ragged caches, ``KVCache.lengths``) and finish independently (stop
+tokens, max_new_tokens); finished rows simply drop out of the step's ``rows``.
 """
 
 from __future__ import annotations

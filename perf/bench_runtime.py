@@ -10,7 +10,8 @@ including prefill, summed over prompts.
 ``--block-size 16,8`` evaluates several block sizes against one autoregressive run (the baseline does not depend on
 the block size, so it is decoded once per batch) and prints one JSON line per block size. ``auto`` may be one of them
 (``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
-of the chosen k, draft / verify / overhead seconds). Every batch runs all decoders back to back, so the ratios are
+of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
+continuation instead of the drafter's block. Every batch runs all decoders back to back, so the ratios are
 paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
@@ -33,6 +34,9 @@ import sys
 import time
 
 
+AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | path to a JSONL file of {\"prompt\"}")
@@ -50,13 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
     try:
-        args.block_sizes = [b.strip() if b.strip() == "auto" else int(b) for b in args.block_size.split(",")] \
+        blocks = [b.strip() if b.strip() in AUTOS else int(b) for b in args.block_size.split(",")] \
             if args.block_size else []
-        if any(b != "auto" and b < 2 for b in args.block_sizes) or len(set(args.block_sizes)) < len(args.block_sizes):
+        if any(b not in AUTOS and b < 2 for b in blocks) or len(set(blocks)) < len(blocks):
             raise ValueError
+        args.block_sizes = blocks
     except ValueError:
-        p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, or a comma list of distinct ones, "
-                "e.g. auto,16,8")
+        p.error(f"--block-size {args.block_size!r} must be 'auto', 'auto+ngram' or an integer >= 2, or a comma list "
+                "of distinct ones, e.g. auto,16,8")
     return args
 
 
@@ -82,7 +87,8 @@ def main(argv=None) -> int:
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
     decoders = {"ar": SpeculativeDecoder(target, None, 1)}
-    decoders.update({b: make_decoder(target, drafter, b, args.drafter, args.max_block_size if b == "auto" else None)
+    decoders.update({b: make_decoder(target, drafter, "auto" if b in AUTOS else b, args.drafter,
+                                     args.max_block_size if b in AUTOS else None, ngram=b == "auto+ngram")
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 

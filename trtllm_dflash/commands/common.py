@@ -60,12 +60,14 @@ def resolve_block_size(args, drafter) -> int | str:
     return drafter.spec.block_size
 
 
-def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None):
-    """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log."""
+def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
+                 ngram: bool = False):
+    """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
+    ``ngram``, prompt-lookup proposals too)."""
     from trtllm_dflash.runtime.adaptive import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
     prior = None
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
-    return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior)
+    return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram)

@@ -63,9 +63,11 @@ class CostModel:
     def draft(self, n: float) -> float:
         return 0.0 if n <= 0 else _interp(GRID, self.draft_s, n)[0]
 
-    def step(self, rows: int, k: int, drafting: int) -> float:
-        """Seconds of a step verifying k drafts (k + 1 slots) for ``rows`` rows, ``drafting`` of which drafted."""
-        return self.verify(rows * (k + 1)) + (self.draft(drafting * (k + 1)) if k > 0 else 0.0) + self.overhead_s
+    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True) -> float:
+        """Seconds of a step verifying k proposed tokens (k + 1 slots) for ``rows`` rows, ``drafting`` of which went
+        through the draft pass."""
+        draft = self.draft(drafting * (k + 1)) if (k > 0 and drafting and draft_pass) else 0.0
+        return self.verify(rows * (k + 1)) + draft + self.overhead_s
 
     @staticmethod
     def _observe(values: list[float], n: float, seconds: float, alpha: float) -> None:
@@ -195,6 +197,7 @@ def prior_from_training_log(drafter_dir: str | Path | None, num_drafts: int) -> 
 
 
 DEFAULT_PRIOR = 0.3  # per-slot conditional acceptance without a training log
+NGRAM_PRIOR = 0.3  # per-slot conditional acceptance of a prompt-lookup continuation before any observation
 
 
 class AcceptanceModel:
@@ -233,6 +236,13 @@ class AcceptanceModel:
     def expected_accepted(self, k: int) -> float:
         return self.expected_accepted_all()[k]
 
+    def relax(self, factor: float = 0.98) -> None:
+        """One step without an observation: the counts decay (slower than with one), so the estimate drifts back
+        toward the prior over some tens of steps."""
+        for j in range(len(self.hits)):
+            self.hits[j] *= factor
+            self.misses[j] *= factor
+
     def observe(self, k: int, accepted: int) -> None:
         """One verified step: k drafts, the first ``accepted`` of them accepted."""
         if k <= 0:
@@ -254,11 +264,25 @@ class AcceptanceModel:
 class SeqState:
     """What the policy keeps for one sequence."""
 
-    acceptance: AcceptanceModel
+    acceptance: AcceptanceModel  # of the drafter's blocks
+    ngram: AcceptanceModel | None = None  # of the prompt-lookup continuations (policy.ngram only)
     idle_steps: int = 0  # steps since this row last drafted
     probe_interval: int = 8
     probing: bool = False  # the current draft is a forced re-probe
+    source: str | None = None  # this step's proposal: "drafter", "ngram" or None (k = 0)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
+
+
+def ngram_continuation(context: Sequence[int], max_len: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
+    (n = max_n down to 1), at most ``max_len`` of them; [] if no suffix recurs."""
+    size = len(context)
+    for n in range(min(max_n, size - 1), 0, -1):
+        tail = list(context[size - n:])
+        for start in range(size - n - 1, -1, -1):
+            if context[start] == tail[0] and list(context[start:start + n]) == tail:
+                return list(context[start + n:start + n + max_len])
+    return []
 
 
 @dataclass
@@ -273,6 +297,8 @@ class Telemetry:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
+    ngram_steps: int = 0  # rows·steps that verified a prompt-lookup continuation
+    ngram_accepted: int = 0  # tokens accepted from those
 
     def record(self, ks: Sequence[int], accepted: Sequence[int]) -> None:
         for k, a in zip(ks, accepted):
@@ -295,6 +321,8 @@ class Telemetry:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": self.accepted_per_pos,
+            "ngram_steps": self.ngram_steps,
+            "ngram_accepted_tokens": self.ngram_accepted,
         }
 
 
@@ -302,50 +330,72 @@ class AdaptivePolicy:
     """Chooses k per sequence and step from the cost model and each sequence's acceptance model."""
 
     def __init__(self, cost: CostModel, max_block_size: int, prior: Sequence[float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 32, probe_k: int = 4) -> None:
+                 probe_every: int = 8, max_probe_every: int = 32, probe_k: int = 4, ngram: bool = False) -> None:
         self.cost, self.max_k = cost, max_block_size - 1
         self.prior = prior
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_k = max(1, min(probe_k, self.max_k))
+        self.ngram = ngram  # also consider prompt-lookup continuations (free to propose)
         self.telemetry = Telemetry()
 
     def new_sequence(self) -> SeqState:
-        return SeqState(AcceptanceModel(self.max_k, self.prior), probe_interval=self.probe_every)
+        return SeqState(AcceptanceModel(self.max_k, self.prior),
+                        AcceptanceModel(self.max_k, [NGRAM_PRIOR] * self.max_k) if self.ngram else None,
+                        probe_interval=self.probe_every)
 
-    def decide(self, states: Sequence[SeqState]) -> list[int]:
-        """k per row for the next step (each 0 or the step's common K)."""
+    def decide(self, states: Sequence[SeqState], ngram_lens: Sequence[int] | None = None) -> list[int]:
+        """k per row for the next step; sets each state's ``source``. A drafter row verifies the step's common K
+        drafts (one draft pass for all of them), an n-gram row min(K, its continuation's length) tokens; the others
+        verify none. ``ngram_lens``: the length of each row's prompt-lookup continuation (policy.ngram only)."""
         b = len(states)
+        for s in states:
+            s.source = None
         if self.max_k <= 0 or b == 0:
             return [0] * b
         due = [i for i, s in enumerate(states) if s.idle_steps >= s.probe_interval]
         expected = [s.acceptance.expected_accepted_all() for s in states]  # [row][k]
-        best_rate, best_k, best_rows = b / self.cost.step(b, 0, 0), 0, []
+        lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
+        free_exp = [s.ngram.expected_accepted_all() if (s.ngram is not None and lens[i]) else None
+                    for i, s in enumerate(states)]
+        best_rate, best = b / self.cost.step(b, 0, 0), (0, [], [])
         for k in range(1, self.max_k + 1):
-            gains = sorted(((expected[i][k], i) for i in range(b) if i not in due), reverse=True)
-            tokens = b + sum(expected[i][k] for i in due)
+            free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
+            extra = sorted(((expected[i][k] - free[i], i) for i in range(b)
+                            if i not in due and expected[i][k] > free[i]), reverse=True)
+            tokens = b + sum(free) + sum(expected[i][k] - free[i] for i in due)
             rows = list(due)
-            for m in range(len(gains) + 1):
+            for m in range(len(extra) + 1):
                 if m:
-                    tokens += gains[m - 1][0]
-                    rows.append(gains[m - 1][1])
-                if not rows:
+                    tokens += extra[m - 1][0]
+                    rows.append(extra[m - 1][1])
+                ngram_rows = [i for i in range(b) if i not in rows and free[i] > 0]
+                if not rows and not ngram_rows:
                     continue
-                rate = tokens / self.cost.step(b, k, len(rows))
+                rate = tokens / self.cost.step(b, k, len(rows), bool(rows))
                 if rate > best_rate:
-                    best_rate, best_k, best_rows = rate, k, list(rows)
-        if due and best_k == 0:  # nothing pays, but some rows are due a re-probe
-            best_k, best_rows = self.probe_k, due
+                    best_rate, best = rate, (k, list(rows), ngram_rows)
+        k, rows, ngram_rows = best
+        if due and k == 0:  # nothing pays, but some rows are due a re-probe
+            k, rows, ngram_rows = self.probe_k, due, []
         ks = [0] * b
-        for i in best_rows:
-            ks[i] = best_k
+        for i in rows:
+            ks[i], states[i].source = k, "drafter"
+        for i in ngram_rows:
+            ks[i], states[i].source = min(k, lens[i]), "ngram"
         for i, s in enumerate(states):
-            s.probing = ks[i] > 0 and i in due
+            s.probing = s.source == "drafter" and i in due
         return ks
 
     def observe(self, state: SeqState, k: int, accepted: int) -> None:
-        """One row's outcome: it verified k drafts and accepted ``accepted``."""
+        """One row's outcome: it verified k proposed tokens (from ``state.source``) and accepted ``accepted``."""
         state.chosen.append(k)
-        if k == 0:
+        if state.ngram is not None and state.source != "ngram":
+            state.ngram.relax()  # unused, its estimate drifts back to the prior: a later stretch gets a try
+        if state.source == "ngram":
+            state.ngram.observe(k, accepted)
+            self.telemetry.ngram_steps += 1
+            self.telemetry.ngram_accepted += accepted
+        if state.source != "drafter":
             state.idle_steps += 1
             return
         state.acceptance.observe(k, accepted)
@@ -356,10 +406,11 @@ class AdaptivePolicy:
         state.probing = False
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,
-                     overhead_s: float) -> None:
-        """The whole step's timing (all rows), fed back into the cost model and the telemetry."""
+                     overhead_s: float, drafting: int | None = None) -> None:
+        """The whole step's timing (all rows), fed back into the cost model and the telemetry. ``drafting``: rows
+        that went through the draft pass (default: every row with k > 0)."""
         rows, kmax = len(ks), max(ks, default=0)
-        drafting = sum(1 for k in ks if k > 0)
+        drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
         self.cost.observe(rows * (kmax + 1), verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s)
         t = self.telemetry
         t.steps += 1

@@ -31,7 +31,7 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.adaptive import AdaptivePolicy, SeqState
+from trtllm_dflash.runtime.adaptive import AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 
 AUTO = "auto"
@@ -102,13 +102,13 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
-                 prior: list[float] | None = None) -> None:
+                 prior: list[float] | None = None, ngram: bool = False) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
         ``block_size="auto"``: adaptive k per row and step, up to ``max_block_size`` − 1 drafts (default: the
         drafter's block size), deciding with ``policy`` (default: ``calibrated_policy`` with the acceptance
-        ``prior``)."""
+        ``prior``; ``ngram``: also verify prompt-lookup continuations where they are expected to yield more)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -141,7 +141,7 @@ class SpeculativeDecoder:
                 from trtllm_dflash.plugin.kv_inject import InjectWeights
 
                 self.inject_weights = InjectWeights.from_drafter(drafter)
-        self.policy = (policy or calibrated_policy(self, prior)) if self.adaptive else None
+        self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
 
     @property
     def block_size_label(self) -> int | str:
@@ -222,18 +222,29 @@ class SpeculativeDecoder:
             b = len(active)
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
-            ks = policy.decide([seqs[i].policy for i in active]) if policy is not None else [bsz - 1] * b
+            lookups = None
+            if policy is not None and policy.ngram:
+                lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1)
+                           for i in active]
+            if policy is not None:
+                ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
+                drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
+            else:
+                ks, drafting = [bsz - 1] * b, list(range(b))
             kmax = max(ks) if dcache is not None else 0
-            if kmax > 0:
+            if kmax > 0 and len(drafting) == b:
                 committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
-                drafting = [j for j, k in enumerate(ks) if k > 0]
-                if len(drafting) == b:
-                    drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
-                else:  # only some rows draft; the others verify padding that never matches
+                drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
+            elif kmax > 0:  # only some rows draft; the others verify their n-gram or padding that never matches
+                drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
+                if drafting:
+                    committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
                     sel = torch.tensor(drafting, device=dev)
                     drows = sel if rows is None else rows[sel]
-                    drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
                     drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
+                for j, i in enumerate(active):
+                    if seqs[i].policy.source == "ngram" and ks[j]:
+                        drafts[j, : ks[j]] = torch.tensor(lookups[j][: ks[j]], device=dev)
             else:
                 drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
             sync()
@@ -264,7 +275,7 @@ class SpeculativeDecoder:
                     policy.observe(seqs[i].policy, ks[j], accepted[j])
                 sync()
                 now = time.perf_counter()
-                policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify)
+                policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify, len(drafting))
             self._emit(seqs, active, emitted, on_tokens, t0)
 
         return [
@@ -321,7 +332,7 @@ def _sync(device: torch.device) -> Callable[[], None]:
 
 
 def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = None, max_rows: int = 4,
-                      refresh: bool = False) -> AdaptivePolicy:
+                      refresh: bool = False, ngram: bool = False) -> AdaptivePolicy:
     """An AdaptivePolicy whose cost model is this device's (cached on disk; calibrated on first use: one verify
     forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each)."""
     import hashlib
@@ -352,4 +363,4 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             lambda h: target.logits(h.to(target.dtype))), sync)
 
     cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh)
-    return AdaptivePolicy(cost, bsz, prior)
+    return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

@@ -119,7 +119,7 @@ class OracleSteps(LocalSteps):
         return out
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16, "auto"])
+@pytest.mark.parametrize("block_size", [1, 4, 16, "auto", "auto+ngram"])
 def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
     target, drafter = tiny_models["qwen3"]
     prompt = [9, 8, 7, 6, 5, 4]
@@ -134,17 +134,17 @@ def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
 
     req = GenerateRequest(tuple(prompt), 40, SamplingParams(), ((ref[30],),) if block_size == 4 else (), True)
     policy = AdaptivePolicy(CostModel([1e-3 * (1 + n / 64) for n in GRID], [5e-4 * (1 + n / 64) for n in GRID]), 16,
-                            [0.6] * 15) if block_size == "auto" else None
-    reason = asyncio.run(run_generation(steps, req, block_size, 7, on_update, policy=policy))
+                            [0.6] * 15, ngram=block_size == "auto+ngram") if "auto" in str(block_size) else None
+    reason = asyncio.run(run_generation(steps, req, "auto" if policy else block_size, 7, on_update, policy=policy))
     expect = ref[: ref.index(ref[30])] if block_size == 4 else ref
     assert updates[-1].final and updates[-1].tokens == expect
     assert reason == ("stop" if block_size == 4 else "length")
     taus = [t for u in updates for t in u.acceptance_lengths]
-    longest = 16 if block_size == "auto" else block_size
+    longest = 16 if policy else block_size
     assert all(1 <= t <= longest for t in taus) and (block_size == 1 or max(taus) > 1)
     ks = [k for u in updates for k in u.draft_lengths]
     assert len(ks) == len(taus) and all(t <= k + 1 for k, t in zip(ks, taus))
-    if block_size == "auto":
+    if policy:
         assert len(set(ks)) > 1 and policy.telemetry.steps == len(ks)
     assert [u.prev_len for u in updates[1:]] == [len(u.tokens) for u in updates[:-1]]
     assert not verifier.slots.rows and not steps.drafter.slots.rows  # state freed

@@ -123,7 +123,8 @@ def load_policy(path: str):
     from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel
 
     doc = read_json(path, "re-render the repository with `trtllm-dflash make-repo --block-size auto`")
-    return AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"))
+    return AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"),
+                          ngram=bool(doc.get("ngram", False)))
 
 
 class LoopModel:

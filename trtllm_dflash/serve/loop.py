@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import AdaptivePolicy
+from trtllm_dflash.runtime.adaptive import AdaptivePolicy, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
@@ -126,8 +126,13 @@ async def run_generation(
                 p.finish_reason = "cancelled"
                 break
             t0 = time.perf_counter()
-            n = policy.decide([state])[0] if adaptive else block_size - 1  # drafts to verify this step
-            drafts = await steps.draft(seq_id, k, v, bonus, n + 1) if want_taps and n > 0 else []
+            lookup = ngram_continuation(req.input_ids + tuple(p.tokens), policy.max_k) if adaptive and policy.ngram \
+                else []
+            n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
+            if adaptive and state.source == "ngram":
+                drafts = lookup[:n]
+            else:
+                drafts = await steps.draft(seq_id, k, v, bonus, n + 1) if want_taps and n > 0 else []
             t1 = time.perf_counter()
             emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
             t2 = time.perf_counter()
@@ -143,7 +148,7 @@ async def run_generation(
                 policy.observe(state, n, len(emitted) - 1)
             t3 = time.perf_counter()
             if adaptive:
-                policy.observe_step([n], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2)
+                policy.observe_step([n], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, int(state.source == "drafter"))
             p.ks.append(len(drafts))
             for name, sec in zip(("draft", "verify", "overhead"), (t1 - t0, t2 - t1, t3 - t2)):
                 p.seconds[name] += sec

@@ -8,7 +8,11 @@ including prefill, summed over prompts.
     python perf/bench_runtime.py --dataset humaneval --limit 20 --block-size 16 --max-new-tokens 256 --json
 
 ``--block-size 16,8`` evaluates several block sizes against one autoregressive run (the baseline does not depend on
-the block size, so it is decoded once per batch) and prints one JSON line per block size.
+the block size, so it is decoded once per batch) and prints one JSON line per block size. ``auto`` may be one of them
+(``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
+of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
+continuation instead of the drafter's block. Every batch runs all decoders back to back, so the ratios are
+paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
 depend on the batch): the way to get τ and losslessness over a whole dataset on a slow machine. Its tokens/s and
@@ -30,12 +34,17 @@ import sys
 import time
 
 
+AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | path to a JSONL file of {\"prompt\"}")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--block-size", default=None,
-                   help="DFlash block size, or a comma list (e.g. 16,8) sharing one AR run (default: the drafter's)")
+                   help="DFlash block size or 'auto', or a comma list (e.g. auto,16,8) sharing one AR run "
+                        "(default: the drafter's)")
+    p.add_argument("--max-block-size", type=int, default=None, help="longest block for auto (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
@@ -48,11 +57,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
     try:
-        args.block_sizes = [int(b) for b in args.block_size.split(",")] if args.block_size else []
-        if any(b < 2 for b in args.block_sizes):
+        blocks = [b.strip() if b.strip() in AUTOS else int(b) for b in args.block_size.split(",")] \
+            if args.block_size else []
+        if any(b not in AUTOS and b < 2 for b in blocks) or len(set(blocks)) < len(blocks):
             raise ValueError
+        args.block_sizes = blocks
     except ValueError:
-        p.error(f"--block-size {args.block_size!r} must be an integer >= 2 or a comma list of them, e.g. 16,8")
+        p.error(f"--block-size {args.block_size!r} must be 'auto', 'auto+ngram' or an integer >= 2, or a comma list "
+                "of distinct ones, e.g. auto,16,8")
     return args
 
 
@@ -64,6 +76,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
@@ -77,12 +90,14 @@ def main(argv=None) -> int:
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
     decoders = {"ar": SpeculativeDecoder(target, None, 1)}
-    decoders.update({b: SpeculativeDecoder(target, drafter, b) for b in blocks})
+    decoders.update({b: make_decoder(target, drafter, "auto" if b in AUTOS else b, args.drafter,
+                                     args.max_block_size if b in AUTOS else None, ngram=b == "auto+ngram")
+                     for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 
     ms, tokens = collections.Counter(), collections.Counter()
-    taus: dict[int, list[int]] = {b: [] for b in blocks}
-    mismatches: dict[int, list[str]] = {b: [] for b in blocks}
+    taus: dict[int | str, list[int]] = {b: [] for b in blocks}
+    mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
                file=sys.stderr, disable=None)
@@ -108,6 +123,7 @@ def main(argv=None) -> int:
     for b in blocks:
         df_tps = tokens[b] / (ms[b] / 1e3)
         hist = collections.Counter(taus[b])
+        dec = decoders[b]
         lines.append({
             "dataset": args.dataset,
             "num_prompts": len(prompts),
@@ -118,10 +134,11 @@ def main(argv=None) -> int:
             "dflash_tokens_per_second": round(df_tps, 3),
             "speedup": round(df_tps / ar_tps, 3),
             "mean_acceptance_length": round(sum(taus[b]) / len(taus[b]), 3) if taus[b] else None,
-            "acceptance_histogram": {str(k): hist[k] for k in range(1, b + 1)},
+            "acceptance_histogram": {str(k): hist[k] for k in range(1, dec.block_size + 1)},
             "lossless": not mismatches[b],
             "mismatched_prompts": mismatches[b],
             "num_new_tokens": tokens[b],
+            **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
             "target": os.path.basename(os.path.normpath(args.target)),
             "drafter": os.path.basename(os.path.normpath(args.drafter)),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "

@@ -24,13 +24,16 @@ from pathlib import Path
 
 
 def parse_args(argv=None):
+    from trtllm_dflash.commands.common import block_size_arg
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--prompts", type=int, default=8, help="prompts per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--models", default="dflash,baseline", help="ensembles to measure")
-    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="an integer or 'auto' (default: the drafter's)")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
@@ -73,6 +76,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size):
     """The in-process reference: ``dflash`` and ``baseline`` decoders over one loaded pair, and ``encode(text, n)`` ->
     the ``Request`` fields the ensembles use too (chat template, greedy, the target's stop tokens)."""
     from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
@@ -84,7 +88,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size):
     def encode(text, max_tokens):
         return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
-    return {"dflash": SpeculativeDecoder(target, drafter, block_size),
+    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir),
             "baseline": SpeculativeDecoder(target, None, 1)}, encode
 
 
@@ -158,6 +162,23 @@ def time_split(before, after, wall_s: float) -> dict:
     return split
 
 
+def loop_metrics(url) -> dict:
+    """The dflash loop's chosen-k counts and time split from the server's metrics endpoint."""
+    from trtllm_dflash.perf.metrics import fetch_metrics, parse_prometheus
+
+    samples = parse_prometheus(fetch_metrics(url))
+    ks, secs = {}, {}
+    for (name, labels), value in samples.items():
+        lab = dict(labels)
+        if lab.get("model") != "dflash_bls":
+            continue
+        if name == "dflash_chosen_draft_length_total" and value:
+            ks[lab["k"]] = int(value)
+        elif name == "dflash_step_seconds_total":
+            secs[lab["part"]] = round(value, 3)
+    return {"k_distribution": dict(sorted(ks.items(), key=lambda kv: int(kv[0]))), "step_seconds": secs}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from trtllm_dflash.assets import prepare_demo_assets
@@ -203,8 +224,12 @@ def main(argv=None) -> int:
                 for c in (c for c in conc if c != 1):
                     tps, _ = run_point(server.grpc_url, model, texts, args.max_tokens, c)
                     results["triton"][model][str(c)] = round(tps, 2)
+            results["dflash_bls_metrics"] = loop_metrics(server.metrics_url)
     del decoders
     results["triton_over_in_process_c1"] = {m: p["triton_over_in_process"] for m, p in results["paired_c1"].items()}
+    if {"dflash", "baseline"} <= set(results["triton"]):
+        tri = results["triton"]
+        results["dflash_over_baseline"] = {c: round(tri["dflash"][c] / tri["baseline"][c], 3) for c in tri["dflash"]}
     results["machine"] = f"{platform.machine()} {os.cpu_count()} cpus"
     print(json.dumps(results))
     return 0

@@ -90,23 +90,25 @@ class OracleDecoder(SpeculativeDecoder):
     Row r of the cache is request r; a row with ``committed`` target tokens has emitted committed − prompt_len + 1.
     """
 
-    def __init__(self, target, drafter, block_size, prompts, continuations, corrupt=0.3, seed=0):
-        super().__init__(target, drafter, block_size)
+    def __init__(self, target, drafter, block_size, prompts, continuations, corrupt=0.3, seed=0, **kw):
+        super().__init__(target, drafter, block_size, **kw)
         self.prompt_lens = [len(p) for p in prompts]
         self.continuations = continuations
         self.corrupt, self.rng = corrupt, random.Random(seed)
+        self.corrupt_rows: set[int] = set()  # rows whose drafts are always corrupted
 
-    def propose(self, bonus, dcache, rows, committed):
-        real = super().propose(bonus, dcache, rows, committed)
+    def propose(self, bonus, dcache, rows, committed, num_drafts=None):
+        real = super().propose(bonus, dcache, rows, committed, num_drafts)
         out = real.clone()
         row_ids = range(bonus.shape[0]) if rows is None else rows.tolist()
         vocab = self.target.spec.vocab_size
         for j, r in enumerate(row_ids):
             emitted = int(committed[j]) - self.prompt_lens[r] + 1
-            for k in range(self.block_size - 1):
+            for k in range(real.shape[1]):
                 ref = self.continuations[r]
                 tok = ref[emitted + k] if emitted + k < len(ref) else self.rng.randrange(vocab)
-                out[j, k] = self.rng.randrange(vocab) if self.rng.random() < self.corrupt else tok
+                corrupt = 1.0 if r in self.corrupt_rows else self.corrupt
+                out[j, k] = self.rng.randrange(vocab) if self.rng.random() < corrupt else tok
         return out
 
 

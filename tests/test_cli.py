@@ -20,7 +20,8 @@ def test_generate_json_on_the_real_model(smollm2, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Name a primary colour."}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
     r = run_cli(["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompts-file",
-                 str(prompts), "--chat", "--max-new-tokens", "12", "--block-size", "4", "--batch-size", "2", "--json"])
+                 str(prompts), "--chat", "--max-new-tokens", "12", "--block-size", "auto", "--max-block-size", "4", "--batch-size", "2",
+                 "--json"])
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [x["prompt"] for x in lines] == ["Name a primary colour.", "Say hi."]
@@ -28,6 +29,8 @@ def test_generate_json_on_the_real_model(smollm2, tmp_path):
         assert x["num_new_tokens"] == len(x["token_ids"]) <= 12
         assert x["text"] and x["tokens_per_second"] > 0
         assert all(1 <= t <= 4 for t in x["acceptance_lengths"])
+        assert x["block_size"] == "auto" and len(x["draft_lengths"]) == len(x["acceptance_lengths"])
+        assert all(0 <= k <= 3 and t <= k + 1 for k, t in zip(x["draft_lengths"], x["acceptance_lengths"]))
         assert x["mean_acceptance_length"] >= 1
 
 
@@ -45,6 +48,9 @@ def test_demo_assets_is_idempotent_json(smollm2):
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
         (["--prompt", "hi", "--block-size", "32"], "block_size=32: must be <= the drafter's trained block_size (16)"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature=-0.5: must be >= 0"),
+        (["--prompt", "hi", "--max-block-size", "8"], "--max-block-size=8: only applies to --block-size auto"),
+        (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
+         "max_block_size=32: must be <= the drafter's trained block_size (16)"),
     ],
 )
 def test_bad_input_exit_2_one_line(smollm2, capsys, extra, words):

@@ -1,5 +1,5 @@
-"""perf/bench_runtime.py on the real SmolLM2 pair: several block sizes share one autoregressive run, each line is
-lossless and self-consistent, ``--out`` holds exactly what was printed, and a bad ``--block-size`` exits 2."""
+"""perf/bench_runtime.py on the real SmolLM2 pair: several block sizes (``auto`` among them) share one autoregressive
+run, each line is lossless and self-consistent, ``--out`` holds exactly what was printed, and a bad ``--block-size`` exits 2."""
 
 import json
 import subprocess
@@ -13,23 +13,29 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
-         "--block-size", "16,8", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
+         "--block-size", "auto,8", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
          "--drafter", smollm2["drafter"], "--json", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert out.read_text() == run.stdout
-    assert [x["block_size"] for x in lines] == [16, 8]
+    assert [x["block_size"] for x in lines] == ["auto", 8]
     assert lines[0]["ar_tokens_per_second"] == lines[1]["ar_tokens_per_second"]  # one AR run for both
     for x in lines:
         assert x["lossless"] and x["mismatched_prompts"] == [] and x["num_prompts"] == 2
         hist = {int(k): n for k, n in x["acceptance_histogram"].items()}
-        assert sorted(hist) == list(range(1, x["block_size"] + 1))
+        longest = x.get("max_block_size", x["block_size"])
+        assert sorted(hist) == list(range(1, longest + 1))
         steps = sum(hist.values())
         assert abs(sum(k * n for k, n in hist.items()) / steps - x["mean_acceptance_length"]) < 1e-3
-        assert 1 <= x["mean_acceptance_length"] <= x["block_size"] and x["num_new_tokens"] <= 2 * 12
+        assert 1 <= x["mean_acceptance_length"] <= longest and x["num_new_tokens"] <= 2 * 12
+    auto = lines[0]["adaptive"]
+    steps = sum(lines[0]["acceptance_histogram"].values())
+    assert lines[0]["max_block_size"] == 16 and sum(auto["k_distribution"].values()) == steps
+    assert auto["steps"] >= max(n for n in hist.values()) and auto["time_split"]["verify_s"] > 0
+    assert all(0 <= int(k) <= 15 for k in auto["k_distribution"])
 
 
 def test_bad_block_size_exits_2(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), "--block-size", "16,x"], capture_output=True, text=True)
-    assert run.returncode == 2 and "--block-size '16,x'" in run.stderr and "e.g. 16,8" in run.stderr
+    assert run.returncode == 2 and "--block-size '16,x'" in run.stderr and "e.g. auto,16,8" in run.stderr

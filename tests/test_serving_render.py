@@ -9,6 +9,7 @@ import torch
 from conftest import greedy_reference
 from trtllm_dflash.cli import main
 from trtllm_dflash.errors import ArtifactError, ConfigError
+from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.loop import LocalSteps, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, truncate_at_stop
@@ -38,6 +39,29 @@ def test_make_repo_renders_every_model_without_placeholders(tiny_dirs, tmp_path)
     assert json.loads((out / "manifest.json").read_text())["repo_config"]["block_size"] == 8
     with pytest.raises(ArtifactError, match="already exists; pass --force"):
         make_repo(RepoConfig(str(t), str(d)), out)
+
+
+def test_make_repo_auto_writes_the_loop_policy(tiny_dirs, tmp_path, monkeypatch):
+    """--block-size auto: the step models are built for the longest block, dflash_bls gets "auto" and the settings
+    file (calibrated cost model + the drafter's prior) that its loop loads; the baseline stays autoregressive."""
+    from trtllm_dflash.serve.bls import load_policy
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path / "cache"))
+    t, d = tiny_dirs["llama"]
+    out = make_repo(RepoConfig(str(t), str(d), block_size="auto", max_block_size=8, max_seq_len=256),
+                    tmp_path / "repo")
+    bls = (out / "dflash_bls" / "config.pbtxt").read_text()
+    path = out.resolve() / "dflash_bls" / "1" / "adaptive.json"
+    assert 'key: "block_size" value: { string_value: "auto" }' in bls and f'string_value: "{path}"' in bls
+    assert 'key: "adaptive" value: { string_value: "" }' in (out / "baseline_bls" / "config.pbtxt").read_text()
+    assert 'key: "max_block_size" value: { string_value: "8" }' in (out / "target_verify" / "config.pbtxt").read_text()
+    policy = load_policy(str(path))
+    assert policy.max_k == 7 and policy.cost.verify(8) > 0
+    with pytest.raises(ConfigError, match="--block-size='auto': 'auto' runs in the BLS loop"):
+        make_repo(RepoConfig(str(t), str(d), backend="trtllm-engine", engines_dir=str(tmp_path), block_size="auto"),
+                  tmp_path / "r2")
+    with pytest.raises(ConfigError, match="--max-block-size=8: only applies to --block-size auto"):
+        make_repo(RepoConfig(str(t), str(d), block_size=8, max_block_size=8), tmp_path / "r3")
 
 
 def test_make_repo_template_with_missing_or_extra_key_fails(tiny_dirs, tmp_path):
@@ -95,7 +119,7 @@ class OracleSteps(LocalSteps):
         return out
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, "auto", "auto+ngram"])
 def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
     target, drafter = tiny_models["qwen3"]
     prompt = [9, 8, 7, 6, 5, 4]
@@ -109,12 +133,19 @@ def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
         updates.append(u)
 
     req = GenerateRequest(tuple(prompt), 40, SamplingParams(), ((ref[30],),) if block_size == 4 else (), True)
-    reason = asyncio.run(run_generation(steps, req, block_size, 7, on_update))
+    policy = AdaptivePolicy(CostModel([1e-3 * (1 + n / 64) for n in GRID], [5e-4 * (1 + n / 64) for n in GRID]), 16,
+                            [0.6] * 15, ngram=block_size == "auto+ngram") if "auto" in str(block_size) else None
+    reason = asyncio.run(run_generation(steps, req, "auto" if policy else block_size, 7, on_update, policy=policy))
     expect = ref[: ref.index(ref[30])] if block_size == 4 else ref
     assert updates[-1].final and updates[-1].tokens == expect
     assert reason == ("stop" if block_size == 4 else "length")
     taus = [t for u in updates for t in u.acceptance_lengths]
-    assert all(1 <= t <= block_size for t in taus) and (block_size == 1 or max(taus) > 1)
+    longest = 16 if policy else block_size
+    assert all(1 <= t <= longest for t in taus) and (block_size == 1 or max(taus) > 1)
+    ks = [k for u in updates for k in u.draft_lengths]
+    assert len(ks) == len(taus) and all(t <= k + 1 for k, t in zip(ks, taus))
+    if policy:
+        assert len(set(ks)) > 1 and policy.telemetry.steps == len(ks)
     assert [u.prev_len for u in updates[1:]] == [len(u.tokens) for u in updates[:-1]]
     assert not verifier.slots.rows and not steps.drafter.slots.rows  # state freed
 

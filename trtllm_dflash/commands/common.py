@@ -14,8 +14,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def add_model_arguments(parser: argparse.ArgumentParser, drafter_required: bool = False) -> None:
     parser.add_argument("--target", required=True, help="Hugging Face target model directory (Llama or Qwen3)")
     parser.add_argument("--drafter", required=drafter_required, help="z-lab-format DFlash drafter directory")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="tokens per draft block incl. the bonus slot (default: the drafter's; 1 = autoregressive)")
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="tokens per draft block incl. the bonus slot, or 'auto' (per sequence and step, verify "
+                             "as many drafts as pay off on this device; default: the drafter's; 1 = autoregressive)")
+    parser.add_argument("--max-block-size", type=int, default=None,
+                        help="with --block-size auto: the longest block (default: the drafter's block size)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="compute dtype (default float32: fastest on CPUs without bf16 units)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -30,8 +33,41 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed, per prompt (default 0)")
 
 
-def resolve_block_size(args, drafter) -> int:
+def block_size_arg(text: str) -> int | str:
+    """``--block-size``: an integer >= 1 or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--block-size={text!r}: must be an integer >= 1 or 'auto'; "
+                                         "e.g. --block-size auto or --block-size 16")
+    return value
+
+
+def resolve_block_size(args, drafter) -> int | str:
+    """The block size to decode with (an int, or "auto"); checks --max-block-size goes with auto."""
+    max_block = getattr(args, "max_block_size", None)
+    if max_block is not None:
+        require(args.block_size == "auto", "--max-block-size", max_block, "only applies to --block-size auto",
+                "add --block-size auto or drop --max-block-size")
+        require(max_block >= 2, "--max-block-size", max_block, "must be >= 2")
     if args.block_size is not None:
         return args.block_size
     require(drafter is not None, "--drafter", None, "is required unless --block-size 1", "pass --drafter DIR")
     return drafter.spec.block_size
+
+
+def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
+                 ngram: bool = False):
+    """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
+    ``ngram``, prompt-lookup proposals too)."""
+    from trtllm_dflash.runtime.adaptive import prior_from_training_log
+    from trtllm_dflash.runtime.decoder import SpeculativeDecoder
+
+    prior = None
+    if block_size == "auto" and drafter is not None:
+        prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
+    return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram)

@@ -16,9 +16,12 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from trtllm_dflash.commands.common import block_size_arg
+
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the question to ask (chat template applied)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens (default 128)")
-    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    parser.add_argument("--block-size", type=block_size_arg, default="auto",
+                        help="'auto' (default: per step, as many drafts as pay off on this machine) or a fixed size")
     parser.add_argument("--in-process", action="store_true", help="run in this process instead of through Triton")
 
 
@@ -38,6 +41,7 @@ def _summary(block, dflash_ids, ar_ids, taus, dflash_tps, ar_tps, trained, path)
 
 def _in_process(args, assets, block) -> dict:
     from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
 
@@ -46,11 +50,15 @@ def _in_process(args, assets, block) -> dict:
     req = Request(tuple(encode_prompt(tok, args.prompt, chat=True)), args.max_new_tokens,
                   stop_token_ids=stop_token_ids(tok, target.spec.eos_token_ids))
     detok = IncrementalDetokenizer(tok)
-    d = SpeculativeDecoder(target, drafter, block).generate([req], lambda _i, ids: print(detok.push(ids), end="", flush=True))[0]
+    decoder = make_decoder(target, drafter, block, assets["drafter"])
+    d = decoder.generate([req], lambda _i, ids: print(detok.push(ids), end="", flush=True))[0]
     print(detok.flush(), flush=True)
     a = SpeculativeDecoder(target, None, 1).generate([req])[0]
-    return _summary(block, d.token_ids, a.token_ids, d.acceptance_lengths, d.tokens_per_second, a.tokens_per_second,
-                    assets["drafter_trained"], "in-process")
+    summary = _summary(block, d.token_ids, a.token_ids, d.acceptance_lengths, d.tokens_per_second,
+                       a.tokens_per_second, assets["drafter_trained"], "in-process")
+    if decoder.adaptive:
+        summary["adaptive"] = decoder.policy.telemetry.to_json()
+    return summary
 
 
 def _through_triton(args, assets, block) -> dict:
@@ -78,10 +86,9 @@ def _through_triton(args, assets, block) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
-    from trtllm_dflash.specs import DrafterSpec
 
     assets = prepare_demo_assets()
-    block = args.block_size or DrafterSpec.load(assets["drafter"]).block_size
+    block = args.block_size
     print(f"target  {assets['target']}\ndrafter {assets['drafter']}"
           f"{'' if assets['drafter_trained'] else '  (UNTRAINED random drafter: expect τ ≈ 1)'}\n", file=sys.stderr)
     print(f">>> {args.prompt}\n", file=sys.stderr)

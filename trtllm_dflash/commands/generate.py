@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from trtllm_dflash.commands.common import DTYPES, add_model_arguments, add_sampling_arguments, resolve_block_size
+from trtllm_dflash.commands.common import (DTYPES, add_model_arguments, add_sampling_arguments, make_decoder,
+                                           resolve_block_size)
 from trtllm_dflash.errors import ConfigError, require
 
 
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import Prompt, file_prompts
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder, check_capacity
+    from trtllm_dflash.runtime.decoder import Request, check_capacity
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
 
@@ -39,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
 
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
-    decoder = SpeculativeDecoder(target, drafter, resolve_block_size(args, drafter))
+    decoder = make_decoder(target, drafter, resolve_block_size(args, drafter), args.drafter, args.max_block_size)
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []
@@ -69,11 +70,12 @@ def main(args: argparse.Namespace) -> int:
                     "tokens_per_second": round(res.tokens_per_second, 3),
                     "ttft_ms": round(res.ttft_ms, 3),
                     "finish_reason": res.finish_reason,
-                    "block_size": decoder.block_size,
+                    "block_size": decoder.block_size_label,
+                    **({"draft_lengths": list(res.draft_lengths)} if decoder.adaptive else {}),
                 }), flush=True)
             else:
                 print(detok.flush() if stream else text, flush=True)
-                print(f"[{res.num_new_tokens} tokens, {res.tokens_per_second:.1f} tok/s, "
-                      f"mean acceptance length τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size}]",
+                print(f"[{res.num_new_tokens} tokens, {res.tokens_per_second:.1f} tok/s, mean acceptance length "
+                      f"τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size_label}]",
                       file=sys.stderr)
     return 0

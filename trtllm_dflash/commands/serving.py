@@ -10,6 +10,7 @@ import threading
 
 
 def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
+    from trtllm_dflash.commands.common import block_size_arg
     from trtllm_dflash.serve.render import BACKENDS, RepoConfig
 
     d = RepoConfig("", "")
@@ -24,7 +25,11 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default="",
                         help="trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target directory")
     parser.add_argument("--out", required=True, help="directory to render the repository into")
-    parser.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    parser.add_argument("--block-size", type=block_size_arg, default=None,
+                        help="draft block size, or 'auto' (the dflash loop picks per request and step how many "
+                             "drafts pay off; default: the drafter's)")
+    parser.add_argument("--max-block-size", type=int, default=None,
+                        help="with --block-size auto: the longest block (default: the drafter's block size)")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
     parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
     parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
@@ -55,7 +60,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
                      max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
-                     engines_dir=args.engines, checkpoint_dir=args.checkpoint)
+                     engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0

@@ -12,8 +12,12 @@ One step for each live sequence (dflash.md §2.1), with ``start`` = tokens commi
 Invariant at the top of every step: drafter context length == target committed length == start.
 
 Block size 1 skips the drafter (and the taps): it is plain autoregressive decoding through the same code, the
-built-in baseline. Sequences of a batch accept different lengths (ragged caches, ``KVCache.lengths``) and finish
-independently (stop tokens, max_new_tokens); finished rows simply drop out of the step's ``rows``.
+built-in baseline. Block size ``"auto"`` asks ``runtime.adaptive`` each step how many drafts k ∈ [0, B−1] every row
+verifies (k = 0: no draft pass for that row); the step verifies a rectangular [b, K + 1] block, rows drafting fewer
+than K padded with drafts that never match, so acceptance, crop and injection are the same code.
+
+Sequences of a batch accept different lengths (ragged caches, ``KVCache.lengths``) and finish independently (stop
+tokens, max_new_tokens); finished rows simply drop out of the step's ``rows``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.adaptive import AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     ttft_ms: float  # prefill + first token
     total_ms: float  # until this sequence finished
+    draft_lengths: tuple[int, ...] = ()  # k (drafts verified) per step; set under block size "auto"
 
     @property
     def num_new_tokens(self) -> int:
@@ -72,6 +80,7 @@ class _Seq:
     taus: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     total_ms: float = 0.0
+    policy: SeqState | None = None
 
     def emit(self, new: list[int]) -> list[int]:
         """Append new tokens up to a stop token or the length limit; return what was actually kept."""
@@ -91,19 +100,34 @@ class _Seq:
 class SpeculativeDecoder:
     """Runs batches of requests through the target (and, for block_size > 1, the drafter)."""
 
-    def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int, kernels=None) -> None:
+    def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
+                 max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
+                 prior: list[float] | None = None, ngram: bool = False) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
-        drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere."""
-        require(block_size >= 1, "block_size", block_size, "must be >= 1 (1 = autoregressive baseline)")
+        drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
+
+        ``block_size="auto"``: adaptive k per row and step, up to ``max_block_size`` − 1 drafts (default: the
+        drafter's block size), deciding with ``policy`` (default: ``calibrated_policy`` with the acceptance
+        ``prior``; ``ngram``: also verify prompt-lookup continuations where they are expected to yield more)."""
+        self.adaptive = block_size == AUTO
+        if self.adaptive:
+            require(drafter is not None, "block_size", block_size, "auto needs a drafter",
+                    "pass --drafter or use --block-size 1")
+            assert drafter is not None
+            block_size = max_block_size or drafter.spec.block_size
+            require(block_size >= 2, "max_block_size", block_size, "must be >= 2 for --block-size auto")
+        require(isinstance(block_size, int) and block_size >= 1, "block_size", block_size,
+                "must be an integer >= 1 (1 = autoregressive baseline) or 'auto'")
+        assert isinstance(block_size, int)
         if block_size > 1:
             require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
             assert drafter is not None
             require(
                 block_size <= drafter.spec.block_size,
-                "block_size",
+                "max_block_size" if self.adaptive else "block_size",
                 block_size,
                 f"must be <= the drafter's trained block_size ({drafter.spec.block_size})",
-                f"use --block-size {drafter.spec.block_size} or less",
+                f"use {drafter.spec.block_size} or less",
             )
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.mask_token_id = drafter.spec.mask_token_id if drafter is not None else None
@@ -117,6 +141,12 @@ class SpeculativeDecoder:
                 from trtllm_dflash.plugin.kv_inject import InjectWeights
 
                 self.inject_weights = InjectWeights.from_drafter(drafter)
+        self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
+
+    @property
+    def block_size_label(self) -> int | str:
+        """What the user asked for: "auto" or the fixed block size."""
+        return AUTO if self.adaptive else self.block_size
 
     def _inject(self, taps, num_tokens, dcache, rows=None) -> None:
         if self.inject_weights is None:
@@ -172,7 +202,7 @@ class SpeculativeDecoder:
         hidden, taps = self.target(ids, tcache, tap_layers=self.taps)  # [n, P_max, H], [n, P_max, K·H]
         last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
         first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
-                               [s.generator for s in seqs])[:, 0]  # [n]
+                               [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
         if dcache is not None:
             self._inject(taps, prompt_lens, dcache)
@@ -180,6 +210,10 @@ class SpeculativeDecoder:
         ttft_ms = (time.perf_counter() - t0) * 1e3
         self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
 
+        policy, sync = self.policy, _sync(dev)
+        if policy is not None:
+            for s in seqs:
+                s.policy = policy.new_sequence()
         while True:
             active = [i for i, s in enumerate(seqs) if s.finish_reason is None]
             if not active:
@@ -187,17 +221,43 @@ class SpeculativeDecoder:
             rows = None if len(active) == n else torch.tensor(active, device=dev)  # [b]
             b = len(active)
             cur = bonus if rows is None else bonus[rows]  # [b]
-            if dcache is not None:
+            t_step = time.perf_counter()
+            lookups = None
+            if policy is not None and policy.ngram:
+                lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1)
+                           for i in active]
+            if policy is not None:
+                ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
+                drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
+            else:
+                ks, drafting = [bsz - 1] * b, list(range(b))
+            kmax = max(ks) if dcache is not None else 0
+            if kmax > 0 and len(drafting) == b:
                 committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
-                drafts = self.propose(cur, dcache, rows, committed)  # [b, B−1]
+                drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
+            elif kmax > 0:  # only some rows draft; the others verify their n-gram or padding that never matches
+                drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
+                if drafting:
+                    committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
+                    sel = torch.tensor(drafting, device=dev)
+                    drows = sel if rows is None else rows[sel]
+                    drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
+                for j, i in enumerate(active):
+                    if seqs[i].policy.source == "ngram" and ks[j]:
+                        drafts[j, : ks[j]] = torch.tensor(lookups[j][: ks[j]], device=dev)
             else:
                 drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
-            verify_ids = torch.cat([cur[:, None], drafts], dim=1)  # [b, B]
+            sync()
+            t_draft = time.perf_counter()
+            verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
+            positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
             hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
             samples, acc = verify_samples(
                 self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
-                [seqs[i].generator for i in active],
-            )  # [b, B] (valid up to each row's bonus), [b]
+                [seqs[i].generator for i in active], positions,
+            )  # [b, K + 1] (valid up to each row's bonus), [b]
+            sync()
+            t_verify = time.perf_counter()
             tcache.commit(rows, acc + 1)
             if dcache is not None:
                 self._inject(taps, acc + 1, dcache, rows)
@@ -206,9 +266,16 @@ class SpeculativeDecoder:
                 bonus = new_bonus
             else:
                 bonus[rows] = new_bonus
-            emitted = [samples[j, : int(acc[j]) + 1].tolist() for j in range(b)]
+            accepted = acc.tolist()
+            emitted = [samples[j, : accepted[j] + 1].tolist() for j in range(b)]
             for j, i in enumerate(active):
-                seqs[i].taus.append(int(acc[j]) + 1)
+                seqs[i].taus.append(accepted[j] + 1)
+            if policy is not None:
+                for j, i in enumerate(active):
+                    policy.observe(seqs[i].policy, ks[j], accepted[j])
+                sync()
+                now = time.perf_counter()
+                policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify, len(drafting))
             self._emit(seqs, active, emitted, on_tokens, t0)
 
         return [
@@ -216,6 +283,7 @@ class SpeculativeDecoder:
                 prompt_ids=r.prompt_ids,
                 token_ids=tuple(s.tokens),
                 acceptance_lengths=tuple(s.taus),
+                draft_lengths=tuple(s.policy.chosen) if s.policy is not None else (),
                 finish_reason=s.finish_reason or "length",
                 ttft_ms=ttft_ms,
                 total_ms=s.total_ms,
@@ -229,13 +297,15 @@ class SpeculativeDecoder:
         dcache,  # the drafter's context cache (KVCache)
         rows: torch.Tensor | None,  # [b] cache rows; None = all
         committed: torch.Tensor,  # [b] tokens committed to the target (== drafter context length)
-    ) -> torch.Tensor:  # [b, B−1] drafts d_1..d_{B−1}
-        """One DFlash draft: block [bonus, MASK × (B−1)] through the drafter, greedy through the target's head.
+        num_drafts: int | None = None,  # K (default B − 1): the block is [bonus, MASK × K]
+    ) -> torch.Tensor:  # [b, K] drafts d_1..d_K
+        """One DFlash draft: block [bonus, MASK × K] through the drafter, greedy through the target's head.
 
         Tests override this to inject chosen drafts and exercise every accepted length.
         """
         assert self.drafter is not None and self.mask_token_id is not None
-        return draft_block(bonus, self.block_size, self.mask_token_id, self.target.embed,
+        k = self.block_size - 1 if num_drafts is None else num_drafts
+        return draft_block(bonus, k + 1, self.mask_token_id, self.target.embed,
                            lambda e: self._draft(e, dcache, rows),
                            lambda h: self.target.logits(h.to(self.target.dtype)))
 
@@ -255,3 +325,42 @@ def check_capacity(decoder: SpeculativeDecoder, requests: list[Request]) -> None
         raise ConfigError("prompts", 0, "need at least one prompt")
     for i, r in enumerate(requests):
         decoder.validate(r, prefix=f"prompt {i}: " if len(requests) > 1 else "")
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = None, max_rows: int = 4,
+                      refresh: bool = False, ngram: bool = False) -> AdaptivePolicy:
+    """An AdaptivePolicy whose cost model is this device's (cached on disk; calibrated on first use: one verify
+    forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each)."""
+    import hashlib
+    import math
+
+    from trtllm_dflash.runtime import adaptive
+
+    target, drafter, bsz = decoder.target, decoder.drafter, decoder.block_size
+    assert drafter is not None and decoder.mask_token_id is not None
+    dev, sync = target.device, _sync(target.device)
+    model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)).encode())
+    key = adaptive.cost_key(adaptive.device_name(dev), str(target.dtype).removeprefix("torch."),
+                            torch.get_num_threads(), model.hexdigest()[:16])
+
+    @torch.inference_mode()
+    def verify(n: int) -> float:
+        cache = target.new_cache(1, n + 1)
+        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+        return adaptive.timed(lambda: target.logits(target(ids, cache, tap_layers=decoder.taps)[0][:, :1]), sync)
+
+    @torch.inference_mode()
+    def draft(n: int) -> float:
+        rows, width = math.ceil(n / bsz), min(n, bsz)
+        dcache = drafter.new_cache(rows, width + 1)
+        bonus = torch.zeros(rows, dtype=torch.long, device=dev)
+        return adaptive.timed(lambda: draft_block(
+            bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
+            lambda h: target.logits(h.to(target.dtype))), sync)
+
+    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh)
+    return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

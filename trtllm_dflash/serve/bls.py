@@ -191,10 +191,21 @@ def parse_request(pb_utils, request) -> GenerateRequest:
     )
 
 
+def load_policy(path: str):
+    """The ``--block-size auto`` policy of a dflash_bls model from the settings make-repo wrote next to it."""
+    from trtllm_dflash.errors import read_json
+    from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel
+
+    doc = read_json(path, "re-render the repository with `trtllm-dflash make-repo --block-size auto`")
+    return AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"),
+                          ngram=bool(doc.get("ngram", False)))
+
+
 class LoopModel:
     def __init__(self, params: dict[str, str], pb_utils) -> None:
         self.pb = pb_utils
-        self.block_size = int(params["block_size"])
+        self.block_size = params["block_size"] if params["block_size"] == "auto" else int(params["block_size"])
+        self.policy = load_policy(params["adaptive"]) if self.block_size == "auto" else None
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
@@ -207,7 +218,8 @@ class LoopModel:
         if params.get("metrics", "on") == "on":
             from trtllm_dflash.serve.telemetry import LoopTelemetry
 
-            self.telemetry = LoopTelemetry(pb_utils, params.get("model_name", "dflash_bls"), self.block_size)
+            self.telemetry = LoopTelemetry(pb_utils, params.get("model_name", "dflash_bls"),
+                                           self.policy.max_k + 1 if self.policy is not None else self.block_size)
 
     async def execute(self, requests) -> None:
         for request in requests:
@@ -257,7 +269,7 @@ class LoopModel:
         try:
             gen = self.frontend.parse(pb, request) if self.frontend is not None else parse_request(pb, request)
             await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
-                                 on_update, is_cancelled=cancelled)
+                                 on_update, is_cancelled=cancelled, policy=self.policy)
         except Cancelled:
             pass
         except Exception as exc:  # the client gets the message; the server keeps serving

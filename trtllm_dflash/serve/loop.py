@@ -7,7 +7,10 @@ run it over the step engines in-process; a TensorRT-LLM backend only needs anoth
     emitted = target_verify(seq, [bonus, drafts...])                                -> τ tokens + their taps
     K/V     = kv_inject(taps, position of the first of them)                       (block_size > 1 only)
 
-``block_size == 1`` is the autoregressive baseline through the same models.
+``block_size == 1`` is the autoregressive baseline through the same models. ``block_size == "auto"``: before each
+step the shared ``runtime.adaptive`` policy picks how many drafts k this sequence verifies (k = 0: no draft call, the
+verify is a plain autoregressive step; KV injection still runs so a later draft has the whole context), and the
+step's draft / verify / other times are fed back to its cost model.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
 
+import time
+
 import torch
 
+from trtllm_dflash.runtime.adaptive import AdaptivePolicy, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
@@ -49,6 +55,8 @@ class Update:
     num_accepted_draft_tokens: int
     final: bool
     finish_reason: str | None = None
+    draft_lengths: list[int] = field(default_factory=list)  # drafts verified (k) per step since the previous update
+    seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / overhead seconds since then
 
 
 @dataclass
@@ -59,18 +67,28 @@ class _Progress:
     proposed: int = 0
     accepted: int = 0
     finish_reason: str | None = None
+    ks: list[int] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "overhead"), 0.0))
 
 
 async def run_generation(
     steps: StepClient,
     req: GenerateRequest,
-    block_size: int,
+    block_size: int | str,
     seq_id: int,
     on_update: Callable[[Update], Awaitable[None]],
     is_cancelled: Callable[[], bool] = lambda: False,
+    policy: AdaptivePolicy | None = None,
 ) -> str:
-    """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled")."""
-    want_taps = block_size > 1
+    """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled").
+
+    ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
+    """
+    adaptive = block_size == "auto"
+    if adaptive and policy is None:
+        raise ValueError("block_size 'auto' needs a policy")
+    want_taps = adaptive or block_size > 1
+    state = policy.new_sequence() if adaptive else None
     holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens
     p = _Progress()
 
@@ -89,8 +107,10 @@ async def run_generation(
         upto = len(p.tokens) if final else max(p.reported, len(p.tokens) - holdback)
         if not final and (not req.stream or upto == p.reported):
             return
-        await on_update(Update(p.tokens[:upto], p.reported, p.taus, p.proposed, p.accepted, final, p.finish_reason))
+        await on_update(Update(p.tokens[:upto], p.reported, p.taus, p.proposed, p.accepted, final, p.finish_reason,
+                               p.ks, p.seconds))
         p.reported, p.taus, p.proposed, p.accepted = upto, [], 0, 0
+        p.ks, p.seconds = [], dict.fromkeys(p.seconds, 0.0)
 
     started = False
     try:
@@ -105,17 +125,34 @@ async def run_generation(
             if is_cancelled():
                 p.finish_reason = "cancelled"
                 break
-            drafts = await steps.draft(seq_id, k, v, bonus, block_size) if want_taps else []
+            t0 = time.perf_counter()
+            lookup = ngram_continuation(req.input_ids + tuple(p.tokens), policy.max_k) if adaptive and policy.ngram \
+                else []
+            n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
+            if adaptive and state.source == "ngram":
+                drafts = lookup[:n]
+            else:
+                drafts = await steps.draft(seq_id, k, v, bonus, n + 1) if want_taps and n > 0 else []
+            t1 = time.perf_counter()
             emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
+            t2 = time.perf_counter()
             p.taus.append(len(emitted))
             p.proposed += len(drafts)
             p.accepted += len(emitted) - 1
             add(emitted)
+            if p.finish_reason is None and want_taps:
+                k, v = await steps.inject(taps, committed)
+            committed += len(emitted)
+            bonus = emitted[-1]
+            if adaptive:
+                policy.observe(state, n, len(emitted) - 1)
+            t3 = time.perf_counter()
+            if adaptive:
+                policy.observe_step([n], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, int(state.source == "drafter"))
+            p.ks.append(len(drafts))
+            for name, sec in zip(("draft", "verify", "overhead"), (t1 - t0, t2 - t1, t3 - t2)):
+                p.seconds[name] += sec
             if p.finish_reason is None:
-                if want_taps:
-                    k, v = await steps.inject(taps, committed)
-                committed += len(emitted)
-                bonus = emitted[-1]
                 await report(False)
     finally:
         if started:

@@ -23,7 +23,8 @@ BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
-ENTRY_KEYS = ("name", "max_batch_size", "block_size", "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
+LOOP_KEYS = ("loop_block_size", "adaptive")  # the loop's block size (an int or "auto") and its policy file
+ENTRY_KEYS = ("name", "max_batch_size", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances")),
@@ -34,8 +35,8 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
                             "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
-    "dflash_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances", *QUEUE_KEYS)),
-    "baseline_bls": ("dflash_bls", ("name", "max_batch_size", "block_size", "instances", *QUEUE_KEYS)),
+    "dflash_bls": ("dflash_bls", ("name", "max_batch_size", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
+    "baseline_bls": ("dflash_bls", ("name", "max_batch_size", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
     "dflash": ("entry", ENTRY_KEYS),
     "baseline": ("entry", ENTRY_KEYS),
@@ -74,7 +75,7 @@ class RepoConfig:
     target_dir: str  # HF target (tokenizer, specs); for trtllm-pytorch defaults to checkpoint_dir
     drafter_dir: str  # z-lab drafter (specs; trtllm-pytorch: speculative_model)
     backend: str = "torch"
-    block_size: int = 16  # tokens per draft block (≤ the drafter's trained block size)
+    block_size: int | str = 16  # tokens per draft block (≤ the drafter's trained block size), or "auto"
     max_batch_size: int = 64  # requests per dynamically batched step execution
     instances: int = 1  # instances of the stateless models and of each BLS loop model
     max_seq_len: int = 2048  # tokens per sequence (prompt + generated)
@@ -86,6 +87,15 @@ class RepoConfig:
     queue_timeout_s: float = 60.0  # longest wait for a sequence slot; then refused (UNAVAILABLE)
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
     checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
+    max_block_size: int | None = None  # block_size "auto": the longest block (default: the drafter's)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.block_size == "auto"
+
+    def block(self, drafter) -> int:
+        """The (longest) block size the step models are built for."""
+        return (self.max_block_size or drafter.block_size) if self.adaptive else int(self.block_size)
 
     def validate(self) -> "tuple":
         from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
@@ -105,7 +115,15 @@ class RepoConfig:
                                     "Hugging Face model directory)", "pass the modelopt unified-HF export or HF target")
         target, drafter = TargetSpec.load(self.target_dir), DrafterSpec.load(self.drafter_dir)
         check_pair(target, drafter)
-        require(2 <= self.block_size <= drafter.block_size, "--block-size", self.block_size,
+        require(self.max_block_size is None or self.adaptive, "--max-block-size", self.max_block_size,
+                "only applies to --block-size auto", "add --block-size auto or drop --max-block-size")
+        require(not self.adaptive or self.backend == "torch", "--block-size", self.block_size,
+                f"'auto' runs in the BLS loop over the torch step models, not with --backend {self.backend}",
+                "use --backend torch or a fixed --block-size")
+        require(self.adaptive or isinstance(self.block_size, int), "--block-size", self.block_size,
+                "must be an integer or 'auto'")
+        require(2 <= self.block(drafter) <= drafter.block_size,
+                "--max-block-size" if self.adaptive else "--block-size", self.block(drafter),
                 f"must be in [2, {drafter.block_size}] (the drafter's trained block size)")
         for name in ("max_batch_size", "instances", "max_sequences"):
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')}", getattr(self, name), "must be >= 1")
@@ -118,28 +136,30 @@ class RepoConfig:
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm_engine import load_engine_set
 
-            load_engine_set(self.engines_dir, self.block_size, drafter.target_layer_ids)
+            load_engine_set(self.engines_dir, self.block(drafter), drafter.target_layer_ids)
         return target, drafter
 
-    def values(self, tap_layers: tuple[int, ...]) -> dict[str, dict[str, object]]:
+    def values(self, drafter, adaptive_file: str = "") -> dict[str, dict[str, object]]:
+        tap_layers, block = drafter.target_layer_ids, self.block(drafter)
         common = {
             "max_batch_size": self.max_batch_size, "instances": self.instances,
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),
-            "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": self.block_size,
+            "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s,
             "tap_layers": ",".join(map(str, tap_layers)),
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
         per_model = {
-            "dflash_bls": {"name": "dflash_bls"},
-            "baseline_bls": {"name": "baseline_bls", "block_size": 1},
-            "dflash": {"name": "dflash", "bridge_model": "dflash_llmapi"},
-            "baseline": {"name": "baseline", "block_size": 1, "bridge_model": "baseline_llmapi"},
+            "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file},
+            "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": ""},
+            "dflash": {"name": "dflash", "loop_block_size": self.block_size, "adaptive": adaptive_file,
+                       "bridge_model": "dflash_llmapi"},
+            "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "bridge_model": "baseline_llmapi"},
             "tensorrt_llm_dflash": {"name": "tensorrt_llm_dflash"},
             "tensorrt_llm_baseline": {"name": "tensorrt_llm_baseline"},
             "dflash_llmapi": {"name": "dflash_llmapi", "llm_model": "tensorrt_llm_dflash",
-                              "max_draft_len": self.block_size - 1},
+                              "max_draft_len": block - 1},
             "baseline_llmapi": {"name": "baseline_llmapi", "llm_model": "tensorrt_llm_baseline", "max_draft_len": 0},
         }
         models = models_for(self.backend)
@@ -151,7 +171,7 @@ def _llmapi_files(cfg: RepoConfig, drafter) -> dict[str, str]:
     from trtllm_dflash.serve.llmapi import dump_yaml, model_yaml
 
     base = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size)
-    spec = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size, cfg.drafter_dir, cfg.block_size - 1,
+    spec = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size, cfg.drafter_dir, cfg.block(drafter) - 1,
                       drafter.target_layer_ids, drafter.mask_token_id)
     out = {"tensorrt_llm_dflash": dump_yaml(spec), "tensorrt_llm_baseline": dump_yaml(base)}
     for model, text in out.items():
@@ -177,6 +197,28 @@ def _manifest(cfg: RepoConfig, drafter, models) -> dict:
     return manifest
 
 
+ADAPTIVE_FILE = "adaptive.json"
+
+
+def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
+    """What the dflash_bls loop needs for ``--block-size auto``: the longest block, the acceptance prior (the
+    drafter's training log) and a starting cost model, calibrated here on the step models' device (CPU; cached on
+    disk by device, dtype, threads and model, so a second make-repo is instant). The loop keeps it honest with the
+    step times it observes through Triton."""
+    import torch
+
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.adaptive import prior_from_training_log
+    from trtllm_dflash.runtime.decoder import SpeculativeDecoder, calibrated_policy
+
+    block = cfg.block(drafter)
+    target, drafter_model = load_pair(cfg.target_dir, cfg.drafter_dir, dtype=torch.float32)
+    decoder = SpeculativeDecoder(target, drafter_model, block)
+    policy = calibrated_policy(decoder, max_rows=1)
+    return {"max_block_size": block, "prior": prior_from_training_log(cfg.drafter_dir, block - 1),
+            "cost": policy.cost.to_json()}
+
+
 def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: Path = TEMPLATES) -> Path:
     """Render every model of the backend's model table into ``out`` (atomically: a temporary sibling renamed at the
     end). trtllm-pytorch models without a model.py of ours get the model.yaml instead (see the manifest)."""
@@ -185,8 +227,10 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
     out = Path(out)
     refuse_existing(out, force)
     _, drafter = cfg.validate()
-    values = cfg.values(drafter.target_layer_ids)
+    adaptive_file = str(out.resolve() / "dflash_bls" / "1" / ADAPTIVE_FILE) if cfg.adaptive else ""
+    values = cfg.values(drafter, adaptive_file)
     models = models_for(cfg.backend)
+    adaptive_doc = adaptive_settings(cfg, drafter) if cfg.adaptive else None
     extra = _llmapi_files(cfg, drafter) if cfg.backend == "trtllm-pytorch" else {}
     with staged_output(out, force) as tmp:
         for model, (template, _) in models.items():
@@ -200,6 +244,8 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
                 shutil.copy2(src / "1" / "model.py", tmp / model / "1" / "model.py")
             if model in extra:
                 (tmp / model / "1" / "model.yaml").write_text(extra[model])
+            if model == "dflash_bls" and adaptive_doc is not None:
+                (tmp / model / "1" / ADAPTIVE_FILE).write_text(json.dumps(adaptive_doc, indent=1) + "\n")
         manifest = _manifest(cfg, drafter, models)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return out

@@ -115,7 +115,8 @@ class TargetVerifier:
         ids = torch.tensor([prompt_ids], device=self.target.device)
         with torch.inference_mode():
             hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
-            first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen])[0, 0]
+            first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
+                                   torch.tensor([len(prompt_ids)]))[0, 0]
         self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
         return StartResult(int(first), taps[0] if want_taps else None)
 
@@ -125,10 +126,11 @@ class TargetVerifier:
         rows = torch.tensor([self.slots.get(s) for s in seq_ids])
         ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
         params = [self.sampling[s] for s in seq_ids]
+        positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
         with torch.inference_mode():
             hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
             samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
-                                          [g for _, g in params])  # [b, B], [b]
+                                          [g for _, g in params], positions)  # [b, B], [b]
         self.cache.commit(rows, acc + 1)
         return [
             VerifyResult(samples[j, : int(acc[j]) + 1].tolist(), taps[j, : int(acc[j]) + 1] if want_taps else None)

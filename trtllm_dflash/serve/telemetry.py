@@ -1,16 +1,38 @@
 """Custom Triton metrics of the speculative loop (python-backend metrics API), exported on the metrics endpoint.
 
 Per BLS model (label ``model``): draft tokens proposed and accepted, steps, finished requests, acceptance-length
-counts (label ``tau``), and live sequences (gauge). τ for a run = (accepted + steps) / steps.
+counts (label ``tau``), live sequences (gauge), the drafts verified per step (label ``k``: what ``--block-size auto``
+chose) and where the loop's time went (label ``part``: draft / verify / overhead). τ for a run = (accepted + steps) /
+steps.
+
+The same counts are also exported under the names other servers use, so their dashboards work unchanged (labels
+``model_name`` and ``model``):
+
+==================================================  ===========================================================
+ecosystem metric                                    here
+==================================================  ===========================================================
+trtllm_spec_decode_num_draft_tokens_total           = dflash_draft_tokens_total (trtllm-serve)
+trtllm_spec_decode_num_accepted_tokens_total        = dflash_accepted_draft_tokens_total (trtllm-serve)
+trtllm_spec_decode_acceptance_length (gauge)        mean τ since start, (accepted + steps) / steps
+trtllm_spec_decode_draft_overhead (gauge)           draft seconds / (draft + verify + overhead) seconds
+vllm:spec_decode_num_drafts_total                   steps that verified at least one draft
+vllm:spec_decode_num_draft_tokens_total             = dflash_draft_tokens_total
+vllm:spec_decode_num_accepted_tokens_total          = dflash_accepted_draft_tokens_total
+vllm:spec_decode_num_accepted_tokens_per_pos_total  label ``position`` (0-based): steps whose draft at that
+                                                    position was accepted
+==================================================  ===========================================================
 """
 
 from __future__ import annotations
+
+PARTS = ("draft", "verify", "overhead")
 
 
 class LoopTelemetry:
     def __init__(self, pb_utils, model: str, block_size: int) -> None:
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         labels = {"model": model}
+        eco = {"model_name": model, "model": model}
         fam = pb_utils.MetricFamily
         self._families = [  # keep the families alive as long as their metrics
             fam("dflash_draft_tokens_total", "Draft tokens proposed to the target", counter),
@@ -19,11 +41,29 @@ class LoopTelemetry:
             fam("dflash_requests_total", "Requests finished", counter),
             fam("dflash_acceptance_length_total", "Verify steps by acceptance length tau", counter),
             fam("dflash_active_sequences", "Sequences being generated", gauge),
+            fam("dflash_chosen_draft_length_total", "Verify steps by drafts verified k (--block-size auto)", counter),
+            fam("dflash_step_seconds_total", "Loop seconds by part: draft, verify, overhead", counter),
+            fam("trtllm_spec_decode_num_draft_tokens_total", "Draft tokens proposed (trtllm-serve name)", counter),
+            fam("trtllm_spec_decode_num_accepted_tokens_total", "Draft tokens accepted (trtllm-serve name)", counter),
+            fam("trtllm_spec_decode_acceptance_length", "Mean acceptance length tau since start", gauge),
+            fam("trtllm_spec_decode_draft_overhead", "Fraction of loop time spent drafting", gauge),
+            fam("vllm:spec_decode_num_drafts_total", "Steps that verified drafts (vLLM name)", counter),
+            fam("vllm:spec_decode_num_draft_tokens_total", "Draft tokens proposed (vLLM name)", counter),
+            fam("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted (vLLM name)", counter),
+            fam("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafts by position (vLLM name)",
+                counter),
         ]
-        self.proposed, self.accepted, self.steps, self.requests = (f.Metric(labels=labels) for f in self._families[:4])
-        self.by_tau = [self._families[4].Metric(labels={**labels, "tau": str(t)}) for t in range(1, block_size + 1)]
-        self.live = self._families[5].Metric(labels=labels)
+        f = self._families
+        self.proposed, self.accepted, self.steps, self.requests = (x.Metric(labels=labels) for x in f[:4])
+        self.by_tau = [f[4].Metric(labels={**labels, "tau": str(t)}) for t in range(1, block_size + 1)]
+        self.live = f[5].Metric(labels=labels)
+        self.by_k = [f[6].Metric(labels={**labels, "k": str(k)}) for k in range(block_size)]
+        self.seconds = {part: f[7].Metric(labels={**labels, "part": part}) for part in PARTS}
+        self.trt_drafted, self.trt_accepted, self.trt_tau, self.trt_overhead = (x.Metric(labels=eco) for x in f[8:12])
+        self.vllm_drafts, self.vllm_drafted, self.vllm_accepted = (x.Metric(labels=eco) for x in f[12:15])
+        self.vllm_per_pos = [f[15].Metric(labels={**eco, "position": str(j)}) for j in range(block_size - 1)]
         self._active = 0
+        self._totals = {"steps": 0, "accepted": 0, **dict.fromkeys(PARTS, 0.0)}
 
     def record(self, update) -> None:
         self.proposed.increment(update.num_draft_tokens)
@@ -31,6 +71,27 @@ class LoopTelemetry:
         self.steps.increment(len(update.acceptance_lengths))
         for tau in update.acceptance_lengths:
             self.by_tau[tau - 1].increment(1)
+            for j in range(tau - 1):
+                self.vllm_per_pos[j].increment(1)
+        for k in update.draft_lengths:
+            self.by_k[k].increment(1)
+        for part, sec in update.seconds.items():
+            self.seconds[part].increment(sec)
+        self.trt_drafted.increment(update.num_draft_tokens)
+        self.trt_accepted.increment(update.num_accepted_draft_tokens)
+        self.vllm_drafts.increment(sum(1 for k in update.draft_lengths if k > 0))
+        self.vllm_drafted.increment(update.num_draft_tokens)
+        self.vllm_accepted.increment(update.num_accepted_draft_tokens)
+        t = self._totals
+        t["steps"] += len(update.acceptance_lengths)
+        t["accepted"] += update.num_accepted_draft_tokens
+        for part, sec in update.seconds.items():
+            t[part] += sec
+        if t["steps"]:
+            self.trt_tau.set((t["accepted"] + t["steps"]) / t["steps"])
+        total = sum(t[p] for p in PARTS)
+        if total > 0:
+            self.trt_overhead.set(t["draft"] / total)
         if update.final:
             self.requests.increment(1)
 

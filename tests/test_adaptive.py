@@ -1,0 +1,327 @@
+"""``--block-size auto``: the policy (cost model, acceptance model, decision) and the decoder running it."""
+
+import json
+import random
+
+import pytest
+
+from conftest import OracleDecoder, greedy_reference
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.runtime import adaptive
+from trtllm_dflash.runtime.adaptive import GRID, AcceptanceModel, AdaptivePolicy, CostModel
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.runtime.sampling import SamplingParams
+
+SHIPPED = "trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash"
+
+
+def cpu_like(ratio16=1.4, draft_frac=0.5):
+    """A step cost shaped like this CPU's: flat-ish up to 16 tokens (verify(16) = ratio16 × verify(1)), then
+    proportional to tokens (compute bound); a draft pass costs ``draft_frac`` of a verify over as many tokens."""
+    verify = [1e-3 * (1 + (ratio16 - 1) * (n - 1) / 15) if n <= 16 else 1e-3 * ratio16 * n / 16 for n in GRID]
+    return CostModel(verify, [draft_frac * v for v in verify])
+
+
+def simulate(policy, rows, outcome, steps):
+    """Run ``steps`` decisions; ``outcome(step, row, k)`` -> accepted drafts. Returns the chosen k per step."""
+    states = [policy.new_sequence() for _ in range(rows)]
+    history = []
+    for t in range(steps):
+        ks = policy.decide(states)
+        for i, (s, k) in enumerate(zip(states, ks)):
+            policy.observe(s, k, outcome(t, i, k))
+        history.append(ks)
+    return history
+
+
+def test_always_right_drafter_gets_long_blocks():
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.5] * 15)
+    history = simulate(policy, 1, lambda t, i, k: k, 40)
+    assert history[0][0] > 0, "this prior alone makes a first draft worth trying"
+    assert all(ks == [15] for ks in history[10:]), history
+    shy = simulate(AdaptivePolicy(cpu_like(), 16, prior=[0.1] * 15), 1, lambda t, i, k: k, 60)
+    assert shy[0] == [0], "a pessimistic prior starts autoregressive"
+    assert all(ks == [15] for ks in shy[30:]), "the first re-probe finds the drafter always right"
+
+
+def test_always_wrong_drafter_settles_on_k0_and_backs_off_probes():
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.5] * 15)
+    history = simulate(policy, 1, lambda t, i, k: 0, 400)
+    drafted = [t for t, ks in enumerate(history) if ks[0] > 0]
+    assert drafted and history[-1] == [0]
+    assert len(drafted) <= 400 // policy.max_probe_every + 5, f"too many probes: {drafted}"
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert gaps[0] < gaps[1] < gaps[2] == max(gaps), f"probe intervals should grow to the cap: {gaps}"
+
+
+def test_reprobe_picks_up_a_good_stretch():
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.3] * 15)
+    switch = 60  # wrong drafts, then a stretch of boilerplate the drafter gets right
+    history = simulate(policy, 1, lambda t, i, k: 0 if t < switch else k, 160)
+    assert sum(ks != [0] for ks in history[switch - 30:switch]) <= 1
+    probe = next(t for t in range(switch, 160) if history[t][0] > 0)
+    assert probe - switch <= policy.max_probe_every
+    assert all(ks == [15] for ks in history[probe + 10:]), history[probe:]
+
+
+def test_batch_drafts_shorter_where_verify_is_compute_bound():
+    """Same acceptance (p = 0.7 per position), same per-token costs: 8 rows fill the flat part of the cost curve,
+    so the batch verifies fewer drafts than one sequence would."""
+    rng = random.Random(0)
+
+    def outcome(t, i, k):
+        return next((j for j in range(k) if rng.random() > 0.7), k)
+
+    alone = simulate(AdaptivePolicy(cpu_like(), 16, prior=[0.7] * 15), 1, outcome, 60)
+    batch = simulate(AdaptivePolicy(cpu_like(), 16, prior=[0.7] * 15), 8, outcome, 60)
+    k_alone = sum(max(ks) for ks in alone[20:]) / 40
+    k_batch = sum(max(ks) for ks in batch[20:]) / 40
+    assert k_alone >= 3 and k_batch < k_alone, (k_alone, k_batch)
+
+
+def test_rows_that_do_not_pay_stay_out_of_a_batch_draft():
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.5] * 15)
+    history = simulate(policy, 4, lambda t, i, k: k if i < 2 else 0, 60)
+    late = history[30:]
+    assert all(ks[0] == ks[1] > 0 for ks in late)
+    assert sum(ks[2] + ks[3] > 0 for ks in late) <= 6  # only the occasional re-probe
+
+
+def test_acceptance_model_conditional_estimates_and_decay():
+    m = AcceptanceModel(4, prior=[0.5] * 4, strength=1.0, decay=1.0)
+    for _ in range(9):
+        m.observe(4, 1)  # draft 1 always accepted, draft 2 always rejected
+    assert m.p(0) > 0.9 and m.p(1) < 0.1 and m.p(2) == pytest.approx(0.5)
+    assert m.expected_accepted(1) == pytest.approx(m.p(0))
+    assert m.expected_accepted(4) == pytest.approx(m.p(0) * (1 + m.p(1) * (1 + m.p(2) * (1 + m.p(3)))))
+    fast = AcceptanceModel(4, prior=[0.5] * 4, strength=1.0, decay=0.5)
+    for a in [4] * 20 + [0] * 3:
+        fast.observe(4, a)
+    assert fast.p(0) < 0.3, "three recent failures should outweigh twenty old successes under decay 0.5"
+
+
+def test_cost_model_follows_observed_step_times():
+    cost = cpu_like()
+    before = cost.verify(16)
+    for _ in range(60):
+        cost.observe(16, 3 * before)
+    assert cost.verify(16) == pytest.approx(3 * before, rel=0.05)
+    assert cost.verify(1) == pytest.approx(1e-3), "a grid point the observations do not touch stays"
+    cost.observe(12, 1.0, overhead_s=0.01)
+    assert 0 < cost.overhead_s < 0.01
+
+
+def test_cost_cache_round_trip_and_key(tmp_path):
+    calls = []
+
+    def measure(n):
+        calls.append(n)
+        return 1e-3 * (1 + n / 16)
+
+    key = adaptive.cost_key("cpu-x", "float32", 2, "m1")
+    first = adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
+    measured = len(calls)
+    assert measured > 0 and max(calls) == 32 and len(first.verify_s) == len(GRID)
+    assert first.verify(256) > first.verify(32), "beyond the calibrated range the cost keeps growing"
+    again = adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
+    assert len(calls) == measured and again.verify_s == first.verify_s
+    other = adaptive.load_or_calibrate(adaptive.cost_key("cpu-x", "float32", 1, "m1"), measure, measure, 32,
+                                       root=tmp_path)
+    assert len(calls) > measured and other.key["threads"] == 1
+    path = adaptive.cache_path(key, tmp_path)
+    doc = json.loads(path.read_text())
+    assert doc["key"] == key and doc["grid"] == list(GRID)
+    path.write_text("{not json")
+    adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)  # a broken cache is recalibrated
+    assert json.loads(path.read_text())["key"] == key
+
+
+def test_prior_from_the_shipped_drafters_training_log():
+    prior = adaptive.prior_from_training_log(SHIPPED, 15)
+    log = json.loads((__import__("pathlib").Path(SHIPPED) / "training_log.json").read_text())
+    assert prior == log["held_out"][-1]["accuracy"][:15]
+    assert adaptive.prior_from_training_log(SHIPPED, 3) == prior[:3]
+    assert adaptive.prior_from_training_log("/nonexistent", 15) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The decoder under "auto" (tiny random models, float64)
+
+
+@pytest.fixture
+def cost_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def prompts_for(seed, lengths=(5, 11, 2, 17)):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+def test_auto_with_an_always_right_oracle_picks_long_blocks(tiny_models, cost_root, one_thread):
+    target, drafter = tiny_models["llama"]
+    prompts = prompts_for(1, lengths=(6, 9))
+    ref = greedy_reference(target, prompts, 64)
+    dec = OracleDecoder(target, drafter, "auto", prompts, ref, corrupt=0.0)
+    out = dec.generate([Request(tuple(p), 64) for p in prompts])
+    assert [r.token_ids for r in out] == ref
+    for r in out:  # at worst the prior waits for the first re-probe; once it has seen the drafter, long blocks
+        ks = list(r.draft_lengths)
+        first = next(i for i, k in enumerate(ks) if k > 0)
+        # (step times observed on a shared machine feed the cost model, so not every step is B − 1)
+        assert first <= 8 and sum(k >= 8 for k in ks[first + 1:]) >= len(ks[first + 1:]) // 2, ks
+    ks = [k for r in out for k in r.draft_lengths]
+    assert list(cost_root.glob("adaptive/cost-*.json")), "the calibration is cached on disk"
+    tel = dec.policy.telemetry.to_json()
+    assert sum(tel["k_distribution"].values()) == len(ks) and tel["num_accepted_tokens"] > 0
+
+
+def test_auto_with_an_always_wrong_oracle_settles_on_k0(tiny_models, cost_root, one_thread):
+    target, drafter = tiny_models["qwen3"]
+    prompts = prompts_for(2, lengths=(7,))
+    ref = greedy_reference(target, prompts, 80)
+    dec = OracleDecoder(target, drafter, "auto", prompts, ref, corrupt=1.0)
+    out = dec.generate([Request(tuple(p), 80) for p in prompts])
+    assert [r.token_ids for r in out] == ref
+    ks = out[0].draft_lengths
+    assert len(ks) == 79 and sum(k > 0 for k in ks[20:]) <= 6, ks
+
+
+def test_auto_is_lossless_on_a_ragged_batch(tiny_models, cost_root, one_thread):
+    """A mix of rows that draft and rows that do not (padded in the same verify), different lengths and stops."""
+    target, drafter = tiny_models["llama"]
+    prompts = prompts_for(7, lengths=(3, 30, 9, 1))
+    ref = greedy_reference(target, prompts, 30)
+    corrupt = OracleDecoder(target, drafter, "auto", prompts, ref, corrupt=0.0)
+    corrupt.corrupt_rows = {1, 3}
+    reqs = [Request(tuple(p), n) for p, n in zip(prompts, (30, 9, 30, 17))]
+    out = corrupt.generate(reqs)
+    assert [r.token_ids for r in out] == [tuple(r[:n]) for r, n in zip(ref, (30, 9, 30, 17))]
+    plain = SpeculativeDecoder(target, drafter, "auto").generate(reqs)
+    assert [r.token_ids for r in plain] == [r.token_ids for r in out]
+
+
+def test_sampled_auto_equals_block_size_1(tiny_models, cost_root, one_thread):
+    """Per-position sampling noise: the same seed gives the same tokens whatever the block sizes of the steps."""
+    target, drafter = tiny_models["qwen3"]
+    prompts = prompts_for(4, lengths=(4, 12))
+    reqs = [Request(tuple(p), 30, SamplingParams(temperature=0.9, top_p=0.95, seed=s)) for s, p in enumerate(prompts)]
+    ar = SpeculativeDecoder(target, None, 1).generate(reqs)
+    greedy = greedy_reference(target, prompts, 30)
+    auto = OracleDecoder(target, drafter, "auto", prompts, [r.token_ids for r in ar], corrupt=0.2).generate(reqs)
+    fixed = SpeculativeDecoder(target, drafter, 8).generate(reqs)
+    assert [r.token_ids for r in auto] == [r.token_ids for r in ar] == [r.token_ids for r in fixed]
+    assert [r.token_ids for r in ar] != greedy
+    assert max(t for r in auto for t in r.acceptance_lengths) > 1
+
+
+def test_auto_needs_a_drafter_and_a_sane_max_block(tiny_models, cost_root):
+    target, drafter = tiny_models["llama"]
+    with pytest.raises(ConfigError, match="block_size='auto': auto needs a drafter"):
+        SpeculativeDecoder(target, None, "auto")
+    with pytest.raises(ConfigError, match="max_block_size=17: must be <= the drafter's trained block_size"):
+        SpeculativeDecoder(target, drafter, "auto", max_block_size=17)
+    with pytest.raises(ConfigError, match="block_size='8'"):
+        SpeculativeDecoder(target, drafter, "8")
+    policy = AdaptivePolicy(cpu_like(), 4)
+    dec = SpeculativeDecoder(target, drafter, "auto", max_block_size=4, policy=policy)
+    out = dec.generate([Request((5, 6, 7), 12)])[0]
+    assert dec.block_size_label == "auto" and max(out.draft_lengths) <= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_auto_equals_block_size_1_on_the_real_model(smollm2, temperature):
+    """SmolLM2 + the shipped drafter, greedy and sampled: ``auto`` (with the shipped drafter, and with an oracle
+    that makes it verify every k) emits exactly what ``--block-size 1`` emits."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    prompts = [encode_prompt(tok, q, chat=True) for q in ("Write a Python function that reverses a string.",
+                                                           "Name three colours.")]
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    reqs = [Request(tuple(p), 32, SamplingParams(temperature=temperature, seed=i), stop_token_ids=stops)
+            for i, p in enumerate(prompts)]
+    ar = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(reqs)]
+    prior = adaptive.prior_from_training_log(smollm2["drafter"], 15)
+    shipped = SpeculativeDecoder(target, drafter, "auto", policy=AdaptivePolicy(cpu_like(), 16, prior))
+    assert [r.token_ids for r in shipped.generate(reqs)] == ar
+    oracle = OracleDecoder(target, drafter, "auto", prompts, ar, corrupt=0.3,
+                           policy=AdaptivePolicy(cpu_like(), 16, [0.6] * 15))
+    out = oracle.generate(reqs)
+    assert [r.token_ids for r in out] == ar
+    assert len({k for r in out for k in r.draft_lengths}) >= 3, "the oracle should make auto verify several k"
+
+
+@pytest.mark.slow
+def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_factory):
+    """A real Triton server on a repository rendered with --block-size auto: the dflash ensemble (auto) streams
+    what the baseline ensemble streams, greedy and sampled, and the metrics endpoint carries the chosen-k counts,
+    the time split and the ecosystem's speculative-decoding counter names."""
+    pytest.importorskip("tritonclient.grpc")
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.perf.metrics import fetch_metrics, parse_prometheus
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
+                                max_sequences=4, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
+    with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as server, \
+            DFlashClient(server.grpc_url) as client:
+        for params in (GenerateParams("Write a Python function that adds two numbers.", 24),
+                       GenerateParams("Name a colour.", 16, temperature=0.8, seed=3)):
+            auto = client.generate("dflash", params)
+            assert auto.token_ids == client.generate("baseline", params).token_ids
+        samples = parse_prometheus(fetch_metrics(server.metrics_url))
+
+    def total(name, **labels):
+        return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+    steps = total("dflash_steps_total", model="dflash_bls")
+    assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash_bls") == steps
+    assert total("dflash_step_seconds_total", model="dflash_bls", part="verify") > 0
+    drafted = total("dflash_draft_tokens_total", model="dflash_bls")
+    assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
+    assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash_bls")
+    assert total("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="dflash_bls") == accepted
+    tau = total("trtllm_spec_decode_acceptance_length", model_name="dflash_bls")
+    assert tau == pytest.approx((accepted + steps) / steps, rel=1e-3)
+    assert 0 <= total("trtllm_spec_decode_draft_overhead", model_name="dflash_bls") < 1
+
+
+def test_ngram_continuation_is_prompt_lookup():
+    assert adaptive.ngram_continuation([1, 2, 3, 9, 9, 1, 2, 3], 4) == [9, 9, 1, 2]
+    assert adaptive.ngram_continuation([5, 1, 2, 7, 1, 2], 1) == [7]  # the latest earlier match of the longest tail
+    assert adaptive.ngram_continuation([4, 1, 8, 6, 1], 3) == [8, 6, 1]  # falls back to a 1-gram
+    assert adaptive.ngram_continuation([1, 2, 3], 5) == []
+
+
+def test_policy_verifies_a_good_ngram_without_a_draft_pass():
+    """Prompt lookup that is always right, drafter always wrong: steps verify the n-gram (no draft pass); with the
+    n-gram always wrong too, the policy goes back to k = 0."""
+    policy = AdaptivePolicy(cpu_like(ratio16=2.0), 16, prior=[0.1] * 15, ngram=True)
+    state = policy.new_sequence()
+    sources = []
+    for t in range(100):
+        ks = policy.decide([state], [6])
+        right = t < 30
+        sources.append((state.source, ks[0]))
+        policy.observe(state, ks[0], ks[0] if right and state.source == "ngram" else 0)
+    assert sum(src == "ngram" and k == 6 for src, k in sources[2:30]) >= 24, sources[:30]  # + drafter re-probes
+    assert all(k > 0 for _, k in sources[:30])
+    late = sources[80:]  # mostly k = 0; left: the drafter's re-probes and a rare one-token n-gram retry
+    assert sum(src is not None for src, _ in late) <= 7 and sum(k for _, k in late) <= 12, sources[30:]
+    assert policy.telemetry.ngram_steps >= 28
+
+
+def test_auto_with_ngram_is_lossless(tiny_models, cost_root, one_thread):
+    target, drafter = tiny_models["llama"]
+    prompts = [[7, 8, 9, 10] * 6, [3, 4, 5, 3, 4, 5, 3, 4]]
+    ref = greedy_reference(target, prompts, 40)
+    dec = SpeculativeDecoder(target, drafter, "auto", ngram=True)
+    out = dec.generate([Request(tuple(p), 40) for p in prompts])
+    assert [r.token_ids for r in out] == ref

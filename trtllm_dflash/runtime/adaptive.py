@@ -1,0 +1,420 @@
+"""``--block-size auto``: per sequence and step, how many drafts to verify (k ∈ {0, 1, …, B−1}).
+
+One policy for every loop (the in-process decoder and the serving loop over any step backend). It maximises expected
+emitted tokens per second of the next step:
+
+    tokens(k_1..k_b) = Σ_i (1 + E_i[a | k_i])            E_i[a | k] = Σ_{n=1..k} Π_{j≤n} p_i,j
+    seconds          = verify(b · (K + 1)) + draft(m · (K + 1)) + overhead           (K = max k_i, m rows draft)
+
+- **Cost model** (``CostModel``): seconds of one verify forward and of one draft pass as piecewise-linear functions
+  of the tokens they process (all rows together, so a batch pays the verify once per step), measured on the device
+  by a short calibration, cached on disk keyed by device, dtype, threads and model, and pulled toward the step times
+  actually observed.
+- **Acceptance model** (``AcceptanceModel``, one per sequence): p_j = P(draft j accepted | drafts 1..j−1 were), from
+  decayed success/failure counts plus a prior (the drafter's held-out per-slot accuracy from its training log).
+- **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
+  padded), so a row either drafts K tokens or none; for each K the best set of drafting rows is a prefix of the rows
+  sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
+  re-probed after ``probe_every`` steps, the interval doubling while probes fail (up to ``max_probe_every``), so a
+  good stretch of text is picked up again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per forward at which costs are calibrated
+
+
+def _interp(grid: Sequence[int], values: Sequence[float], n: float) -> tuple[float, int, float]:
+    """Piecewise-linear value at n; also the left bracket index and the weight of the right point."""
+    if n <= grid[0]:
+        return values[0], 0, 0.0
+    for i in range(len(grid) - 1):
+        if n <= grid[i + 1]:
+            w = (n - grid[i]) / (grid[i + 1] - grid[i])
+            return values[i] * (1 - w) + values[i + 1] * w, i, w
+    i = len(grid) - 2  # beyond the grid: extend the last segment's slope
+    slope = (values[-1] - values[-2]) / (grid[-1] - grid[-2])
+    return values[-1] + slope * (n - grid[-1]), i, 1.0
+
+
+@dataclass
+class CostModel:
+    """Seconds of one step's parts as functions of the tokens processed (``GRID`` points, interpolated)."""
+
+    verify_s: list[float]  # one target verify forward over n tokens (all rows), incl. sampling the first slot
+    draft_s: list[float]  # one draft pass over n block slots (all drafting rows), incl. the head on its drafts
+    overhead_s: float = 0.0  # per step, outside draft and verify (acceptance, KV injection, bookkeeping)
+    key: dict = field(default_factory=dict)
+    alpha: float = 0.2  # weight of one observed step time
+
+    def verify(self, n: float) -> float:
+        return _interp(GRID, self.verify_s, n)[0]
+
+    def draft(self, n: float) -> float:
+        return 0.0 if n <= 0 else _interp(GRID, self.draft_s, n)[0]
+
+    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True) -> float:
+        """Seconds of a step verifying k proposed tokens (k + 1 slots) for ``rows`` rows, ``drafting`` of which went
+        through the draft pass."""
+        draft = self.draft(drafting * (k + 1)) if (k > 0 and drafting and draft_pass) else 0.0
+        return self.verify(rows * (k + 1)) + draft + self.overhead_s
+
+    @staticmethod
+    def _observe(values: list[float], n: float, seconds: float, alpha: float) -> None:
+        predicted, i, w = _interp(GRID, values, n)
+        if predicted <= 0 or seconds <= 0:
+            return
+        ratio = seconds / predicted  # scale the bracketing points toward the observation, by their weight
+        values[i] *= 1 + alpha * (1 - w) * (ratio - 1)
+        if i + 1 < len(values):
+            values[i + 1] *= 1 + alpha * w * (ratio - 1)
+        for j in range(1, len(values)):  # more tokens never cost less: a slow small step raises the larger ones
+            values[j] = max(values[j], values[j - 1])
+
+    def observe(self, verify_tokens: int, verify_s: float, draft_tokens: int = 0, draft_s: float = 0.0,
+                overhead_s: float | None = None) -> None:
+        """Pull the model toward one observed step."""
+        self._observe(self.verify_s, verify_tokens, verify_s, self.alpha)
+        if draft_tokens > 0:
+            self._observe(self.draft_s, draft_tokens, draft_s, self.alpha)
+        if overhead_s is not None:
+            self.overhead_s += self.alpha * (max(overhead_s, 0.0) - self.overhead_s)
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "grid": list(GRID), "verify_s": self.verify_s, "draft_s": self.draft_s,
+                "overhead_s": self.overhead_s}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> CostModel:
+        if doc.get("grid") != list(GRID) or len(doc["verify_s"]) != len(GRID) or len(doc["draft_s"]) != len(GRID):
+            raise ValueError("cost cache has another grid")
+        return cls([float(x) for x in doc["verify_s"]], [float(x) for x in doc["draft_s"]],
+                   float(doc.get("overhead_s", 0.0)), dict(doc.get("key", {})))
+
+    def save(self, path: Path) -> None:
+        """Atomic write (a concurrent reader sees the old file or the new one)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+
+def device_name(device) -> str:
+    """The hardware behind a torch device: the GPU's name, or the CPU's model name."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(device: str, dtype: str, threads: int, model: str) -> dict:
+    return {"device": device, "dtype": dtype, "threads": threads, "model": model}
+
+
+def cache_path(key: dict, root: Path | None = None) -> Path:
+    from trtllm_dflash.assets import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return (root or cache_dir()) / "adaptive" / f"cost-{digest}.json"
+
+
+def calibrate(measure_verify: Callable[[int], float], measure_draft: Callable[[int], float], max_tokens: int,
+              repeats: int = 3) -> tuple[list[float], list[float]]:
+    """Fastest of ``repeats`` runs of ``measure_*(n)`` (seconds) at each grid point up to ``max_tokens``, made
+    non-decreasing in n (on a shared machine the minimum is the least disturbed run); beyond, linear extension."""
+    top = max(i for i, n in enumerate(GRID) if n <= max(max_tokens, 2))
+    out = []
+    for measure in (measure_verify, measure_draft):
+        measure(GRID[0])  # warm-up
+        vals = []
+        for n in GRID[: top + 1]:
+            vals.append(max(min(measure(n) for _ in range(repeats)), vals[-1] if vals else 1e-6))
+        for i in range(top + 1, len(GRID)):  # keep the last measured slope (at least proportional growth)
+            slope = max((vals[-1] - vals[-2]) / (GRID[i - 1] - GRID[i - 2]), vals[-1] / GRID[i - 1])
+            vals.append(vals[-1] + slope * (GRID[i] - GRID[i - 1]))
+        out.append(vals)
+    return out[0], out[1]
+
+
+def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int, root: Path | None = None,
+                      refresh: bool = False) -> CostModel:
+    """The cached cost model for ``key``, or a fresh calibration (then cached)."""
+    path = cache_path(key, root)
+    if path.is_file() and not refresh:
+        try:
+            model = CostModel.from_json(json.loads(path.read_text()))
+            if model.key == key:
+                return model
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # stale or foreign file: calibrate again
+    verify_s, draft_s = calibrate(measure_verify, measure_draft, max_tokens)
+    model = CostModel(verify_s, draft_s, key=key)
+    model.save(path)
+    return model
+
+
+def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Acceptance
+
+
+def prior_from_training_log(drafter_dir: str | Path | None, num_drafts: int) -> list[float] | None:
+    """Per-slot held-out accuracy from the drafter's ``training_log.json`` (last evaluation), if it has one."""
+    if drafter_dir is None:
+        return None
+    path = Path(drafter_dir) / "training_log.json"
+    try:
+        held = json.loads(path.read_text()).get("held_out") or []
+        acc = [float(a) for a in held[-1]["accuracy"]]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return (acc + [acc[-1]] * num_drafts)[:num_drafts] if acc else None
+
+
+DEFAULT_PRIOR = 0.3  # per-slot conditional acceptance without a training log
+NGRAM_PRIOR = 0.3  # per-slot conditional acceptance of a prompt-lookup continuation before any observation
+
+
+class AcceptanceModel:
+    """p_j = P(draft j accepted | drafts before it were), j = 1..B−1, from decayed counts plus a prior."""
+
+    def __init__(self, num_drafts: int, prior: Sequence[float] | None = None, strength: float = 2.0,
+                 decay: float = 0.92) -> None:
+        prior = list(prior) if prior else [DEFAULT_PRIOR] * num_drafts
+        self.prior = [min(max(p, 0.02), 0.98) for p in (prior + [prior[-1]] * num_drafts)[:num_drafts]]
+        self.strength, self.decay = strength, decay
+        self.hits = [0.0] * num_drafts
+        self.misses = [0.0] * num_drafts
+
+    def p(self, j: int) -> float:  # j: 0-based draft index
+        return self.probabilities()[j]
+
+    def probabilities(self) -> list[float]:
+        """Posterior means. A position's prior is the larger of the drafter's prior and the estimate of the position
+        before it, so a sequence that keeps accepting whole blocks expects the next position to be accepted too (and
+        the decision lengthens its blocks quickly); the counts then correct it."""
+        out: list[float] = []
+        for j in range(len(self.prior)):
+            q = self.prior[j] if j == 0 else max(self.prior[j], out[-1])
+            s, f = self.hits[j], self.misses[j]
+            out.append((s + self.strength * q) / (s + f + self.strength))
+        return out
+
+    def expected_accepted_all(self) -> list[float]:
+        """[k] = E[accepted drafts | k drafts verified], k = 0..B−1."""
+        out, run = [0.0], 1.0
+        for p in self.probabilities():
+            run *= p
+            out.append(out[-1] + run)
+        return out
+
+    def expected_accepted(self, k: int) -> float:
+        return self.expected_accepted_all()[k]
+
+    def relax(self, factor: float = 0.98) -> None:
+        """One step without an observation: the counts decay (slower than with one), so the estimate drifts back
+        toward the prior over some tens of steps."""
+        for j in range(len(self.hits)):
+            self.hits[j] *= factor
+            self.misses[j] *= factor
+
+    def observe(self, k: int, accepted: int) -> None:
+        """One verified step: k drafts, the first ``accepted`` of them accepted."""
+        if k <= 0:
+            return
+        for j in range(len(self.hits)):
+            self.hits[j] *= self.decay
+            self.misses[j] *= self.decay
+        for j in range(accepted):
+            self.hits[j] += 1
+        if accepted < k:
+            self.misses[accepted] += 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decision
+
+
+@dataclass
+class SeqState:
+    """What the policy keeps for one sequence."""
+
+    acceptance: AcceptanceModel  # of the drafter's blocks
+    ngram: AcceptanceModel | None = None  # of the prompt-lookup continuations (policy.ngram only)
+    idle_steps: int = 0  # steps since this row last drafted
+    probe_interval: int = 8
+    probing: bool = False  # the current draft is a forced re-probe
+    source: str | None = None  # this step's proposal: "drafter", "ngram" or None (k = 0)
+    chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
+
+
+def ngram_continuation(context: Sequence[int], max_len: int, max_n: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
+    (n = max_n down to 1), at most ``max_len`` of them; [] if no suffix recurs."""
+    size = len(context)
+    for n in range(min(max_n, size - 1), 0, -1):
+        tail = list(context[size - n:])
+        for start in range(size - n - 1, -1, -1):
+            if context[start] == tail[0] and list(context[start:start + n]) == tail:
+                return list(context[start + n:start + n + max_len])
+    return []
+
+
+@dataclass
+class Telemetry:
+    """Where the time went and what was chosen, over a run (JSON results and Triton metrics)."""
+
+    k_counts: dict[int, int] = field(default_factory=dict)  # chosen k -> rows·steps
+    steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
+    ngram_steps: int = 0  # rows·steps that verified a prompt-lookup continuation
+    ngram_accepted: int = 0  # tokens accepted from those
+
+    def record(self, ks: Sequence[int], accepted: Sequence[int]) -> None:
+        for k, a in zip(ks, accepted):
+            self.k_counts[k] = self.k_counts.get(k, 0) + 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += a
+            if a > len(self.accepted_per_pos):
+                self.accepted_per_pos += [0] * (a - len(self.accepted_per_pos))
+            for j in range(a):
+                self.accepted_per_pos[j] += 1
+
+    def to_json(self) -> dict:
+        total = self.draft_s + self.verify_s + self.overhead_s
+        return {
+            "k_distribution": {str(k): n for k, n in sorted(self.k_counts.items())},
+            "steps": self.steps,
+            "time_split": {"draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4),
+                           "overhead_s": round(self.overhead_s, 4),
+                           "draft_fraction": round(self.draft_s / total, 4) if total else 0.0},
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": self.accepted_per_pos,
+            "ngram_steps": self.ngram_steps,
+            "ngram_accepted_tokens": self.ngram_accepted,
+        }
+
+
+class AdaptivePolicy:
+    """Chooses k per sequence and step from the cost model and each sequence's acceptance model."""
+
+    def __init__(self, cost: CostModel, max_block_size: int, prior: Sequence[float] | None = None,
+                 probe_every: int = 8, max_probe_every: int = 32, probe_k: int = 4, ngram: bool = False) -> None:
+        self.cost, self.max_k = cost, max_block_size - 1
+        self.prior = prior
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.probe_k = max(1, min(probe_k, self.max_k))
+        self.ngram = ngram  # also consider prompt-lookup continuations (free to propose)
+        self.telemetry = Telemetry()
+
+    def new_sequence(self) -> SeqState:
+        return SeqState(AcceptanceModel(self.max_k, self.prior),
+                        AcceptanceModel(self.max_k, [NGRAM_PRIOR] * self.max_k) if self.ngram else None,
+                        probe_interval=self.probe_every)
+
+    def decide(self, states: Sequence[SeqState], ngram_lens: Sequence[int] | None = None) -> list[int]:
+        """k per row for the next step; sets each state's ``source``. A drafter row verifies the step's common K
+        drafts (one draft pass for all of them), an n-gram row min(K, its continuation's length) tokens; the others
+        verify none. ``ngram_lens``: the length of each row's prompt-lookup continuation (policy.ngram only)."""
+        b = len(states)
+        for s in states:
+            s.source = None
+        if self.max_k <= 0 or b == 0:
+            return [0] * b
+        due = [i for i, s in enumerate(states) if s.idle_steps >= s.probe_interval]
+        expected = [s.acceptance.expected_accepted_all() for s in states]  # [row][k]
+        lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
+        free_exp = [s.ngram.expected_accepted_all() if (s.ngram is not None and lens[i]) else None
+                    for i, s in enumerate(states)]
+        best_rate, best = b / self.cost.step(b, 0, 0), (0, [], [])
+        for k in range(1, self.max_k + 1):
+            free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
+            extra = sorted(((expected[i][k] - free[i], i) for i in range(b)
+                            if i not in due and expected[i][k] > free[i]), reverse=True)
+            tokens = b + sum(free) + sum(expected[i][k] - free[i] for i in due)
+            rows = list(due)
+            for m in range(len(extra) + 1):
+                if m:
+                    tokens += extra[m - 1][0]
+                    rows.append(extra[m - 1][1])
+                ngram_rows = [i for i in range(b) if i not in rows and free[i] > 0]
+                if not rows and not ngram_rows:
+                    continue
+                rate = tokens / self.cost.step(b, k, len(rows), bool(rows))
+                if rate > best_rate:
+                    best_rate, best = rate, (k, list(rows), ngram_rows)
+        k, rows, ngram_rows = best
+        if due and k == 0:  # nothing pays, but some rows are due a re-probe
+            k, rows, ngram_rows = self.probe_k, due, []
+        ks = [0] * b
+        for i in rows:
+            ks[i], states[i].source = k, "drafter"
+        for i in ngram_rows:
+            ks[i], states[i].source = min(k, lens[i]), "ngram"
+        for i, s in enumerate(states):
+            s.probing = s.source == "drafter" and i in due
+        return ks
+
+    def observe(self, state: SeqState, k: int, accepted: int) -> None:
+        """One row's outcome: it verified k proposed tokens (from ``state.source``) and accepted ``accepted``."""
+        state.chosen.append(k)
+        if state.ngram is not None and state.source != "ngram":
+            state.ngram.relax()  # unused, its estimate drifts back to the prior: a later stretch gets a try
+        if state.source == "ngram":
+            state.ngram.observe(k, accepted)
+            self.telemetry.ngram_steps += 1
+            self.telemetry.ngram_accepted += accepted
+        if state.source != "drafter":
+            state.idle_steps += 1
+            return
+        state.acceptance.observe(k, accepted)
+        state.idle_steps = 0
+        if state.probing:  # a failed re-probe backs off, a successful one resets the interval
+            state.probe_interval = (min(2 * state.probe_interval, self.max_probe_every) if accepted == 0
+                                    else self.probe_every)
+        state.probing = False
+
+    def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,
+                     overhead_s: float, drafting: int | None = None) -> None:
+        """The whole step's timing (all rows), fed back into the cost model and the telemetry. ``drafting``: rows
+        that went through the draft pass (default: every row with k > 0)."""
+        rows, kmax = len(ks), max(ks, default=0)
+        drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
+        self.cost.observe(rows * (kmax + 1), verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s)
+        t = self.telemetry
+        t.steps += 1
+        t.draft_s += draft_s
+        t.verify_s += verify_s
+        t.overhead_s += overhead_s
+        t.record(ks, accepted)

@@ -32,6 +32,20 @@ def _ready(port: int) -> int:
         return 0
 
 
+
+def sixteen_streams(url: str):
+    """16 long generations streaming from ``dflash``, each past its first response; returns the client."""
+    c = grpcclient.InferenceServerClient(url)
+    got = []
+    c.start_stream(callback=lambda result, error: got.append(error))
+    for i in range(16):
+        c.async_stream_infer("dflash", build_inputs(GenerateParams(f"Write a long story {i}.", 200)))
+    t0 = time.monotonic()
+    while len(got) < 16 and time.monotonic() - t0 < 120:
+        time.sleep(0.1)
+    return c
+
+
 def test_serve_reloads_a_killed_model_and_sigterm_leaves_nothing_behind(smollm2, tmp_path):
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
                                 max_sequences=16), tmp_path / "repo")
@@ -69,14 +83,7 @@ def test_serve_reloads_a_killed_model_and_sigterm_leaves_nothing_behind(smollm2,
             assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
 
         # SIGTERM with 16 generations in flight: serve exits promptly and no stub of this repository survives it.
-        c = grpcclient.InferenceServerClient(url)
-        got = []
-        c.start_stream(callback=lambda result, error: got.append(error))
-        for i in range(16):
-            c.async_stream_infer("dflash", build_inputs(GenerateParams(f"Write a long story {i}.", 200)))
-        t0 = time.monotonic()
-        while len(got) < 16 and time.monotonic() - t0 < 120:
-            time.sleep(0.1)
+        c = sixteen_streams(url)
         assert stub_processes(repo), "no stubs to begin with"
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
@@ -107,14 +114,7 @@ def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert json.loads(proc.stdout.readline())["grpc"] == f"127.0.0.1:{grpc}", "serve did not start"
-        c = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-        got = []
-        c.start_stream(callback=lambda result, error: got.append(error))
-        for i in range(16):
-            c.async_stream_infer("dflash", build_inputs(GenerateParams(f"Write a long story {i}.", 200)))
-        t0 = time.monotonic()
-        while len(got) < 16 and time.monotonic() - t0 < 120:
-            time.sleep(0.1)
+        c = sixteen_streams(f"127.0.0.1:{grpc}")
         assert len(stub_processes(repo)) == 9
         proc.kill()
         proc.wait()

@@ -91,20 +91,28 @@ def generate_with_taps(
     return samples
 
 
-def write_shard(path: Path, samples: list[Sample]) -> None:
+def pack_sequences(samples, fields: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Variable-length samples (``ids``, ``prompt_len`` and per-token ``fields``) as flat tensors plus cu_seqlens."""
     lens = torch.tensor([len(s.ids) for s in samples])
     tensors = {
         "ids": torch.cat([s.ids for s in samples]),
-        "taps": torch.cat([s.taps for s in samples]).contiguous(),
         "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
         "prompt_lens": torch.tensor([s.prompt_len for s in samples]),
     }
-    if all(s.topk_ids is not None for s in samples):
-        tensors["topk_ids"] = torch.cat([s.topk_ids for s in samples]).contiguous()
-        tensors["topk_logits"] = torch.cat([s.topk_logits for s in samples]).contiguous()
+    for name in fields:
+        tensors[name] = torch.cat([getattr(s, name) for s in samples]).contiguous()
+    return tensors
+
+
+def save_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp))
     os.replace(tmp, path)
+
+
+def write_shard(path: Path, samples: list[Sample]) -> None:
+    topk = ("topk_ids", "topk_logits") if all(s.topk_ids is not None for s in samples) else ()
+    save_atomic(pack_sequences(samples, ("taps", *topk)), path)
 
 
 def read_shard(path: Path) -> list[Sample]:

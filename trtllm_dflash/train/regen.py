@@ -21,16 +21,15 @@ device):
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.train.data import Sample, write_shard
+from trtllm_dflash.train.data import Sample, pack_sequences, save_atomic, write_shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +88,7 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
 
 
 def write_regen_shard(path: Path, samples: list[Regenerated]) -> None:
-    lens = torch.tensor([len(s.ids) for s in samples])
-    tensors = {
-        "ids": torch.cat([s.ids for s in samples]),
-        "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
-        "prompt_lens": torch.tensor([s.prompt_len for s in samples]),
-        "topk_ids": torch.cat([s.topk_ids for s in samples]).contiguous(),
-        "topk_logits": torch.cat([s.topk_logits for s in samples]).contiguous(),
-    }
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    save_atomic(pack_sequences(samples, ("topk_ids", "topk_logits")), path)
 
 
 def read_regen_shard(path: Path) -> list[Regenerated]:

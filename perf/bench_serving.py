@@ -170,7 +170,7 @@ def loop_metrics(url) -> dict:
     ks, secs = {}, {}
     for (name, labels), value in samples.items():
         lab = dict(labels)
-        if lab.get("model") != "dflash_bls":
+        if lab.get("model") != "dflash":  # the entry model runs the loop (the label of user requests)
             continue
         if name == "dflash_chosen_draft_length_total" and value:
             ks[lab["k"]] = int(value)

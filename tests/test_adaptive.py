@@ -280,17 +280,17 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
     def total(name, **labels):
         return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
 
-    steps = total("dflash_steps_total", model="dflash_bls")
-    assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash_bls") == steps
-    assert total("dflash_step_seconds_total", model="dflash_bls", part="verify") > 0
-    drafted = total("dflash_draft_tokens_total", model="dflash_bls")
-    assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
-    assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash_bls") == drafted
-    accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash_bls")
-    assert total("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="dflash_bls") == accepted
-    tau = total("trtllm_spec_decode_acceptance_length", model_name="dflash_bls")
+    steps = total("dflash_steps_total", model="dflash")
+    assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash") == steps
+    assert total("dflash_step_seconds_total", model="dflash", part="verify") > 0
+    drafted = total("dflash_draft_tokens_total", model="dflash")
+    assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
+    assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash")
+    assert total("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="dflash") == accepted
+    tau = total("trtllm_spec_decode_acceptance_length", model_name="dflash")
     assert tau == pytest.approx((accepted + steps) / steps, rel=1e-3)
-    assert 0 <= total("trtllm_spec_decode_draft_overhead", model_name="dflash_bls") < 1
+    assert 0 <= total("trtllm_spec_decode_draft_overhead", model_name="dflash") < 1
 
 
 def test_ngram_continuation_is_prompt_lookup():

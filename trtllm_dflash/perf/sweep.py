@@ -237,7 +237,8 @@ def server_info(url: str) -> dict:
         return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
 
     bls, drafter = params("dflash_bls"), params("drafter")
-    return {"server_version": meta.get("version", ""), "block_size": int(bls.get("block_size", 0) or 0),
+    block = bls.get("block_size", "") or "0"
+    return {"server_version": meta.get("version", ""), "block_size": int(block) if block.isdigit() else block,
             "drafter_dir": drafter.get("drafter_dir", "")}
 
 

@@ -36,8 +36,8 @@ class RecordingDecoder(SpeculativeDecoder):
         super().__init__(*args, **kwargs)
         self.steps: list[tuple[int, list[int]]] = []
 
-    def propose(self, bonus, dcache, rows, committed):
-        drafts = super().propose(bonus, dcache, rows, committed)
+    def propose(self, bonus, dcache, rows, committed, num_drafts=None):
+        drafts = super().propose(bonus, dcache, rows, committed, num_drafts)
         assert drafts.shape[0] == 1, "RecordingDecoder records one request at a time"
         self.steps.append((int(committed[0]), drafts[0].tolist()))
         return drafts

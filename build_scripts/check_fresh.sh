@@ -15,7 +15,8 @@ done
 # The real interpreter: a pyenv shim would look for its root under the (now empty) HOME.
 python=$(python3 -c 'import sys; print(sys.executable)')
 work=$(mktemp -d "${TMPDIR:-/tmp}/trtllm-dflash-fresh.XXXXXX")
-echo "check_fresh: HEAD $(git -C "$repo" rev-parse --short HEAD), work directory $work, python $python"
+commit=$(git -C "$repo" rev-parse HEAD)
+echo "check_fresh: HEAD ${commit:0:7}, work directory $work, python $python"
 if [ -n "$(git -C "$repo" status --porcelain --untracked-files=no)" ]; then
   echo "check_fresh: note: uncommitted changes in $repo are not part of the check (it clones HEAD)"
 fi
@@ -24,6 +25,7 @@ summary="{"
 failed=0
 for c in "${commands[@]}"; do
   git clone -q "$repo" "$work/$c"
+  git -C "$work/$c" checkout -q "$commit"
   mkdir -p "$work/home-$c"
   start=$(date +%s)
   set +e
@@ -38,5 +40,5 @@ for c in "${commands[@]}"; do
   tail -n 5 "$work/$c.log" | sed 's/^/    /'
   summary+="\"$c\": {\"exit\": $rc, \"wall_s\": $wall}, "
 done
-echo "${summary%, }, \"commit\": \"$(git -C "$repo" rev-parse HEAD)\"}"
+echo "${summary%, }, \"commit\": \"$commit\"}"
 exit "$failed"

@@ -34,6 +34,12 @@ def test_regenerate_matches_the_reference_generator_and_keeps_topk(tmp_path, one
             logits = target.logits(target(g.ids[None], target.new_cache(1, s))[0])[0]  # [S, V]
         want = logits[g.prompt_len - 1 : s - 1].topk(4, dim=-1).values.to(torch.bfloat16)
         torch.testing.assert_close(g.topk_logits[g.prompt_len - 1 : s - 1], want, rtol=1e-2, atol=1e-2)
+    # stepping only unfinished rows (compact=1: as soon as one finishes) changes nothing
+    early = (int(got[0].ids[got[0].prompt_len + 2]),)  # a stop token row 0 meets after 3 tokens
+    full, part = (regenerate(target, prompts, 12, early, top_k=4, check_every=1, compact=c) for c in (0.0, 1.0))
+    assert len({len(g.ids) - g.prompt_len for g in full}) > 1, "some rows must finish early for this check"
+    for f, p_ in zip(full, part):
+        assert torch.equal(f.ids, p_.ids) and torch.equal(f.topk_ids, p_.topk_ids)
 
 
 def test_shards_resume_stream_and_retap(tmp_path, one_thread):

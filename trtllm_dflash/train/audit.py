@@ -82,6 +82,29 @@ def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngr
     return taus
 
 
+@torch.no_grad()
+def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int) -> list[int]:
+    """Acceptance lengths of greedy DFlash decoding replayed over a known greedy output ``ids`` (prompt + response):
+    one teacher-forced target forward for the taps, the training path's drafts at every response anchor
+    (``training_drafts``, which the audit proves equal to the decoder's), then the decoder's walk with
+    ``prompt_lookup_taus``' convention. Much cheaper than decoding when many drafters are compared on one output."""
+    s, bs = len(ids), drafter.spec.block_size
+    if s - 1 <= prompt_len:
+        return []
+    x = torch.tensor(ids)
+    _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
+    drafts = training_drafts(target, drafter, Sample(x, taps[0].cpu(), prompt_len), list(range(prompt_len, s - 1)))
+    taus, c = [], prompt_len + 1
+    while c < s:
+        d = drafts[c - 1 - prompt_len].tolist()[: s - c]
+        acc = 0
+        while acc < len(d) and d[acc] == ids[c + acc]:
+            acc += 1
+        taus.append(acc + 1)
+        c += acc + 1
+    return taus
+
+
 def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix
     return hit.long().cumprod(1).sum(1)
 

@@ -40,6 +40,11 @@ class Sample:
     prompt_len: int
     topk_ids: torch.Tensor | None = None  # [S, k] int32: row j = the target's top-k next tokens after ids[: j + 1]
     topk_logits: torch.Tensor | None = None  # [S, k] their logits (train/regen.py); None = hard labels only
+    labels: torch.Tensor | None = None  # [S] int64 the token each position is trained to be; None = ids (textsrc.py)
+
+    @property
+    def label_ids(self) -> torch.Tensor:
+        return self.ids if self.labels is None else self.labels
 
 
 @torch.inference_mode()

@@ -11,7 +11,8 @@ Glossary, for one training sequence of S tokens (prompt of P tokens + target-reg
     visibility a block's queries see context keys at positions **strictly < p** (the anchor's own taps do not exist
                yet at inference) and the B keys of their own block (bidirectional; causal only on causal/sliding
                layers); never another block.
-    labels     same-position prediction: slot k (1 <= k <= B − 1) predicts ids[p + k]; slot 0 has no label; slots
+    labels     same-position prediction: slot k (1 <= k <= B − 1) predicts ids[p + k] (or a
+               sample's own ``labels``, train/textsrc.py); slot 0 has no label; slots
                past the end of the sequence are ignored.
     loss       Σ w_k · CE_k / Σ w_k over labelled slots, w_k = exp(−(k − 1) / γ); logits through the target's frozen
                LM head.
@@ -44,6 +45,7 @@ class Batch:
     lengths: torch.Tensor  # [n] int64 real tokens per sequence
     topk_ids: torch.Tensor | None = None  # [n, S, k] the target's top-k next tokens per position (data.Sample)
     topk_logits: torch.Tensor | None = None  # [n, S, k]
+    labels: torch.Tensor | None = None  # [n, S] what each position is trained to be, where it is not ``ids``
 
 
 def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -73,6 +75,12 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
     if tap_scale is not None:
         taps = taps * tap_scale.to(dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
+    labels = None
+    if any(x.labels is not None for x in samples):
+        labels = torch.zeros(n, s_max, dtype=torch.long)
+        for i, x in enumerate(samples):
+            labels[i, : len(x.ids)] = x.label_ids
+        labels = labels.to(device)
     topk_ids = topk_logits = None
     if all(x.topk_ids is not None for x in samples):
         k = samples[0].topk_ids.shape[1]
@@ -83,7 +91,7 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
             topk_logits[i, : len(x.ids)] = x.topk_logits.float()
         topk_ids, topk_logits = topk_ids.to(device), topk_logits.to(device)
     return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device), topk_ids,
-                 topk_logits)
+                 topk_logits, labels)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
@@ -226,7 +234,8 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
     label_pos = anchors[:, None] + torch.arange(1, bs, device=anchors.device)  # [b, B − 1]
     labelled = (label_pos < owner_len[:, None]) & batch.anchor_valid.reshape(-1)[:, None]  # [b, B − 1]
     owner = torch.arange(batch.ids.shape[0], device=anchors.device).repeat_interleave(batch.anchors.shape[1])
-    labels = batch.ids[owner[:, None], label_pos.clamp(max=batch.ids.shape[1] - 1)]  # [b, B − 1]
+    source = batch.ids if batch.labels is None else batch.labels
+    labels = source[owner[:, None], label_pos.clamp(max=batch.ids.shape[1] - 1)]  # [b, B − 1]
     if vocab is None:
         logits = lm_head(hidden[:, 1:]).float()  # [b, B − 1, V]
     else:

@@ -42,9 +42,10 @@ class Regenerated:
 
 @torch.inference_mode()
 def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...],
-               top_k: int = 8, check_every: int = 8) -> list[Regenerated]:
-    """Greedy responses of every prompt, decoded together; all rows advance every step (finished rows are masked, not
-    dropped), so the loop has one host sync per ``check_every`` steps and none per row."""
+               top_k: int = 8, check_every: int = 8, compact: float = 0.75) -> list[Regenerated]:
+    """Greedy responses of every prompt, decoded together, with one host sync per ``check_every`` steps and none per
+    row: finished rows keep stepping (masked) until at most ``compact`` of the stepped rows are unfinished, then only
+    the unfinished ones are stepped (``rows=`` into the same cache; a row's tokens do not depend on the others)."""
     dev, n = target.device, len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [n]
     p_max = int(lens.max())
@@ -61,19 +62,26 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
     top_i = torch.zeros(n, max_new_tokens, top_k, dtype=torch.int32, device=dev)
     new_len = torch.zeros(n, dtype=torch.long, device=dev)  # response tokens so far (stop token included)
     done = torch.zeros(n, dtype=torch.bool, device=dev)
-    steps = 0
+    steps, active = 0, None  # active: the cache rows still stepped (None = all); finished rows are dropped
     for step in range(max_new_tokens):
+        idx = slice(None) if active is None else active
         v, i = logits.topk(top_k, dim=-1)
-        top_v[:, step], top_i[:, step] = v.to(torch.bfloat16), i.to(torch.int32)
+        top_v[idx, step], top_i[idx, step] = v.to(torch.bfloat16), i.to(torch.int32)
         nxt = i[:, 0]  # greedy = top-1
-        out[:, step] = nxt
-        new_len += (~done).long()
-        done |= torch.isin(nxt, stops)
+        out[idx, step] = nxt
+        new_len[idx] += (~done[idx]).long()
+        done[idx] |= torch.isin(nxt, stops)
         steps = step + 1
-        if step == max_new_tokens - 1 or (steps % check_every == 0 and bool(done.all())):
+        if step == max_new_tokens - 1:
             break
-        hidden, _ = target(nxt[:, None], cache)
-        cache.commit(None, torch.ones_like(lens))
+        if steps % check_every == 0:
+            live = (~done).nonzero()[:, 0]
+            if len(live) == 0:
+                break
+            if len(live) <= compact * (n if active is None else len(active)):  # step only the unfinished rows
+                active, nxt = live, out[live, step]
+        hidden, _ = target(nxt[:, None], cache, rows=active)
+        cache.commit(active, torch.ones_like(nxt))
         logits = target.logits(hidden[:, 0]).float()
     res = []
     lens_l, new_l = lens.tolist(), new_len.tolist()
@@ -150,7 +158,7 @@ def with_taps(target: TargetModel, samples: list[Sample], tap_layers: tuple[int,
     out = []
     for j, x in enumerate(samples):
         t = torch.cat([taps[j, : len(x.ids) - 1], taps.new_zeros(1, taps.shape[2])])
-        out.append(Sample(x.ids, t, x.prompt_len, x.topk_ids, x.topk_logits))
+        out.append(Sample(x.ids, t, x.prompt_len, x.topk_ids, x.topk_logits, x.labels))
     return out
 
 

@@ -122,12 +122,14 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
 
 
 def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
-          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None) -> DrafterModel:
+          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None,
+          on_save=None) -> DrafterModel:
     """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
     pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
     GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
     ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
-    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences)."""
+    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences). ``on_save(step,
+    train_set)`` runs after every checkpoint's export (perf/learning_curve.py keeps each one)."""
     from tqdm import tqdm
 
     from trtllm_dflash.train.regen import with_taps
@@ -153,7 +155,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     tap_scale = tap_standardizer(tapped(train_set[:64]) if online else train_set).to(cfg.device)  # [K·H]
     vocab = None
     if cfg.loss_vocab == "data":
-        vocab = torch.unique(torch.cat([s.ids for s in samples])).to(cfg.device)  # sorted
+        vocab = torch.unique(torch.cat([t for s in samples for t in (s.ids, s.label_ids)])).to(cfg.device)  # sorted
         data_summary["loss_vocab_size"] = len(vocab)
     others = None if vocab is None else torch.ones(target.spec.vocab_size, dtype=torch.bool, device=cfg.device)
     if others is not None:
@@ -204,6 +206,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         os.replace(tmp, ckpt_path)
         export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
+        if on_save is not None:
+            on_save(step, train_set)
 
     autocast = (torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
                 else contextlib.nullcontext())

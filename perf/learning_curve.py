@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""The drafter's learning curve on this machine: τ against training data, from one pool, one recipe, nested subsets.
+
+Phases (each resumable; all state lives under ``--work``, an ignored folder):
+
+    regen   pool prompts (seeded code/chat mix) → regenerated responses (ids + top-k target logits,
+            ``train.regen.build_regen``), one shard per chunk, until ``--tokens`` response tokens or ``--minutes``
+            have passed; the CPU-seconds spent are recorded per shard (the cost side of "τ per CPU-hour")
+    text    the cheaper source: real code from installed sources, teacher-forced (``train.textsrc``): the prompt is
+            the pool's code template around a function's signature + docstring, the response its real body; the
+            labels are the target's own greedy predictions after each real prefix (top-k kept for distillation)
+    train   one drafter per data size: the first N response tokens of a source's shards (a seeded shard order, so
+            every prefix is a fair sample of the mix), the same recipe and step budget for every size
+    eval    τ at B = ``--block-size`` on the first prompts of HumanEval and MT-Bench for every trained drafter, batched,
+            checked lossless against cached greedy outputs, with prompt-lookup decoding's τ replayed on the same outputs
+    report  JSON (every point with its data size, CPU cost and τ) + PNG, and a log-linear fit τ(tokens) with the
+            data size it predicts for τ = 4 (an extrapolation, labelled so)
+
+    python perf/learning_curve.py regen --minutes 40
+    python perf/learning_curve.py train --sizes 20000,40000,80000,160000 --steps 600
+    python perf/learning_curve.py eval --limit 32
+    python perf/learning_curve.py report --out perf/results/drafter-curve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default=None):
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def pool_prompts(pool: Path, num: int, code_fraction: float, seed: int) -> list[dict]:
+    """A seeded sample of the pool: ``code_fraction`` of code-completion prompts, the rest chat."""
+    rows = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
+    code = [r for r in rows if r["id"].startswith("code/")]
+    chat = [r for r in rows if not r["id"].startswith("code/")]
+    rng = random.Random(seed)
+    n_code = min(len(code), round(num * code_fraction))
+    picked = rng.sample(code, n_code) + rng.sample(chat, min(len(chat), num - n_code))
+    rng.shuffle(picked)
+    return picked
+
+
+def load_target(args, dtype=None):
+    import torch
+
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
+
+    torch.set_num_threads(args.threads)
+    target_dir = args.target or prepare_demo_assets()["target"]
+    target = TargetModel.from_pretrained(target_dir, dtype=dtype or torch.float32)
+    tok = load_tokenizer(target_dir)
+    return target_dir, target, tok, stop_token_ids(tok, target.spec.eos_token_ids)
+
+
+# ---------------------------------------------------------------- regen
+
+def cmd_regen(args) -> None:
+    """Regenerate shard after shard (``train.regen``'s chunking and shard layout); ``--worker i --workers n`` makes
+    the shards with index ≡ i (mod n), so one process per core fills the same folder without overlap."""
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.runtime.text import encode_prompt
+    from trtllm_dflash.train.regen import plan_chunks, regenerate, write_regen_shard
+
+    work = Path(args.work) / "regen"
+    work.mkdir(parents=True, exist_ok=True)
+    _, target, tok, stops = load_target(args, getattr(torch, args.dtype))
+    rows = pool_prompts(Path(args.pool), args.num_prompts, args.code_fraction, args.seed)
+    encoded = [encode_prompt(tok, r["prompt"], True) for r in rows]
+    encoded = [e for e in encoded if len(e) <= args.max_prompt_len]
+    meta = {"pool": str(args.pool), "num_prompts": len(encoded), "code_fraction": args.code_fraction,
+            "max_new_tokens": args.max_new_tokens, "gen_batch_size": args.gen_batch_size, "seed": args.seed,
+            "dtype": args.dtype, "top_k": 8}
+    if read_json(work / "meta.json", meta) != meta:
+        raise SystemExit(f"{work} holds responses made with other settings; use another --work")
+    write_json(work / "meta.json", meta)
+    chunks = plan_chunks([len(e) for e in encoded], args.gen_batch_size, args.seed)
+    cost_path = work / f"cost-w{args.worker}.json"
+    cost = read_json(cost_path, {"shards": {}, "threads": args.threads, "source": "regen", **meta})
+    deadline = time.monotonic() + args.minutes * 60
+    bar = tqdm(desc=f"regenerating (worker {args.worker})", unit="tok", total=args.tokens // args.workers)
+    for c, chunk in enumerate(chunks):
+        done = sum(s["response_tokens"] for s in cost["shards"].values())
+        bar.n = done
+        bar.refresh()
+        if done >= args.tokens // args.workers or time.monotonic() >= deadline:
+            break
+        name = f"regen-{c:05d}.safetensors"
+        if c % args.workers != args.worker or (work / name).is_file():
+            continue
+        c0, w0 = cpu_seconds(), time.monotonic()
+        samples = regenerate(target, [encoded[i] for i in chunk], args.max_new_tokens, stops, 8)
+        write_regen_shard(work / name, samples)
+        cost["shards"][name] = {
+            "cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
+            "response_tokens": sum(len(s.ids) - s.prompt_len for s in samples), "sequences": len(samples),
+        }
+        write_json(cost_path, cost)
+    bar.close()
+    tot = sum(s["response_tokens"] for s in cost["shards"].values())
+    cpu = sum(s["cpu_s"] for s in cost["shards"].values())
+    print(json.dumps({"worker": args.worker, "shards": len(cost["shards"]), "response_tokens": tot,
+                      "cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(tot / max(cpu, 1e-9), 1)}))
+
+
+# ---------------------------------------------------------------- text (teacher-forced real code)
+
+def cmd_text(args) -> None:
+    from trtllm_dflash.train.regen import read_regen_shard
+    from trtllm_dflash.train.textsrc import build_text_source, mine_functions
+
+    import torch
+
+    work = Path(args.work) / "text"
+    work.mkdir(parents=True, exist_ok=True)
+    _, target, tok, stops = load_target(args, getattr(torch, args.dtype))
+    rows_path = work / "functions.jsonl"
+    c0 = cpu_seconds()
+    if not rows_path.is_file():
+        rows = mine_functions(args.num_functions, args.seed)
+        tmp = rows_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, rows_path)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    mine_s = cpu_seconds() - c0
+    end_id = tok.convert_tokens_to_ids("<|im_end|>")
+    cost = read_json(work / "cost.json", {"shards": {}})
+    cost.setdefault("mine_cpu_s", round(mine_s, 2))
+    n = 0
+    while sum(s["response_tokens"] for s in cost["shards"].values()) < args.tokens:
+        n += 1
+        name = f"regen-{n - 1:05d}.safetensors"
+        if name in cost["shards"]:
+            continue
+        c0, w0 = cpu_seconds(), time.monotonic()
+        paths = build_text_source(target, tok, rows, work, max_new_tokens=args.max_new_tokens,
+                                  max_prompt_len=args.max_prompt_len, end_id=end_id, batch_size=args.batch_size,
+                                  seed=args.seed, max_shards=n)
+        if len(paths) < n:
+            break
+        samples = read_regen_shard(paths[-1])
+        cost["shards"][name] = {"cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
+                                "response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
+                                "sequences": len(samples)}
+        cost.update(threads=args.threads, source="text", max_new_tokens=args.max_new_tokens, num_functions=len(rows),
+                    dtype=args.dtype)
+        write_json(work / "cost.json", cost)
+    tot = sum(s["response_tokens"] for s in cost["shards"].values())
+    cpu = sum(s["cpu_s"] for s in cost["shards"].values())
+    print(json.dumps({"shards": len(cost["shards"]), "response_tokens": tot, "cpu_s": round(cpu, 1),
+                      "tokens_per_cpu_s": round(tot / max(cpu, 1e-9), 1)}))
+
+
+# ---------------------------------------------------------------- train
+
+RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--lr", "0.001", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0", "--loss-vocab", "data",
+          "--loss-negatives", "8192", "--init", "target", "--autocast", "bf16"]
+
+
+def prefix_shards(src: Path, tokens: int) -> tuple[list[Path], int, float]:
+    """The first shards of ``src`` holding >= ``tokens`` response tokens: (paths, their tokens, their CPU seconds)."""
+    shards = {}
+    for f in sorted(src.glob("cost*.json")):
+        shards.update(read_json(f)["shards"])
+    paths, tot, cpu = [], 0, 0.0
+    for c in range(len(shards)):
+        name = f"regen-{c:05d}.safetensors"
+        if tot >= tokens or name not in shards:
+            break
+        paths.append(src / name)
+        tot += shards[name]["response_tokens"]
+        cpu += shards[name]["cpu_s"]
+    if tot < tokens:
+        raise SystemExit(f"--size {tokens}: {src} holds only {tot} response tokens; make more (regen/text phase)")
+    return paths, tot, cpu
+
+
+def cmd_train(args) -> None:
+    """One drafter on the first ``--size`` response tokens of a source, for ``--epochs`` passes; every checkpoint's
+    export is kept as its own drafter, with the distinct response tokens its training had seen by then."""
+    import shutil
+
+    import torch
+
+    from trtllm_dflash.train.cli import add_arguments
+    from trtllm_dflash.train.config import TrainConfig
+    from trtllm_dflash.train.data import read_shard
+    from trtllm_dflash.train.pipeline import drafter_spec
+    from trtllm_dflash.train.regen import tap_shards
+    from trtllm_dflash.train.textsrc import target_labels
+    from trtllm_dflash.train.trainer import step_indices, train
+
+    work = Path(args.work)
+    name = f"{args.source}-{args.labels}-{args.size}" if args.source == "text" else f"{args.source}-{args.size}"
+    target_dir, target, _, _ = load_target(args)
+    paths, tokens, data_cpu = prefix_shards(work / args.source, args.size)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = TrainConfig.from_args(p.parse_args([
+        "--target", str(target_dir), "--out", str(work / "train" / name / "export"),
+        "--work-dir", str(work / "train" / name), *RECIPE, "--epochs", str(args.epochs),
+        "--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.tap_layers),
+        "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
+        "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",
+        "--ckpt-every", str(args.ckpt_every), "--data", str(work / args.source)]))
+    spec = drafter_spec(cfg, target.spec)
+    c0 = cpu_seconds()
+    shards = tap_shards(target, paths, work / f"{args.source}-taps", spec.target_layer_ids, batch_size=16)
+    taps_cpu = cpu_seconds() - c0
+    samples = [s for p_ in shards for s in read_shard(p_)]
+    if args.source == "text" and args.labels == "target":
+        samples = [target_labels(s) for s in samples]
+    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+    c0, w0 = cpu_seconds(), time.monotonic()
+
+    def keep(step: int, train_set) -> None:
+        seen = {i for t in range(step) for i in step_indices(t, cfg.samples_per_step, len(train_set), cfg.seed)}
+        dst = work / "drafters" / f"{name}@{step}"
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(cfg.out, dst)
+        write_json(dst / "curve_point.json", {
+            "name": name, "step": step, "source": args.source,
+            "labels": args.labels if args.source == "text" else "regenerated",
+            "data_response_tokens": tokens, "data_sequences": len(train_set),
+            "seen_sequences": len(seen),
+            "seen_response_tokens": sum(len(train_set[i].ids) - train_set[i].prompt_len for i in seen),
+            "data_cpu_s": round(data_cpu, 1), "taps_cpu_s": round(taps_cpu, 1),
+            "train_cpu_s": round(cpu_seconds() - c0, 1), "train_wall_s": round(time.monotonic() - w0, 1),
+            "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
+            "epochs": args.epochs, "threads": args.threads,
+        })
+
+    torch.manual_seed(cfg.seed)
+    train(cfg, Path(cfg.work_dir), target, spec, [], resume=(Path(cfg.work_dir) / "checkpoint.pt").is_file(),
+          samples=samples, on_save=keep)
+
+
+# ---------------------------------------------------------------- eval
+
+def greedy_reference(args, target, tok, stops, dataset: str) -> list[dict]:
+    """Cached greedy outputs (target only) of the first --limit prompts, with prompt-lookup τ replayed on them."""
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt
+    from trtllm_dflash.train.audit import prompt_lookup_taus
+
+    path = Path(args.work) / "eval" / f"greedy-{dataset}-{args.limit}-{args.max_new_tokens}.json"
+    if path.is_file():
+        return read_json(path)
+    prompts = load_prompts(dataset, args.limit)
+    ar = SpeculativeDecoder(target, None, 1)
+    rows = []
+    for i in range(0, len(prompts), args.batch_size):
+        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
+                for p in prompts[i : i + args.batch_size]]
+        for p, r, out in zip(prompts[i : i + args.batch_size], reqs, ar.generate(reqs)):
+            ids = list(r.prompt_ids) + list(out.token_ids)
+            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(out.token_ids),
+                         "prompt_lookup_taus": prompt_lookup_taus(ids, len(r.prompt_ids), args.block_size)})
+    write_json(path, rows)
+    return rows
+
+
+def cmd_eval(args) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.models.drafter import DrafterModel
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.train.audit import replay_taus
+
+    _, target, tok, stops = load_target(args)
+    drafters = [Path(d) for d in args.drafters] if args.drafters else sorted((Path(args.work) / "drafters").iterdir())
+    refs = {d: greedy_reference(args, target, tok, stops, d) for d in args.datasets.split(",")}
+    for d in tqdm(drafters, desc="drafters"):
+        method = "decode" if args.decode else "replay"
+        out_path = Path(args.work) / "eval" / f"{method}-{d.name}-B{args.block_size}-{args.limit}-{args.max_new_tokens}.json"
+        if out_path.is_file() or not (d / "model.safetensors").is_file():
+            continue
+        drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
+        dec = SpeculativeDecoder(target, drafter, args.block_size) if args.decode else None
+        res = {"drafter": str(d), "block_size": args.block_size, "limit": args.limit,
+               "max_new_tokens": args.max_new_tokens, "method": "decode" if args.decode else "replay"}
+        for ds, rows in refs.items():
+            taus, pl, mismatched = [], [], []
+            for i in range(0, len(rows), args.batch_size):
+                part = rows[i : i + args.batch_size]
+                pl += [t for r in part for t in r["prompt_lookup_taus"]]
+                if dec is None:  # the decoder's walk replayed on the known greedy output (train.audit.replay_taus)
+                    for r in part:
+                        taus += replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]))
+                    continue
+                reqs = [Request(tuple(r["prompt_ids"]), args.max_new_tokens, stop_token_ids=stops) for r in part]
+                for r, out in zip(part, dec.generate(reqs)):
+                    taus += out.acceptance_lengths
+                    if list(out.token_ids) != r["token_ids"]:
+                        mismatched.append(r["id"])
+            res[ds] = {"tau": round(sum(taus) / len(taus), 4), "prompt_lookup_tau": round(sum(pl) / len(pl), 4),
+                       "steps": len(taus), **({"lossless": not mismatched, "mismatched": mismatched} if dec else {})}
+        write_json(out_path, res)
+        print(json.dumps(res))
+
+
+# ---------------------------------------------------------------- report
+
+def fit_log(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least squares τ = a + b · ln(tokens); None with fewer than 3 points."""
+    import math
+
+    if len(xs) < 3:
+        return None
+    lx = [math.log(x) for x in xs]
+    mx, my = sum(lx) / len(lx), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in lx)
+    b = sum((x - mx) * (y - my) for x, y in zip(lx, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def cmd_report(args) -> None:
+    import math
+
+    work, out = Path(args.work), Path(args.out)
+    points = []
+    for ev in sorted((work / "eval").glob(f"replay-*-B{args.block_size}-{args.limit}-{args.max_new_tokens}.json")):
+        res = read_json(ev)
+        d = Path(res["drafter"])
+        meta = read_json(d / "curve_point.json")
+        if meta is None:  # a reference drafter (e.g. the shipped one): its own training record
+            cfg = read_json(d / "training_config.json", {})
+            meta = {"name": d.name, "source": "reference", "step": cfg.get("steps"),
+                    "data_response_tokens": cfg.get("data", {}).get("num_response_tokens"),
+                    "seen_response_tokens": cfg.get("data", {}).get("num_response_tokens")}
+        points.append({**meta, **{k: res[k] for k in ("humaneval", "mtbench") if k in res}})
+    points.sort(key=lambda p: (p["source"], p.get("name", ""), p.get("step") or 0))
+    regen = [p for p in points if p["source"] == "regen"]
+    if args.main is None and regen:
+        args.main = max(regen, key=lambda p: p["data_response_tokens"])["name"]
+    main_runs = [p for p in regen if p["name"] == args.main]
+    single = [p for p in main_runs if p["step"] * p["samples_per_step"] <= p["data_sequences"]]  # each seen once
+    fits = {}
+    for ds in ("humaneval", "mtbench"):
+        f = fit_log([p["seen_response_tokens"] for p in single], [p[ds]["tau"] for p in single])
+        if f:
+            a, b = f
+            fits[ds] = {"a": round(a, 4), "b_per_ln_token": round(b, 4),
+                        "tokens_for_tau_4": (round(math.exp((4 - a) / b)) if b > 0 else None),
+                        "tokens_for_tau_2_5": (round(math.exp((2.5 - a) / b)) if b > 0 else None),
+                        "note": "log-linear fit over the single-pass points of the main run; an extrapolation far "
+                                "beyond the data, read as an order of magnitude"}
+    prompt_lookup = {ds: next((p[ds]["prompt_lookup_tau"] for p in points if ds in p), None)
+                     for ds in ("humaneval", "mtbench")}
+    doc = {"block_size": args.block_size, "eval_prompts": args.limit, "max_new_tokens": args.max_new_tokens,
+           "tau_method": "replay (train.audit.replay_taus: the decoder's walk on the greedy outputs; equal to "
+                         "decoding, checked in tests)", "main_run": args.main, "points": points, "fits": fits,
+           "prompt_lookup_tau": prompt_lookup, "command": "python perf/learning_curve.py " + " ".join(sys.argv[1:])}
+    write_json(out / "curve.json", doc)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, ds, title in zip(axes, ("humaneval", "mtbench"), ("HumanEval", "MT-Bench")):
+        xs = [p["seen_response_tokens"] for p in main_runs]
+        ax.plot(xs, [p[ds]["tau"] for p in main_runs], "o-", label=f"{args.main} (checkpoints)")
+        for p in points:
+            if p["source"] == "text":
+                ax.plot(p["seen_response_tokens"], p[ds]["tau"], "s", color="tab:green",
+                        label=f"text source {p['name']}@{p['step']}")
+            elif p["source"] == "regen" and p["name"] != args.main:
+                ax.plot(p["seen_response_tokens"], p[ds]["tau"], "^", color="tab:purple",
+                        label=f"{p['name']}@{p['step']}")
+            elif p["source"] == "reference":
+                ax.plot(p["seen_response_tokens"], p[ds]["tau"], "*", ms=12, color="tab:red",
+                        label=f"shipped ({p['name']})")
+        if prompt_lookup[ds] is not None:
+            ax.axhline(prompt_lookup[ds], ls="--", color="gray", label="prompt lookup (no training)")
+        if ds in fits:
+            a, b = fits[ds]["a"], fits[ds]["b_per_ln_token"]
+            gx = [min(xs) * (max(xs) / min(xs)) ** (i / 20) for i in range(21)]
+            ax.plot(gx, [a + b * math.log(x) for x in gx], ":", color="tab:blue", label="log fit")
+        ax.set_xscale("log")
+        ax.set_xlabel("distinct regenerated response tokens seen")
+        ax.set_ylabel(f"τ at B={args.block_size} (first {args.limit} prompts)")
+        ax.set_title(title)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = out / ".curve.png.tmp"
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, out / "curve.png")
+    print(json.dumps({"points": len(points), "fits": fits, "out": str(out)}))
+
+
+# ---------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", default="artifacts/curve", help="state folder (default artifacts/curve)")
+    p.add_argument("--target", default=None, help="HF target directory (default: the demo target)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared 2-core machine run one process per core)")
+    p.add_argument("--seed", type=int, default=0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("regen", help="regenerate responses from the pool until --tokens or --minutes")
+    q.add_argument("--pool", default="artifacts/pool/pool.jsonl")
+    q.add_argument("--num-prompts", type=int, default=8192, help="pool sample size (the order of the shards)")
+    q.add_argument("--code-fraction", type=float, default=0.5)
+    q.add_argument("--max-prompt-len", type=int, default=256)
+    q.add_argument("--max-new-tokens", type=int, default=256)
+    q.add_argument("--gen-batch-size", type=int, default=32)
+    q.add_argument("--tokens", type=int, default=400_000, help="stop after this many response tokens")
+    q.add_argument("--minutes", type=float, default=60.0, help="or after this long")
+    q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="regeneration dtype (default bfloat16: ~2x float32 on a CPU with bf16 units; the taps for "
+                        "training still come from a float32 forward)")
+    q.add_argument("--worker", type=int, default=0, help="this process makes shards i with i %% --workers == --worker")
+    q.add_argument("--workers", type=int, default=1)
+    q = sub.add_parser("text", help="teacher-forced real code from installed sources until --tokens")
+    q.add_argument("--num-functions", type=int, default=20000)
+    q.add_argument("--max-prompt-len", type=int, default=256)
+    q.add_argument("--max-new-tokens", type=int, default=256)
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--tokens", type=int, default=400_000)
+    q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="forward dtype for the top-k (default bfloat16, as regen)")
+    q = sub.add_parser("train", help="train one drafter on the first --size response tokens of a source")
+    q.add_argument("--source", choices=["regen", "text"], default="regen")
+    q.add_argument("--labels", choices=["target", "text"], default="target",
+                   help="text source: the target's greedy predictions (default) or the real text as labels")
+    q.add_argument("--size", type=int, required=True, help="response tokens (whole shards, at least this many)")
+    q.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1: each token once)")
+    q.add_argument("--ckpt-every", type=int, default=100, help="steps between kept checkpoints (curve points)")
+    q.add_argument("--num-layers", type=int, default=3, help="drafter layers (default 3, the shipped drafter's)")
+    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
+                   help="target layers tapped (default 1 14 27, the shipped drafter's)")
+    q.add_argument("--samples-per-step", type=int, default=4)
+    q.add_argument("--anchors-per-sample", type=int, default=16)
+    q = sub.add_parser("eval", help="τ of every trained drafter (or --drafters) on the evaluation prompts")
+    q.add_argument("--drafters", nargs="*", default=None)
+    q.add_argument("--datasets", default="humaneval,mtbench")
+    q.add_argument("--limit", type=int, default=32)
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--block-size", type=int, default=16)
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--decode", action="store_true",
+                   help="run the real decoder (lossless check) instead of replaying its walk on the greedy outputs")
+    q = sub.add_parser("report", help="curve.json + curve.png from the evaluations")
+    q.add_argument("--out", default="perf/results/drafter-curve")
+    q.add_argument("--main", default=None, help="the main run's name, e.g. regen-140000 (default: the largest regen run)")
+    q.add_argument("--limit", type=int, default=32)
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--block-size", type=int, default=16)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    {"regen": cmd_regen, "text": cmd_text, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""perf/learning_curve.py end to end on a tiny random target with SmolLM2's tokenizer: regeneration shards with their
+CPU cost, a training run whose every checkpoint is kept as a curve point, τ replayed against the real decoder, and
+the JSON + PNG report."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtllm_dflash.checkpoints import write_tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_smol(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("curve") / "tiny-smol"
+    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
+                      max_position_embeddings=1024)
+    for f in Path(smollm2["target"]).iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+def _curve(work, target, *args):
+    r = subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
+                        str(target), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.slow
+def test_learning_curve_end_to_end(tiny_smol, tmp_path):
+    pool = tmp_path / "pool.jsonl"
+    rows = [{"id": f"code/x/f{i}", "prompt": f"Complete this Python function.\n```python\ndef f{i}(x):\n```",
+             "chat": True} for i in range(6)]
+    rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain item number {i} of a list.", "chat": True} for i in range(6)]
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    work = tmp_path / "work"
+    out = json.loads(_curve(work, tiny_smol, "regen", "--pool", str(pool), "--num-prompts", "12", "--tokens", "60",
+                            "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
+    assert out["response_tokens"] >= 60 and out["cpu_s"] > 0
+    cost = json.loads((work / "regen" / "cost-w0.json").read_text())
+    assert all(s["response_tokens"] > 0 and s["cpu_s"] > 0 for s in cost["shards"].values())
+    # a second call resumes: nothing is regenerated
+    again = json.loads(_curve(work, tiny_smol, "regen", "--pool", str(pool), "--num-prompts", "12", "--tokens", "60",
+                              "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
+    assert again["shards"] == out["shards"] and again["cpu_s"] == out["cpu_s"]
+
+    _curve(work, tiny_smol, "train", "--size", "40", "--epochs", "2", "--ckpt-every", "2", "--samples-per-step", "2",
+           "--num-layers", "1", "--tap-layers", "1", "3")
+    kept = sorted((work / "drafters").iterdir())
+    assert len(kept) >= 2
+    pts = [json.loads((d / "curve_point.json").read_text()) for d in kept]
+    assert all((d / "model.safetensors").is_file() for d in kept)
+    by_step = sorted(pts, key=lambda p: p["step"])
+    seen = [p["seen_response_tokens"] for p in by_step]
+    assert seen == sorted(seen) and seen[-1] <= by_step[-1]["data_response_tokens"]
+
+    last = str(kept[-1])
+    _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
+    _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2",
+           "--decode")
+    ev = {m: json.loads(next((work / "eval").glob(f"{m}-*.json")).read_text()) for m in ("replay", "decode")}
+    for ds in ("humaneval", "mtbench"):
+        assert ev["decode"][ds]["lossless"]
+        assert ev["replay"][ds]["tau"] == ev["decode"][ds]["tau"]
+        assert ev["replay"][ds]["steps"] == ev["decode"][ds]["steps"]
+    rep = json.loads(_curve(work, tiny_smol, "report", "--out", str(tmp_path / "rep"), "--limit", "2",
+                            "--max-new-tokens", "8").splitlines()[-1])
+    assert rep["points"] == 1
+    doc = json.loads((tmp_path / "rep" / "curve.json").read_text())
+    assert doc["points"][0]["humaneval"]["tau"] >= 1.0
+    assert (tmp_path / "rep" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -42,6 +42,20 @@ def on_device(*items):
     return moved if len(moved) != 1 else moved[0]
 
 
+def write_tiny_smol(out, smollm2_target):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (prompts, chat template and the evaluation sets go
+    through the same code as with the real target)."""
+    from pathlib import Path
+    import shutil
+
+    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
+                      max_position_embeddings=1024)
+    for f in Path(smollm2_target).iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):
+            shutil.copyfile(f, Path(out) / f.name)
+    return out
+
+
 def make_tiny_pair(root, family="llama", seed=0, block_size=16, vocab_size=256, drafter_layers=2, **target_kw):
     tdir, ddir = root / f"{family}-{seed}-target", root / f"{family}-{seed}-drafter"
     if not tdir.exists():

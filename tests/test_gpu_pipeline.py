@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trtllm_dflash.checkpoints import write_tiny_target
 from trtllm_dflash.train import gpu_pipeline as gp
+from tests.conftest import write_tiny_smol
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--device", "cpu", "--num-prompts", "10", "--max-new-tokens", "10", "--max-prompt-len", "300",
@@ -46,13 +46,7 @@ def _carry_only(carry: Path, dst: Path, names: list[str]) -> Path:
 def tiny_target_with_tokenizer(smollm2, tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template, so prompts, chat template and the HumanEval
     evaluation go through the same code as on the GPU."""
-    out = tmp_path_factory.mktemp("gpu") / "tiny-smol"
-    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
-                      max_position_embeddings=1024)
-    for f in Path(smollm2["target"]).iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):
-            shutil.copyfile(f, out / f.name)
-    return out
+    return write_tiny_smol(tmp_path_factory.mktemp("gpu") / "tiny-smol", smollm2["target"])
 
 
 @pytest.mark.slow

@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trtllm_dflash.checkpoints import write_tiny_target
+from tests.conftest import write_tiny_smol
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_smol(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("curve") / "tiny-smol"
-    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
-                      max_position_embeddings=1024)
-    for f in Path(smollm2["target"]).iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):
-            shutil.copyfile(f, out / f.name)
-    return out
+    return write_tiny_smol(tmp_path_factory.mktemp("curve") / "tiny-smol", smollm2["target"])
 
 
 def _curve(work, target, *args):

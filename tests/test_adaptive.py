@@ -64,6 +64,22 @@ def test_reprobe_picks_up_a_good_stretch():
     assert all(ks == [15] for ks in history[probe + 10:]), history[probe:]
 
 
+def test_probes_stay_within_their_time_budget():
+    """Where a probe costs most of a step (this CPU), failed probes cost at most ``probe_budget`` of the decoding
+    time after the first (which comes early: until then the acceptance is only the prior's guess); where probing is
+    nearly free (a GPU's flat verify), the policy probes every ``probe_every`` steps."""
+    cost = cpu_like()
+    policy = AdaptivePolicy(cost, 16, prior=[0.1] * 15)
+    assert policy.min_probe_interval(1) >= 20 and policy.min_probe_interval(8) > policy.min_probe_interval(1)
+    history = simulate(policy, 1, lambda t, i, k: 0, 1000)
+    probes = [t for t, ks in enumerate(history) if ks[0] > 0]
+    assert probes[0] == policy.probe_every
+    extra = sum(cost.step(1, history[t][0], 1) - cost.step(1, 0, 0) for t in probes[1:])
+    assert 0 < extra <= policy.probe_budget * 1000 * cost.step(1, 0, 0), probes
+    flat = CostModel([1e-3] * len(GRID), [1e-5] * len(GRID))
+    assert AdaptivePolicy(flat, 16).min_probe_interval(1) == AdaptivePolicy(flat, 16).probe_every
+
+
 def test_batch_drafts_shorter_where_verify_is_compute_bound():
     """Same acceptance (p = 0.7 per position), same per-token costs: 8 rows fill the flat part of the cost curve,
     so the batch verifies fewer drafts than one sequence would."""

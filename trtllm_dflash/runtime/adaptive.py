@@ -15,14 +15,18 @@ emitted tokens per second of the next step:
 - **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
   padded), so a row either drafts K tokens or none; for each K the best set of drafting rows is a prefix of the rows
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
-  re-probed after ``probe_every`` steps, the interval doubling while probes fail (up to ``max_probe_every``), so a
-  good stretch of text is picked up again.
+  re-probed (``probe_k`` drafts) now and then, so a good stretch of text is picked up again. A probe costs the
+  batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
+  decoding time by the cost model (on a CPU, where a probe costs about one whole step, ~50 steps at 2 %; on a GPU,
+  where it is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
+  row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -269,6 +273,7 @@ class SeqState:
     idle_steps: int = 0  # steps since this row last drafted
     probe_interval: int = 8
     probing: bool = False  # the current draft is a forced re-probe
+    drafted: int = 0  # steps this row verified drafter blocks (before the first, its acceptance is the prior's guess)
     source: str | None = None  # this step's proposal: "drafter", "ngram" or None (k = 0)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
@@ -330,11 +335,13 @@ class AdaptivePolicy:
     """Chooses k per sequence and step from the cost model and each sequence's acceptance model."""
 
     def __init__(self, cost: CostModel, max_block_size: int, prior: Sequence[float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 32, probe_k: int = 4, ngram: bool = False) -> None:
+                 probe_every: int = 8, max_probe_every: int = 256, probe_k: int = 3, probe_budget: float = 0.02,
+                 ngram: bool = False) -> None:
         self.cost, self.max_k = cost, max_block_size - 1
         self.prior = prior
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_k = max(1, min(probe_k, self.max_k))
+        self.probe_budget = probe_budget
         self.ngram = ngram  # also consider prompt-lookup continuations (free to propose)
         self.telemetry = Telemetry()
 
@@ -352,7 +359,9 @@ class AdaptivePolicy:
             s.source = None
         if self.max_k <= 0 or b == 0:
             return [0] * b
-        due = [i for i, s in enumerate(states) if s.idle_steps >= s.probe_interval]
+        floor = self.min_probe_interval(b)
+        due = [i for i, s in enumerate(states)
+               if s.idle_steps >= (max(s.probe_interval, floor) if s.drafted else s.probe_interval)]
         expected = [s.acceptance.expected_accepted_all() for s in states]  # [row][k]
         lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
         free_exp = [s.ngram.expected_accepted_all() if (s.ngram is not None and lens[i]) else None
@@ -386,6 +395,15 @@ class AdaptivePolicy:
             s.probing = s.source == "drafter" and i in due
         return ks
 
+    def min_probe_interval(self, rows: int) -> int:
+        """Steps between one row's probes that keep probing (one probe of each of ``rows`` rows, each adding a
+        draft pass and a longer verify to a batch step) within ``probe_budget`` of the time of plain steps."""
+        if self.probe_budget <= 0:
+            return self.probe_every
+        plain = self.cost.step(rows, 0, 0)
+        extra = self.cost.step(rows, self.probe_k, 1) - plain
+        return max(self.probe_every, min(self.max_probe_every, math.ceil(rows * extra / (self.probe_budget * plain))))
+
     def observe(self, state: SeqState, k: int, accepted: int) -> None:
         """One row's outcome: it verified k proposed tokens (from ``state.source``) and accepted ``accepted``."""
         state.chosen.append(k)
@@ -400,9 +418,10 @@ class AdaptivePolicy:
             return
         state.acceptance.observe(k, accepted)
         state.idle_steps = 0
+        state.drafted += 1
         if state.probing:  # a failed re-probe backs off, a successful one resets the interval
-            state.probe_interval = (min(2 * state.probe_interval, self.max_probe_every) if accepted == 0
-                                    else self.probe_every)
+            waited = max(state.probe_interval, self.min_probe_interval(1))
+            state.probe_interval = min(2 * waited, self.max_probe_every) if accepted == 0 else self.probe_every
         state.probing = False
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,

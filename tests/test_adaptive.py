@@ -152,6 +152,22 @@ def test_cost_cache_round_trip_and_key(tmp_path):
     assert json.loads(path.read_text())["key"] == key
 
 
+def test_a_stale_cost_cache_is_rescaled_by_a_spot_check(tmp_path):
+    key = adaptive.cost_key("cpu-x", "float32", 2, "m1")
+    busy = adaptive.load_or_calibrate(key, lambda n: 7e-3 * (1 + n / 16), lambda n: 2e-3 * n, 32, root=tmp_path)
+    calls = []
+
+    def quiet(n):  # the same shape, 7x faster: the cache was calibrated under load
+        calls.append(n)
+        return 1e-3 * (1 + n / 16)
+
+    fresh = adaptive.load_or_calibrate(key, quiet, lambda n: 2e-3 * n, 32, root=tmp_path, check=2)
+    assert calls and max(calls) == 1, "only the smallest verify is measured"
+    assert fresh.verify(16) == pytest.approx(busy.verify(16) / 7) and fresh.draft_s == busy.draft_s
+    cached = adaptive.load_or_calibrate(key, quiet, quiet, 32, root=tmp_path)
+    assert cached.verify_s == busy.verify_s, "the cache itself keeps the calibration"
+
+
 def test_prior_from_the_shipped_drafters_training_log():
     prior = adaptive.prior_from_training_log(SHIPPED, 15)
     log = json.loads((__import__("pathlib").Path(SHIPPED) / "training_log.json").read_text())

@@ -159,13 +159,16 @@ def calibrate(measure_verify: Callable[[int], float], measure_draft: Callable[[i
 
 
 def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int, root: Path | None = None,
-                      refresh: bool = False) -> CostModel:
-    """The cached cost model for ``key``, or a fresh calibration (then cached)."""
+                      refresh: bool = False, check: int = 0) -> CostModel:
+    """The cached cost model for ``key``, or a fresh calibration (then cached). ``check`` > 0: spot-check a cached
+    model with that many runs of the smallest verify and draft (``rescale_to_spot_check``)."""
     path = cache_path(key, root)
     if path.is_file() and not refresh:
         try:
             model = CostModel.from_json(json.loads(path.read_text()))
             if model.key == key:
+                if check > 0:
+                    rescale_to_spot_check(model, measure_verify, measure_draft, check)
                 return model
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # stale or foreign file: calibrate again
@@ -173,6 +176,20 @@ def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int,
     model = CostModel(verify_s, draft_s, key=key)
     model.save(path)
     return model
+
+
+def rescale_to_spot_check(model: CostModel, measure_verify, measure_draft, repeats: int = 3,
+                          tolerance: float = 1.5) -> None:
+    """A cache calibrated while the machine was busier (or quieter) than now has the right shape but the wrong
+    scale, which step observations correct only at the sizes actually run (so a stale cache would keep the untried
+    block sizes looking too dear or too cheap). Measure one 1-token verify and one 2-slot draft (fastest of
+    ``repeats``); a curve off by more than ``tolerance``× is scaled as a whole (in memory; the cache keeps the
+    calibration)."""
+    for values, measure, n in ((model.verify_s, measure_verify, GRID[0]), (model.draft_s, measure_draft, GRID[1])):
+        measure(n)  # warm-up
+        ratio = min(measure(n) for _ in range(repeats)) / _interp(GRID, values, n)[0]
+        if not 1 / tolerance <= ratio <= tolerance:
+            values[:] = [v * ratio for v in values]
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:

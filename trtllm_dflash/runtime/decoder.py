@@ -385,7 +385,8 @@ def _sync(device: torch.device) -> Callable[[], None]:
 def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = None, max_rows: int = 4,
                       refresh: bool = False, ngram: bool = False) -> AdaptivePolicy:
     """An AdaptivePolicy whose cost model is this device's (cached on disk; calibrated on first use: one verify
-    forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each)."""
+    forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each; a cached one is
+    spot-checked and rescaled if the machine's speed changed since)."""
     import hashlib
     import math
 
@@ -413,5 +414,5 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
             lambda h: target.logits(h.to(target.dtype))), sync)
 
-    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh)
+    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh, check=3)
     return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

@@ -316,6 +316,7 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
     assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash") == steps
     assert total("dflash_step_seconds_total", model="dflash", part="verify") > 0
     drafted = total("dflash_draft_tokens_total", model="dflash")
+    assert drafted > 0, "the first probe (step 8) drafts with the lazily joined taps of the k = 0 steps before it"
     assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
     assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
     accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash")

@@ -11,8 +11,8 @@ including prefill, summed over prompts.
 the block size, so it is decoded once per batch) and prints one JSON line per block size. ``auto`` may be one of them
 (``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
 of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
-continuation instead of the drafter's block. Every batch runs all decoders back to back, so the ratios are
-paired even on a shared machine.
+continuation instead of the drafter's block. Every batch runs all decoders back to back (in reversed order on odd
+batches), so the ratios are paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
 depend on the batch): the way to get τ and losslessness over a whole dataset on a slow machine. Its tokens/s and
@@ -101,11 +101,12 @@ def main(argv=None) -> int:
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
                file=sys.stderr, disable=None)
-    for batch in batches:
+    for bi, batch in enumerate(batches):
         reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
                 for p in batch]
         outs = {}
-        for name, dec in decoders.items():
+        order = list(decoders.items())  # forward on even batches, reversed on odd: a drifting load hits both ends
+        for name, dec in (order if bi % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             outs[name] = dec.generate(reqs)
             ms[name] += (time.perf_counter() - t0) * 1e3

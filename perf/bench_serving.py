@@ -7,7 +7,9 @@ Starts its own server on a freshly rendered repository (demo assets unless --tar
 paired: prompt by prompt, each prompt runs in-process (batch 1) and through the ensemble back to back, in alternating
 order, for --rounds rounds, so both sides see the same load on a shared machine, and the two outputs are checked to be
 the same tokens. Then each ensemble runs at the other concurrencies (a pool of C client threads over one gRPC stream
-each). Prints one JSON object.
+each). Prints one JSON object. With both ensembles, ``paired_triton_c1`` also runs them through Triton prompt by
+prompt in alternating order (the paired dflash/baseline ratio at c=1; ``dflash_over_baseline`` compares points
+measured one after the other).
 """
 
 from __future__ import annotations
@@ -128,6 +130,31 @@ def paired_c1(url, model, decoder, encode, texts, max_tokens, rounds):
             "round_ratios": ratios, "identical_tokens": same, "triton_seconds": secs["triton"]}
 
 
+def paired_models_c1(url, texts, max_tokens, rounds, models=("dflash", "baseline")) -> dict:
+    """Tokens/s of the two ensembles through Triton at c=1, prompt by prompt back to back in alternating order (the
+    fair dflash/baseline ratio on a shared machine, where measuring one ensemble after the other is not)."""
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+
+    secs, tokens, ratios, same = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0), [], True
+    with DFlashClient(url) as client:
+        for r in range(rounds):
+            rs = dict.fromkeys(models, 0.0)
+            for i, text in enumerate(texts):
+                out = {}
+                for m in (models if (i + r) % 2 == 0 else models[::-1]):
+                    t0 = time.perf_counter()
+                    out[m] = list(client.generate(m, GenerateParams(text, max_tokens)).token_ids)
+                    rs[m] += time.perf_counter() - t0
+                    tokens[m] += len(out[m])
+                same &= out[models[0]] == out[models[1]]
+            ratios.append(round(rs[models[1]] / rs[models[0]], 3))  # same tokens: time ratio = tok/s ratio
+            secs = {m: secs[m] + rs[m] for m in models}
+    tps = {m: tokens[m] / secs[m] for m in models}
+    return {"tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
+            f"{models[0]}_over_{models[1]}": round(tps[models[0]] / tps[models[1]], 3), "round_ratios": ratios,
+            "identical_tokens": same}
+
+
 STEP_MODELS = ("target_verify", "kv_inject", "drafter", "dflash", "baseline", "dflash_bls", "baseline_bls", "preprocessing",
                "postprocessing")
 
@@ -224,6 +251,8 @@ def main(argv=None) -> int:
                 for c in (c for c in conc if c != 1):
                     tps, _ = run_point(server.grpc_url, model, texts, args.max_tokens, c)
                     results["triton"][model][str(c)] = round(tps, 2)
+            if {"dflash", "baseline"} <= set(decoders):
+                results["paired_triton_c1"] = paired_models_c1(server.grpc_url, texts, args.max_tokens, args.rounds)
             results["dflash_bls_metrics"] = loop_metrics(server.metrics_url)
     del decoders
     results["triton_over_in_process_c1"] = {m: p["triton_over_in_process"] for m, p in results["paired_c1"].items()}

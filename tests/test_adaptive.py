@@ -64,6 +64,22 @@ def test_reprobe_picks_up_a_good_stretch():
     assert all(ks == [15] for ks in history[probe + 10:]), history[probe:]
 
 
+def test_probes_stay_within_their_time_budget():
+    """Where a probe costs most of a step (this CPU), failed probes cost at most ``probe_budget`` of the decoding
+    time after the first (which comes early: until then the acceptance is only the prior's guess); where probing is
+    nearly free (a GPU's flat verify), the policy probes every ``probe_every`` steps."""
+    cost = cpu_like()
+    policy = AdaptivePolicy(cost, 16, prior=[0.1] * 15)
+    assert policy.min_probe_interval(1) >= 20 and policy.min_probe_interval(8) > policy.min_probe_interval(1)
+    history = simulate(policy, 1, lambda t, i, k: 0, 1000)
+    probes = [t for t, ks in enumerate(history) if ks[0] > 0]
+    assert probes[0] == policy.probe_every
+    extra = sum(cost.step(1, history[t][0], 1) - cost.step(1, 0, 0) for t in probes[1:])
+    assert 0 < extra <= policy.probe_budget * 1000 * cost.step(1, 0, 0), probes
+    flat = CostModel([1e-3] * len(GRID), [1e-5] * len(GRID))
+    assert AdaptivePolicy(flat, 16).min_probe_interval(1) == AdaptivePolicy(flat, 16).probe_every
+
+
 def test_batch_drafts_shorter_where_verify_is_compute_bound():
     """Same acceptance (p = 0.7 per position), same per-token costs: 8 rows fill the flat part of the cost curve,
     so the batch verifies fewer drafts than one sequence would."""
@@ -134,6 +150,22 @@ def test_cost_cache_round_trip_and_key(tmp_path):
     path.write_text("{not json")
     adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)  # a broken cache is recalibrated
     assert json.loads(path.read_text())["key"] == key
+
+
+def test_a_stale_cost_cache_is_rescaled_by_a_spot_check(tmp_path):
+    key = adaptive.cost_key("cpu-x", "float32", 2, "m1")
+    busy = adaptive.load_or_calibrate(key, lambda n: 7e-3 * (1 + n / 16), lambda n: 2e-3 * n, 32, root=tmp_path)
+    calls = []
+
+    def quiet(n):  # the same shape, 7x faster: the cache was calibrated under load
+        calls.append(n)
+        return 1e-3 * (1 + n / 16)
+
+    fresh = adaptive.load_or_calibrate(key, quiet, lambda n: 2e-3 * n, 32, root=tmp_path, check=2)
+    assert calls and max(calls) == 1, "only the smallest verify is measured"
+    assert fresh.verify(16) == pytest.approx(busy.verify(16) / 7) and fresh.draft_s == busy.draft_s
+    cached = adaptive.load_or_calibrate(key, quiet, quiet, 32, root=tmp_path)
+    assert cached.verify_s == busy.verify_s, "the cache itself keeps the calibration"
 
 
 def test_prior_from_the_shipped_drafters_training_log():
@@ -284,6 +316,7 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
     assert steps > 0 and total("dflash_chosen_draft_length_total", model="dflash") == steps
     assert total("dflash_step_seconds_total", model="dflash", part="verify") > 0
     drafted = total("dflash_draft_tokens_total", model="dflash")
+    assert drafted > 0, "the first probe (step 8) drafts with the lazily joined taps of the k = 0 steps before it"
     assert total("trtllm_spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
     assert total("vllm:spec_decode_num_draft_tokens_total", model_name="dflash") == drafted
     accepted = total("vllm:spec_decode_num_accepted_tokens_total", model_name="dflash")

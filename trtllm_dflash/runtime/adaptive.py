@@ -15,14 +15,18 @@ emitted tokens per second of the next step:
 - **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
   padded), so a row either drafts K tokens or none; for each K the best set of drafting rows is a prefix of the rows
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
-  re-probed after ``probe_every`` steps, the interval doubling while probes fail (up to ``max_probe_every``), so a
-  good stretch of text is picked up again.
+  re-probed (``probe_k`` drafts) now and then, so a good stretch of text is picked up again. A probe costs the
+  batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
+  decoding time by the cost model (on a CPU, where a probe costs about one whole step, ~50 steps at 2 %; on a GPU,
+  where it is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
+  row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -155,13 +159,16 @@ def calibrate(measure_verify: Callable[[int], float], measure_draft: Callable[[i
 
 
 def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int, root: Path | None = None,
-                      refresh: bool = False) -> CostModel:
-    """The cached cost model for ``key``, or a fresh calibration (then cached)."""
+                      refresh: bool = False, check: int = 0) -> CostModel:
+    """The cached cost model for ``key``, or a fresh calibration (then cached). ``check`` > 0: spot-check a cached
+    model with that many runs of the smallest verify and draft (``rescale_to_spot_check``)."""
     path = cache_path(key, root)
     if path.is_file() and not refresh:
         try:
             model = CostModel.from_json(json.loads(path.read_text()))
             if model.key == key:
+                if check > 0:
+                    rescale_to_spot_check(model, measure_verify, measure_draft, check)
                 return model
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # stale or foreign file: calibrate again
@@ -169,6 +176,20 @@ def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int,
     model = CostModel(verify_s, draft_s, key=key)
     model.save(path)
     return model
+
+
+def rescale_to_spot_check(model: CostModel, measure_verify, measure_draft, repeats: int = 3,
+                          tolerance: float = 1.5) -> None:
+    """A cache calibrated while the machine was busier (or quieter) than now has the right shape but the wrong
+    scale, which step observations correct only at the sizes actually run (so a stale cache would keep the untried
+    block sizes looking too dear or too cheap). Measure one 1-token verify and one 2-slot draft (fastest of
+    ``repeats``); a curve off by more than ``tolerance``× is scaled as a whole (in memory; the cache keeps the
+    calibration)."""
+    for values, measure, n in ((model.verify_s, measure_verify, GRID[0]), (model.draft_s, measure_draft, GRID[1])):
+        measure(n)  # warm-up
+        ratio = min(measure(n) for _ in range(repeats)) / _interp(GRID, values, n)[0]
+        if not 1 / tolerance <= ratio <= tolerance:
+            values[:] = [v * ratio for v in values]
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
@@ -269,6 +290,7 @@ class SeqState:
     idle_steps: int = 0  # steps since this row last drafted
     probe_interval: int = 8
     probing: bool = False  # the current draft is a forced re-probe
+    drafted: int = 0  # steps this row verified drafter blocks (before the first, its acceptance is the prior's guess)
     source: str | None = None  # this step's proposal: "drafter", "ngram" or None (k = 0)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
@@ -330,11 +352,13 @@ class AdaptivePolicy:
     """Chooses k per sequence and step from the cost model and each sequence's acceptance model."""
 
     def __init__(self, cost: CostModel, max_block_size: int, prior: Sequence[float] | None = None,
-                 probe_every: int = 8, max_probe_every: int = 32, probe_k: int = 4, ngram: bool = False) -> None:
+                 probe_every: int = 8, max_probe_every: int = 256, probe_k: int = 3, probe_budget: float = 0.02,
+                 ngram: bool = False) -> None:
         self.cost, self.max_k = cost, max_block_size - 1
         self.prior = prior
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_k = max(1, min(probe_k, self.max_k))
+        self.probe_budget = probe_budget
         self.ngram = ngram  # also consider prompt-lookup continuations (free to propose)
         self.telemetry = Telemetry()
 
@@ -352,7 +376,9 @@ class AdaptivePolicy:
             s.source = None
         if self.max_k <= 0 or b == 0:
             return [0] * b
-        due = [i for i, s in enumerate(states) if s.idle_steps >= s.probe_interval]
+        floor = self.min_probe_interval(b)
+        due = [i for i, s in enumerate(states)
+               if s.idle_steps >= (max(s.probe_interval, floor) if s.drafted else s.probe_interval)]
         expected = [s.acceptance.expected_accepted_all() for s in states]  # [row][k]
         lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
         free_exp = [s.ngram.expected_accepted_all() if (s.ngram is not None and lens[i]) else None
@@ -386,6 +412,15 @@ class AdaptivePolicy:
             s.probing = s.source == "drafter" and i in due
         return ks
 
+    def min_probe_interval(self, rows: int) -> int:
+        """Steps between one row's probes that keep probing (one probe of each of ``rows`` rows, each adding a
+        draft pass and a longer verify to a batch step) within ``probe_budget`` of the time of plain steps."""
+        if self.probe_budget <= 0:
+            return self.probe_every
+        plain = self.cost.step(rows, 0, 0)
+        extra = self.cost.step(rows, self.probe_k, 1) - plain
+        return max(self.probe_every, min(self.max_probe_every, math.ceil(rows * extra / (self.probe_budget * plain))))
+
     def observe(self, state: SeqState, k: int, accepted: int) -> None:
         """One row's outcome: it verified k proposed tokens (from ``state.source``) and accepted ``accepted``."""
         state.chosen.append(k)
@@ -400,9 +435,10 @@ class AdaptivePolicy:
             return
         state.acceptance.observe(k, accepted)
         state.idle_steps = 0
+        state.drafted += 1
         if state.probing:  # a failed re-probe backs off, a successful one resets the interval
-            state.probe_interval = (min(2 * state.probe_interval, self.max_probe_every) if accepted == 0
-                                    else self.probe_every)
+            waited = max(state.probe_interval, self.min_probe_interval(1))
+            state.probe_interval = min(2 * waited, self.max_probe_every) if accepted == 0 else self.probe_every
         state.probing = False
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,

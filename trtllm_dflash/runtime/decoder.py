@@ -9,7 +9,9 @@ One step for each live sequence (dflash.md §2.1), with ``start`` = tokens commi
     crop    target cache keeps [bonus, d_1..d_a] (start += a + 1); the drafter's context cache gets the taps of
             those a + 1 tokens (KV injection); the new bonus is x_a, not yet fed to the target.
 
-Invariant at the top of every step: drafter context length == target committed length == start.
+Invariant at the top of every step: drafter context length == target committed length == start. Under ``auto`` the
+injection is lazy: a row's taps wait (``_PendingTaps``) until it next drafts, so the invariant holds for the rows
+that draft, right before their draft pass; rows verifying k = 0 never touch the drafter.
 
 Block size 1 skips the drafter (and the taps): it is plain autoregressive decoding through the same code, the
 built-in baseline. Block size ``"auto"`` asks ``runtime.adaptive`` each step how many drafts k ∈ [0, B−1] every row
@@ -95,6 +97,38 @@ class _Seq:
                 break
         self.tokens.extend(kept)
         return kept
+
+
+class _PendingTaps:
+    """Per cache row, the taps of committed tokens not yet injected into the drafter's context cache."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.chunks: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # [row] -> [T_i, K·H] pieces
+
+    def add(self, rows, taps: torch.Tensor, counts: list[int]) -> None:
+        """taps [b, T, K·H] of one forward over ``rows``; row j committed its first counts[j] positions."""
+        for j, (row, n) in enumerate(zip(rows, counts)):
+            self.chunks[row].append(taps[j, :n])
+
+    def take(self, rows: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """Padded taps [r, T_max, K·H] and the token count of each of ``rows``; clears them."""
+        pieces = []
+        for row in rows:
+            chunk = self.chunks[row]
+            pieces.append(chunk[0] if len(chunk) == 1 else torch.cat(chunk) if chunk else None)
+            self.chunks[row] = []
+        num = [0 if p is None else p.shape[0] for p in pieces]
+        if not any(num):
+            return None, num
+        ref = next(p for p in pieces if p is not None)
+        width = max(num)
+        if all(n == width for n in num):
+            return torch.stack(pieces), num
+        out = ref.new_zeros(len(rows), width, ref.shape[-1])
+        for j, p in enumerate(pieces):
+            if p is not None:
+                out[j, : p.shape[0]] = p
+        return out, num
 
 
 class SpeculativeDecoder:
@@ -204,7 +238,12 @@ class SpeculativeDecoder:
         first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
                                [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
-        if dcache is not None:
+        # ``auto`` injects lazily: the taps of committed tokens wait here until their row next drafts, then go
+        # through the drafter's K/V projection in one call (same K/V as eager injection; k = 0 steps pay nothing).
+        pending = _PendingTaps(n) if (dcache is not None and self.adaptive) else None
+        if pending is not None:
+            pending.add(range(n), taps, prompt_lens.tolist())
+        elif dcache is not None:
             self._inject(taps, prompt_lens, dcache)
         bonus = first.clone()  # [n]: last emitted token, not yet fed to the target
         ttft_ms = (time.perf_counter() - t0) * 1e3
@@ -232,6 +271,8 @@ class SpeculativeDecoder:
             else:
                 ks, drafting = [bsz - 1] * b, list(range(b))
             kmax = max(ks) if dcache is not None else 0
+            if pending is not None and kmax > 0 and drafting:
+                self._flush(pending, [active[j] for j in drafting], dcache)
             if kmax > 0 and len(drafting) == b:
                 committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
                 drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
@@ -259,14 +300,16 @@ class SpeculativeDecoder:
             sync()
             t_verify = time.perf_counter()
             tcache.commit(rows, acc + 1)
-            if dcache is not None:
+            accepted = acc.tolist()
+            if pending is not None:
+                pending.add(active, taps, [a + 1 for a in accepted])
+            elif dcache is not None:
                 self._inject(taps, acc + 1, dcache, rows)
             new_bonus = samples.gather(1, acc[:, None])[:, 0]  # [b]
             if rows is None:
                 bonus = new_bonus
             else:
                 bonus[rows] = new_bonus
-            accepted = acc.tolist()
             emitted = [samples[j, : accepted[j] + 1].tolist() for j in range(b)]
             for j, i in enumerate(active):
                 seqs[i].taus.append(accepted[j] + 1)
@@ -290,6 +333,14 @@ class SpeculativeDecoder:
             )
             for r, s in zip(requests, seqs)
         ]
+
+    def _flush(self, pending: _PendingTaps, rows: list[int], dcache) -> None:
+        """Inject the pending taps of ``rows`` (cache rows about to draft) in one call."""
+        taps, num = pending.take(rows)
+        if taps is not None:
+            dev = dcache.lengths.device
+            self._inject(taps, torch.tensor(num, device=dev), dcache,
+                         None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
     def propose(
         self,
@@ -334,7 +385,8 @@ def _sync(device: torch.device) -> Callable[[], None]:
 def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = None, max_rows: int = 4,
                       refresh: bool = False, ngram: bool = False) -> AdaptivePolicy:
     """An AdaptivePolicy whose cost model is this device's (cached on disk; calibrated on first use: one verify
-    forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each)."""
+    forward and one draft pass at each grid size up to ``max_rows`` full blocks, three times each; a cached one is
+    spot-checked and rescaled if the machine's speed changed since)."""
     import hashlib
     import math
 
@@ -362,5 +414,5 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
             lambda h: target.logits(h.to(target.dtype))), sync)
 
-    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh)
+    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh, check=3)
     return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

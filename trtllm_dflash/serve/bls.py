@@ -149,6 +149,14 @@ class TritonSteps:
                                start=np.array([start], np.int32))
         return out["ctx_k"], out["ctx_v"]
 
+    def join_taps(self, chunks):
+        """The taps of consecutive verify responses ([1, T_i, K·H] each) as one ``taps`` tensor, where they lie
+        (the serving loop injects lazily, only when the sequence drafts)."""
+        from torch.utils import dlpack
+
+        joined = torch.cat([dlpack.from_dlpack(t.to_dlpack()) for t in chunks], dim=1)
+        return self.pb.Tensor.from_dlpack("taps", dlpack.to_dlpack(joined.contiguous()))
+
     async def draft(self, seq_id, k, v, bonus, block_size):
         out = await self._call(self.drafter, ["drafts"], mode=np.array([0], np.int32), seq_id=self._seq(seq_id),
                                ctx_k=k, ctx_v=v, bonus=np.array([bonus], np.int32),

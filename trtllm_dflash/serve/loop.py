@@ -9,8 +9,10 @@ run it over the step engines in-process; a TensorRT-LLM backend only needs anoth
 
 ``block_size == 1`` is the autoregressive baseline through the same models. ``block_size == "auto"``: before each
 step the shared ``runtime.adaptive`` policy picks how many drafts k this sequence verifies (k = 0: no draft call, the
-verify is a plain autoregressive step; KV injection still runs so a later draft has the whole context), and the
-step's draft / verify / other times are fed back to its cost model.
+verify is a plain autoregressive step), and the step's draft / verify / other times are fed back to its cost model.
+KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
+projects all of them (``join_taps`` concatenates them where the client has it), so k = 0 steps cost no injection and
+the drafter always receives its whole context.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class StepClient(Protocol):
     async def verify(self, seq_id: int, block: list[int], want_taps: bool) -> tuple[list[int], torch.Tensor | None]: ...
 
     async def inject(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    # Optional: ``join_taps(chunks)`` -> the taps of consecutive token runs as one (default: torch.cat on dim 0).
 
     async def draft(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, bonus: int, block_size: int) -> list[int]: ...
 
@@ -117,7 +121,8 @@ async def run_generation(
         first, taps = await steps.start(seq_id, list(req.input_ids), req.sampling, want_taps)
         started = True
         committed = len(req.input_ids)
-        k, v = await steps.inject(taps, 0) if want_taps else (None, None)
+        pending = [taps] if want_taps else []  # taps of committed tokens the drafter has not received yet
+        injected = 0  # tokens whose K/V the drafter has
         add([first])
         await report(False)
         bonus = first
@@ -131,8 +136,12 @@ async def run_generation(
             n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
             if adaptive and state.source == "ngram":
                 drafts = lookup[:n]
+            elif want_taps and n > 0:
+                k, v = await steps.inject(_join(steps, pending), injected)
+                pending, injected = [], committed
+                drafts = await steps.draft(seq_id, k, v, bonus, n + 1)
             else:
-                drafts = await steps.draft(seq_id, k, v, bonus, n + 1) if want_taps and n > 0 else []
+                drafts = []
             t1 = time.perf_counter()
             emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
             t2 = time.perf_counter()
@@ -141,7 +150,7 @@ async def run_generation(
             p.accepted += len(emitted) - 1
             add(emitted)
             if p.finish_reason is None and want_taps:
-                k, v = await steps.inject(taps, committed)
+                pending.append(taps)
             committed += len(emitted)
             bonus = emitted[-1]
             if adaptive:
@@ -160,6 +169,13 @@ async def run_generation(
     if p.finish_reason != "cancelled":
         await report(True)
     return p.finish_reason or "length"
+
+
+def _join(steps: StepClient, chunks: list):
+    if len(chunks) == 1:
+        return chunks[0]
+    join = getattr(steps, "join_taps", None)
+    return join(chunks) if join is not None else torch.cat(chunks)
 
 
 class LocalSteps:

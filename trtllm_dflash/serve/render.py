@@ -20,6 +20,8 @@ PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
 BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
+# template directory -> the template directory whose 1/model.py it renders with (one loop model.py serves both)
+MODEL_PY_FROM = {"entry": "dflash_bls"}
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
@@ -240,8 +242,9 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
             text = render_text((src / "config.pbtxt").read_text(), values[model], f"{template}/config.pbtxt")
             (tmp / model / "1").mkdir(parents=True)
             (tmp / model / "config.pbtxt").write_text(text)
-            if (src / "1" / "model.py").is_file():
-                shutil.copy2(src / "1" / "model.py", tmp / model / "1" / "model.py")
+            model_py = templates / MODEL_PY_FROM.get(template, template) / "1" / "model.py"
+            if model_py.is_file():
+                shutil.copy2(model_py, tmp / model / "1" / "model.py")
             if model in extra:
                 (tmp / model / "1" / "model.yaml").write_text(extra[model])
             if model == "dflash_bls" and adaptive_doc is not None:

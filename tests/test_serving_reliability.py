@@ -212,27 +212,8 @@ def test_short_soak_loses_hangs_and_leaks_nothing(server, smollm2):
     assert {"correct", "cancelled", "bad_refused"} <= set(result["requests"]), result["requests"]
 
 
-@pytest.fixture(scope="module")
-def batch_oracle(smollm2):
-    """The in-process runtime decoding a list of prompts as ONE batch (what C concurrent streams should cost like)."""
-    from trtllm_dflash.checkpoints import load_pair
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
-
-    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
-    tok = load_tokenizer(smollm2["target"])
-    stops = stop_token_ids(tok, target.spec.eos_token_ids)
-
-    def run(prompts, max_tokens, block_size):
-        dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size)
-        reqs = [Request(tuple(encode_prompt(tok, p, chat=True)), max_tokens, stop_token_ids=stops) for p in prompts]
-        return [list(r.token_ids) for r in dec.generate(reqs)]
-
-    return run
-
-
 @pytest.mark.parametrize("model, block_size", [("baseline", 1), ("dflash", 8)])
-def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, batch_oracle, model, block_size):
+def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, smollm2_decode, model, block_size):
     """16 concurrent streams: the entry model's step coalescer serves them with batched step-model calls (the
     dflash_step_rows_total / dflash_step_requests_total metrics: sequence rows per call), and every output equals
     the in-process runtime's for the same prompts decoded as one batch."""
@@ -254,7 +235,7 @@ def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, batch_o
     for t in threads:
         t.join(timeout=300)
     after = step_batching(server.metrics_url)[model]
-    assert out == batch_oracle(texts, 12, block_size)
+    assert out == [list(r.token_ids) for r in smollm2_decode[0](texts, 12, block_size)]
     for step in steps:
         requests = after[step]["requests"] - before.get(step, {}).get("requests", 0)
         rows = after[step]["rows"] - before.get(step, {}).get("rows", 0)

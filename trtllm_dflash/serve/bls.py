@@ -3,7 +3,8 @@
 ``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
 once; its step coalescer (``serve/coalesce.py``, parameter ``coalesce``) sends the live sequences' verify / inject /
 draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of C rows
-(continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one error response (INVALID_ARGUMENT for bad input) and the final flag.
+(continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
+error response (INVALID_ARGUMENT for bad input) and the final flag.
 
 The same class is the user-facing entry point (``dflash`` / ``baseline``, ``frontend: on``): it then tokenizes and
 validates the text request (handlers.Preprocessor) and detokenizes each response itself, so a client's cancellation
@@ -66,7 +67,7 @@ class TritonSteps:
                                        max_rows=int(params.get("step_max_batch_size", "64") or 64))
         self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
-        # then go target_verify -> kv_inject -> drafter without touching the host (see ``_call``).
+        # then go target_verify -> kv_inject -> drafter without touching the host (see ``_rows``).
         self.memory = {}
         if torch.cuda.is_available() and hasattr(pb_utils, "PreferredMemory"):
             self.memory = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0)}
@@ -99,7 +100,9 @@ class TritonSteps:
             if isinstance(x, np.ndarray):
                 return pb.Tensor(name, np.ascontiguousarray(x))
             x = x.contiguous()
-            return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x)) if x.is_cuda else pb.Tensor(name, x.numpy())
+            if x.is_cuda:
+                return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x))
+            return pb.Tensor(name, x.numpy())
 
         response = await self._exec(model, outputs, [as_input(n, x) for n, x in inputs.items()])
         out = {}

@@ -7,7 +7,9 @@ as one batch (the meaningful ceiling on a small CPU machine), paired and alterna
 Each round runs both sides back to back in alternating order on the same C prompts (so drifting load on a shared
 machine hits both alike): in-process, one ``generate`` call over all C requests; Triton, C client threads with one
 prompt each over their own gRPC streams. Reports tokens/s of both per round, their ratio per round and overall, and
-how many Triton outputs equal the in-process ones. Starts its own server (demo assets unless --target/--drafter).
+how many Triton outputs equal the in-process ones, and the step coalescer's sequence rows per step-model call over
+the Triton runs. Starts its own server (demo assets unless --target/--drafter); --no-coalesce, --queue-delay-us,
+--torch-threads and --instances render it with those make-repo options (the cheap knobs).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
+    p.add_argument("--no-coalesce", dest="coalesce", action="store_false")
+    p.add_argument("--queue-delay-us", type=int, default=None)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--instances", type=int, default=None)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -63,6 +69,7 @@ def main(argv=None) -> int:
     from bench_serving import in_process_decoders
 
     from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.perf.health import step_batching
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.serve.render import RepoConfig, make_repo
@@ -75,14 +82,18 @@ def main(argv=None) -> int:
     decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size)
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "dataset": args.dataset,
               "block_size": args.block_size, "rounds": args.rounds, "models": {}}
+    knobs = {k: getattr(args, k) for k in ("coalesce", "queue_delay_us", "torch_threads", "instances")
+             if getattr(args, k) is not None}
+    result["repo_options"] = knobs
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=args.block_size, max_seq_len=1024,
-                                    max_sequences=args.concurrency + 2), Path(tmp) / "repo")
+                                    max_sequences=args.concurrency + 2, **knobs), Path(tmp) / "repo")
         with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
             triton_outputs(server.grpc_url, "baseline", texts[:2], 4)  # warm-up
             for model in args.models.split(","):
                 dec = decoders[model]
                 rounds, same = [], 0
+                calls_before = step_batching(server.metrics_url).get(model, {})
                 for r in range(args.rounds):
                     sides = {}
                     for side in (("in_process", "triton") if r % 2 == 0 else ("triton", "in_process")):
@@ -100,8 +111,15 @@ def main(argv=None) -> int:
                                    "triton_over_in_process": round(tps["triton"] / tps["in_process"], 3)})
                     print(json.dumps({model: {"round": r, **rounds[-1]}}), file=sys.stderr, flush=True)
                 ratios = sorted(x["triton_over_in_process"] for x in rounds)
+                calls = step_batching(server.metrics_url).get(model, {})
+                rows_per_call = {}
+                for step, c in calls.items():
+                    b = calls_before.get(step, {})
+                    n = c.get("requests", 0) - b.get("requests", 0)
+                    rows_per_call[step] = round((c.get("rows", 0) - b.get("rows", 0)) / n, 2) if n else None
                 result["models"][model] = {"rounds": rounds, "median_ratio": ratios[len(ratios) // 2],
-                                           "identical_outputs": f"{same}/{args.rounds * len(texts)}"}
+                                           "identical_outputs": f"{same}/{args.rounds * len(texts)}",
+                                           "triton_rows_per_step_call": rows_per_call}
                 print(json.dumps({model: result["models"][model]}), file=sys.stderr, flush=True)
     result["command"] = " ".join(["python", "perf/throughput_c16.py", *(argv if argv is not None else sys.argv[1:])])
     result["machine"] = f"{platform.machine()}, shared 2-core VM (other engineers' jobs running)"

@@ -97,6 +97,25 @@ def smollm2():
     return prepare_demo_assets()
 
 
+@pytest.fixture(scope="session")
+def smollm2_decode(smollm2):
+    """(decode, tokenizer): ``decode(prompts, max_tokens, block_size)`` runs the in-process runtime on the real demo
+    pair over the chat-templated prompts as ONE batch, greedy, stopping at the target's stop tokens (what the
+    Triton entry models do per request) -> one result per prompt."""
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+
+    def decode(prompts, max_tokens, block_size):
+        dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size)
+        return dec.generate([Request(tuple(encode_prompt(tok, p, chat=True)), max_tokens, stop_token_ids=stops)
+                             for p in prompts])
+
+    return decode, tok
+
+
 class OracleDecoder(SpeculativeDecoder):
     """Drafts = the known greedy continuation, each token corrupted with probability ``corrupt``.
 

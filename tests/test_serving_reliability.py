@@ -212,6 +212,37 @@ def test_short_soak_loses_hangs_and_leaks_nothing(server, smollm2):
     assert {"correct", "cancelled", "bad_refused"} <= set(result["requests"]), result["requests"]
 
 
+@pytest.mark.parametrize("model, block_size", [("baseline", 1), ("dflash", 8)])
+def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, smollm2_decode, model, block_size):
+    """16 concurrent streams: the entry model's step coalescer serves them with batched step-model calls (the
+    dflash_step_rows_total / dflash_step_requests_total metrics: sequence rows per call), and every output equals
+    the in-process runtime's for the same prompts decoded as one batch."""
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.perf.health import step_batching
+
+    texts = [p.text for p in load_prompts("humaneval", MAX_SEQUENCES)]
+    steps = ("verify",) if block_size == 1 else ("verify", "inject", "draft")
+    before = step_batching(server.metrics_url).get(model, {})
+    out: list = [None] * len(texts)
+
+    def one(i):
+        with DFlashClient(server.grpc_url) as client:
+            out[i] = client.generate(model, GenerateParams(texts[i], 12)).token_ids
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = step_batching(server.metrics_url)[model]
+    assert out == [list(r.token_ids) for r in smollm2_decode[0](texts, 12, block_size)]
+    for step in steps:
+        requests = after[step]["requests"] - before.get(step, {}).get("requests", 0)
+        rows = after[step]["rows"] - before.get(step, {}).get("rows", 0)
+        # unbatched, every sequence's call would be a request of its own (rows / requests = 1)
+        assert rows >= len(texts) and rows / requests >= 8, (step, rows, requests)
+
+
 def test_killed_step_model_fails_in_flight_requests_naming_it(server):
     """SIGKILL the kv_inject stub while 4 streams generate: they fail within seconds with an error naming the
     model (Triton 2.51 alone would leave them waiting forever); the server reports it (dead_models, then not ready

@@ -7,10 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, ServerError
-from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+from trtllm_dflash.runtime.text import encode_prompt
 from trtllm_dflash.serve.render import RepoConfig, make_repo
 from trtllm_dflash.serve.server import TritonServer
 
@@ -32,17 +30,9 @@ def server(smollm2, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def oracle(smollm2):
-    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
-    tok = load_tokenizer(smollm2["target"])
-    stops = stop_token_ids(tok, target.spec.eos_token_ids)
-
-    def run(prompt, max_tokens, block_size):
-        ids = encode_prompt(tok, prompt, chat=True)
-        dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size)
-        return dec.generate([Request(tuple(ids), max_tokens, stop_token_ids=stops)])[0]
-
-    return run, tok
+def oracle(smollm2_decode):
+    decode, tok = smollm2_decode
+    return (lambda prompt, max_tokens, block_size: decode([prompt], max_tokens, block_size)[0]), tok
 
 
 def active_states(server) -> tuple[int, int]:

@@ -39,6 +39,9 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
                         help="threads per CPU step model (0 = auto: every core for one sequence, one thread each "
                         "once sequences overlap)")
+    parser.add_argument("--no-coalesce", dest="coalesce", action="store_false",
+                        help="send each sequence's step calls on their own instead of coalescing the live sequences' "
+                             "calls of one kind into one batched step-model call (the default)")
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
                         help="requests (per entry model) that may wait for a sequence slot once --max-sequences are "
                              "live; more are refused at once with UNAVAILABLE (RESOURCE_EXHAUSTED message)")
@@ -59,7 +62,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
     block = args.block_size or DrafterSpec.load(args.drafter).block_size
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
-                     max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
+                     coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))

@@ -19,6 +19,18 @@ def active_sequences(metrics_url: str) -> dict[str, float]:
     return {dict(labels)["model"]: v for (name, labels), v in samples.items() if name == "dflash_active_sequences"}
 
 
+def step_batching(metrics_url: str) -> dict[str, dict[str, float]]:
+    """{model: {step: sequence rows per step-model call}} of the loop models' step coalescers (and the totals)."""
+    samples = parse_prometheus(fetch_metrics(metrics_url))
+    out: dict[str, dict[str, float]] = {}
+    for (name, labels), v in samples.items():
+        if name in ("dflash_step_requests_total", "dflash_step_rows_total"):
+            lab = dict(labels)
+            out.setdefault(lab["model"], {}).setdefault(lab["step"], {})[name.split("_")[2]] = v
+    return {m: {s: {**c, "rows_per_request": c.get("rows", 0) / c["requests"] if c.get("requests") else None}
+                for s, c in steps.items()} for m, steps in out.items()}
+
+
 def slot_counts(grpc_url: str) -> tuple[int, int]:
     """Live sequences holding state in (target_verify, drafter)."""
     import tritonclient.grpc as grpcclient

@@ -1,8 +1,10 @@
 """The decoupled BLS model: one coroutine per request runs ``loop.run_generation`` over async BLS calls.
 
 ``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
-once; the step models' dynamic batchers then batch the concurrent sequences' steps (continuous batching emerges from
-the server). A request that fails gets one error response (INVALID_ARGUMENT for bad input) and the final flag.
+once; its step coalescer (``serve/coalesce.py``, parameter ``coalesce``) sends the live sequences' verify / inject /
+draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of C rows
+(continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
+error response (INVALID_ARGUMENT for bad input) and the final flag.
 
 The same class is the user-facing entry point (``dflash`` / ``baseline``, ``frontend: on``): it then tokenizes and
 validates the text request (handlers.Preprocessor) and detokenizes each response itself, so a client's cancellation
@@ -23,6 +25,7 @@ import torch
 
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
@@ -47,7 +50,8 @@ class Cancelled(Exception):
 
 
 class TritonSteps:
-    """StepClient over BLS calls to the target_verify / kv_inject / drafter models."""
+    """StepClient over BLS calls to the target_verify / kv_inject / drafter models. Taps and K/V are handed to the
+    loop as torch tensors (rows of a batched call's outputs; on a GPU they stay in device memory)."""
 
     def __init__(self, pb_utils, params: dict[str, str]) -> None:
         self.pb = pb_utils
@@ -59,21 +63,19 @@ class TritonSteps:
         self.queue_timeout_s = float(params.get("queue_timeout_s", "300"))
         self.waiting = 0  # requests of this model instance waiting for a slot
         self.watch = StubWatch()
+        self.coalescer = StepCoalescer(self._send, enabled=params.get("coalesce", "on") == "on",
+                                       max_rows=int(params.get("step_max_batch_size", "64") or 64))
+        self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
-        # then go target_verify -> kv_inject -> drafter without touching the host (see ``_call``).
+        # then go target_verify -> kv_inject -> drafter without touching the host (see ``_rows``).
         self.memory = {}
         if torch.cuda.is_available() and hasattr(pb_utils, "PreferredMemory"):
             self.memory = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0)}
 
-    async def _call(self, model: str, outputs: list[str], keep: tuple[str, ...] = (), **inputs) -> dict:
-        """One BLS call. ``inputs`` are numpy arrays (given a batch dimension here) or tensors taken from an earlier
-        response, passed on as they are; the outputs named in ``keep`` are returned as such tensors (opaque handles
-        for the loop: taps, ctx_k, ctx_v), the others as numpy arrays without their batch dimension."""
+    async def _exec(self, model: str, outputs: list[str], tensors: list):
+        """One BLS call; fails fast when the called model's stub dies meanwhile."""
         pb = self.pb
-        request = pb.InferenceRequest(
-            model_name=model, requested_output_names=outputs, **self.memory,
-            inputs=[pb.Tensor(name, np.ascontiguousarray(arr[None])) if isinstance(arr, np.ndarray) else arr
-                    for name, arr in inputs.items()])
+        request = pb.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=tensors, **self.memory)
         stubs = self.watch.current(model)
         call = asyncio.ensure_future(request.async_exec())
         while not (await asyncio.wait({call}, timeout=1.0))[0]:
@@ -85,8 +87,29 @@ class TritonSteps:
         response = call.result()
         if response.has_error():
             raise StepError(response.error().message())
-        return {n: pb.get_output_tensor_by_name(response, n) if n in keep
-                else pb.get_output_tensor_by_name(response, n).as_numpy()[0] for n in outputs}
+        return response
+
+    async def _rows(self, model: str, outputs: list[str], **inputs) -> dict:
+        """A call with a row per sequence: ``inputs`` numpy arrays or torch tensors with their batch dimension;
+        outputs as torch tensors (host copies, or device tensors through DLPack)."""
+        import torch.utils.dlpack
+
+        pb = self.pb
+
+        def as_input(name, x):
+            if isinstance(x, np.ndarray):
+                return pb.Tensor(name, np.ascontiguousarray(x))
+            x = x.contiguous()
+            if x.is_cuda:
+                return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x))
+            return pb.Tensor(name, x.numpy())
+
+        response = await self._exec(model, outputs, [as_input(n, x) for n, x in inputs.items()])
+        out = {}
+        for n in outputs:
+            t = pb.get_output_tensor_by_name(response, n)
+            out[n] = torch.from_numpy(np.array(t.as_numpy())) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
+        return out
 
     @staticmethod
     def _seq(seq_id: int) -> np.ndarray:
@@ -131,23 +154,18 @@ class TritonSteps:
             self.waiting -= 1
 
     async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
-        out = await self._call(
-            self.target, ["out_tokens", "taps"], ("taps",), mode=np.array([START], np.int32), seq_id=self._seq(seq_id),
-            tokens=np.array(prompt_ids, np.int32), want_taps=np.array([want_taps]),
-            temperature=np.array([sampling.temperature], np.float32), top_k=np.array([sampling.top_k], np.int32),
-            top_p=np.array([sampling.top_p], np.float32), seed=np.array([sampling.seed], np.uint64))
-        return int(out["out_tokens"][0]), out["taps"] if want_taps else None
+        out = await self._rows(
+            self.target, ["out_tokens", "taps"], mode=np.array([[START]], np.int32), seq_id=self._seq(seq_id)[None],
+            tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
+            temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
+            top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64))
+        return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
     async def verify(self, seq_id, block, want_taps):
-        out = await self._call(self.target, ["out_tokens", "taps"], ("taps",), mode=np.array([VERIFY], np.int32),
-                               seq_id=self._seq(seq_id), tokens=np.array(block, np.int32),
-                               want_taps=np.array([want_taps]))
-        return out["out_tokens"].tolist(), out["taps"] if want_taps else None
+        return await self.coalescer.submit("verify", (len(block), want_taps), seq_id, block, want_taps)
 
     async def inject(self, taps, start):
-        out = await self._call(self.injector, ["ctx_k", "ctx_v"], ("ctx_k", "ctx_v"), taps=taps,
-                               start=np.array([start], np.int32))
-        return out["ctx_k"], out["ctx_v"]
+        return await self.coalescer.submit("inject", (), taps, start)
 
     def join_taps(self, chunks):
         """The taps of consecutive verify responses ([1, T_i, K·H] each) as one ``taps`` tensor, where they lie
@@ -158,17 +176,55 @@ class TritonSteps:
         return self.pb.Tensor.from_dlpack("taps", dlpack.to_dlpack(joined.contiguous()))
 
     async def draft(self, seq_id, k, v, bonus, block_size):
-        out = await self._call(self.drafter, ["drafts"], mode=np.array([0], np.int32), seq_id=self._seq(seq_id),
-                               ctx_k=k, ctx_v=v, bonus=np.array([bonus], np.int32),
-                               block_size=np.array([block_size], np.int32))
-        return out["drafts"].tolist()
+        return await self.coalescer.submit("draft", (block_size,), seq_id, k, v, bonus, block_size)
+
+    async def _send(self, kind: str, key: tuple, calls: list[Call]) -> list:
+        """The coalescer's batched call: one request with a row per sequence, the results split back per row."""
+        n = len(calls)
+        if self.on_batch is not None:
+            self.on_batch(kind, n)
+
+        def column(values, dtype):
+            return np.array(values, dtype).reshape(n, 1)
+
+        def padded(xs: list[torch.Tensor], dim: int) -> torch.Tensor:  # [n, ...] zero-padded along dim
+            shape = list(xs[0].shape)
+            shape[dim] = max(x.shape[dim] for x in xs)
+            out = xs[0].new_zeros([n, *shape])
+            for j, x in enumerate(xs):
+                out[j].narrow(dim, 0, x.shape[dim]).copy_(x)
+            return out
+
+        if kind == "inject":
+            taps = [c.args[0] for c in calls]
+            out = await self._rows(self.injector, ["ctx_k", "ctx_v"], taps=padded(taps, 0),
+                                   start=column([c.args[1] for c in calls], np.int32))
+            return [(out["ctx_k"][j, :, :len(t)], out["ctx_v"][j, :, :len(t)]) for j, t in enumerate(taps)]
+        seqs = column([c.args[0] for c in calls], np.uint64)
+        if kind == "verify":
+            want = key[1]
+            out = await self._rows(self.target, ["out_tokens", "taps"], mode=column([VERIFY] * n, np.int32),
+                                   seq_id=seqs, tokens=np.array([c.args[1] for c in calls], np.int32),
+                                   want_taps=column([want] * n, bool))
+            tokens = out["out_tokens"].cpu().numpy()
+            emitted = [[int(t) for t in row if t >= 0] for row in tokens]
+            return [(e, out["taps"][j, :len(e)] if want else None) for j, e in enumerate(emitted)]
+        ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
+        out = await self._rows(self.drafter, ["drafts"], mode=column([0] * n, np.int32), seq_id=seqs,
+                               ctx_k=padded(ks, 1), ctx_v=padded(vs, 1),
+                               ctx_len=column([k.shape[1] for k in ks], np.int32),
+                               bonus=column([c.args[3] for c in calls], np.int32),
+                               block_size=column([key[0]] * n, np.int32))
+        return out["drafts"].cpu().numpy().tolist()
 
     async def free(self, seq_id, drafter):
         """Free the sequence in both stateful models; a model that cannot answer (it died) is skipped, so the
         request's own error is what the client sees and the other model's slot is still freed."""
+        self.coalescer.leave()
         for model in (self.target, self.drafter) if drafter else (self.target,):
             try:
-                await self._call(model, ["num_active"], mode=np.array([FREE], np.int32), seq_id=self._seq(seq_id))
+                await self._rows(model, ["num_active"], mode=np.array([[FREE]], np.int32),
+                                 seq_id=self._seq(seq_id)[None])
             except StepError:
                 pass
 
@@ -180,7 +236,9 @@ class RequestSteps:
         self._steps, self._is_cancelled = steps, is_cancelled
 
     async def start(self, seq_id, prompt_ids, sampling, want_taps):
-        return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+        started = await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+        self._steps.coalescer.join()  # from here until its free, the step barrier waits for this sequence
+        return started
 
     def __getattr__(self, name):  # verify, inject, draft, free
         return getattr(self._steps, name)
@@ -228,6 +286,7 @@ class LoopModel:
 
             self.telemetry = LoopTelemetry(pb_utils, params.get("model_name", "dflash_bls"),
                                            self.policy.max_k + 1 if self.policy is not None else self.block_size)
+            self.steps.on_batch = self.telemetry.step_call
 
     async def execute(self, requests) -> None:
         for request in requests:

@@ -3,13 +3,18 @@
 The step models run the torch step engines (``steps.py``) or, when rendered with ``backend: trtllm-engine``, the
 TensorRT-LLM engines (``trtllm_engine.py``); only their construction differs, the Triton I/O below is the same.
 
-Step-model protocol (tensors carry a leading batch dimension of 1 per request):
+Step-model protocol (tensors carry a leading batch dimension: one row per sequence; START and STATS take one row,
+VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step coalescer sends the live sequences'
+calls of one kind as one request, see ``serve/coalesce.py``; every row of a request has the same mode):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
                                    1 VERIFY (tokens = [bonus, d_1..d_{B−1}], want_taps) -> out_tokens = emitted, taps
+                                     (rows of several sequences: emitted padded with −1, taps with zeros, to the
+                                     longest row)
                                    2 FREE, 3 STATS                         -> num_active, freed, timed_out
     kv_inject      taps FP32 [T, K·H], start INT32 [1] -> ctx_k, ctx_v FP32 [L, T, kv_heads, head_dim]
-    drafter        mode INT32 [1]: 0 DRAFT (ctx_k, ctx_v, bonus, block_size) -> drafts INT32 [block_size − 1]
+    drafter        mode INT32 [1]: 0 DRAFT (ctx_k, ctx_v, bonus, block_size; ctx_len INT32 [1]: the row's real
+                                     context length when rows are padded) -> drafts INT32 [block_size − 1]
                                    2 FREE, 3 STATS
 """
 
@@ -21,7 +26,8 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, decode_text, encode_stops, validate_generation
-from trtllm_dflash.serve.triton_io import error_response, get, get_torch, scalar, tensor, torch_output
+from trtllm_dflash.serve.triton_io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
+                                           torch_rows_output)
 
 START, VERIFY, FREE, STATS = 0, 1, 2, 3
 
@@ -33,8 +39,9 @@ class CpuThreads:
     at a time (verify, inject, draft), so the stage computing gets every core. With more, the target's and the
     drafter's forwards overlap in time; two OpenMP teams on the same cores then wait at each op's barrier for a
     thread the other process holds, so each stage drops to one thread. The baseline ensemble has no
-    second stage: target_verify counts only DFlash sequences and keeps every core for it. ``torch_threads`` > 0
-    fixes the count instead; on a GPU the count is left alone.
+    second stage: target_verify counts only DFlash sequences and keeps every core for it. A request with several
+    rows comes from a loop model's step coalescer, which runs one stage at a time for all its sequences: every core
+    again. ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
     """
 
     def __init__(self, params: dict[str, str]) -> None:
@@ -44,12 +51,13 @@ class CpuThreads:
             torch.set_num_threads(n)
         self.alone = torch.get_num_threads()  # when not fixed: torch's default (the cores, or OMP_NUM_THREADS)
 
-    def threads_for(self, live: int) -> int:
-        """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch)."""
-        return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 else 1)
+    def threads_for(self, live: int, coalesced: bool = False) -> int:
+        """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch);
+        ``coalesced``: the execution holds a multi-row request (the stages do not overlap)."""
+        return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 or coalesced else 1)
 
-    def __call__(self, live: int) -> None:
-        n = self.threads_for(live)
+    def __call__(self, live: int, coalesced: bool = False) -> None:
+        n = self.threads_for(live, coalesced)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
@@ -151,6 +159,28 @@ class Postprocessor:
         return [tensor(pb_utils, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
 
 
+def _step_rows(pb_utils, request) -> tuple[int, list[int]]:
+    """(mode, seq_id of every row) of a step-model request."""
+    modes = rows(pb_utils, request, "mode")
+    require(modes is not None, "mode", None, "is required")
+    modes = np.asarray(modes).reshape(-1)
+    require(modes.size >= 1 and bool((modes == modes[0]).all()), "mode", modes.tolist(),
+            "must be one mode, the same for every row of a request")
+    seqs = np.asarray(rows(pb_utils, request, "seq_id", np.zeros(modes.size, np.uint64))).reshape(-1)
+    require(seqs.size == modes.size, "seq_id", seqs.tolist(), f"must have one value per row ({modes.size})")
+    return int(modes[0]), [int(x) for x in seqs]
+
+
+def _shared(pb_utils, request, name: str, default, kind):
+    """An input every row of a request has in common (one value per row, all equal)."""
+    arr = rows(pb_utils, request, name)
+    if arr is None:
+        return default
+    flat = np.asarray(arr).reshape(-1)
+    require(flat.size >= 1 and bool((flat == flat[0]).all()), name, flat.tolist(), "must be one value for every row")
+    return kind(flat[0])
+
+
 def _stats(slots) -> list[tuple[str, np.ndarray]]:
     return [("num_active", np.array([len(slots.rows)], dtype=np.int32)),
             ("freed", np.array([slots.freed], dtype=np.int32)),
@@ -185,46 +215,69 @@ class TargetVerifyModel:
         return pb_utils.InferenceResponse(output_tensors=[tensor(pb_utils, n, a) for n, a in outs]
                                           + [torch_output(pb_utils, "taps", taps)])
 
+    def _verify_response(self, pb_utils, results):
+        """One response for a request's rows: emitted tokens padded with −1, taps with zeros, to the longest row."""
+        width = max(len(r.emitted) for r in results)
+        tokens = np.full((len(results), width), -1, np.int32)
+        have = results[0].taps is not None
+        taps = torch.zeros((len(results), width if have else 0, self.tap_width),
+                           device=results[0].taps.device if have else "cpu")
+        for j, r in enumerate(results):
+            tokens[j, :len(r.emitted)] = r.emitted
+            if have:
+                taps[j, :len(r.emitted)] = r.taps.float()
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("out_tokens", tokens),
+                                                          torch_rows_output(pb_utils, "taps", taps)])
+
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
         responses: list = [None] * len(requests)
-        parsed: dict[int, tuple[int, int, list[int], bool]] = {}  # request index -> (mode, seq_id, tokens, want_taps)
+        parsed: dict[int, tuple[int, list[int], list[list[int]], bool]] = {}  # index -> (mode, seqs, rows, taps?)
         for i, req in enumerate(requests):
             try:
-                parsed[i] = (scalar(pb_utils, req, "mode", None, int), scalar(pb_utils, req, "seq_id", 0, int),
-                             np.asarray(get(pb_utils, req, "tokens", np.zeros(0, np.int32))).reshape(-1).tolist(),
-                             bool(scalar(pb_utils, req, "want_taps", False, bool)))
+                mode, seqs = _step_rows(pb_utils, req)
+                tokens = np.asarray(rows(pb_utils, req, "tokens", np.zeros((len(seqs), 0), np.int32)))
+                parsed[i] = (mode, seqs, tokens.reshape(len(seqs), -1).tolist(),
+                             bool(_shared(pb_utils, req, "want_taps", False, bool)))
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
         # Live sequences with a drafter in their loop (they ask for taps), this batch's included: while there are
         # several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps).
         self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
-        self.drafting.update(seq for _, seq, _, want in parsed.values() if want)
-        self.threads(len(self.drafting))
-        groups: dict[tuple[int, bool], list[int]] = {}
-        for i, (mode, seq, tokens, want) in parsed.items():
+        self.drafting.update(seq for _, seqs, _, want in parsed.values() if want for seq in seqs)
+        self.threads(len(self.drafting), coalesced=any(len(seqs) > 1 for _, seqs, _, _ in parsed.values()))
+        groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}  # (block length, taps?) -> (request, row)
+        results: dict[int, list] = {}
+        for i, (mode, seqs, tokens, want) in parsed.items():
             try:
                 if mode == START:
-                    r = self.verifier.start(seq, tokens, sampling_from(pb_utils, requests[i]), want)
+                    require(len(seqs) == 1, "seq_id", seqs, "must be one sequence per start request")
+                    r = self.verifier.start(seqs[0], tokens[0], sampling_from(pb_utils, requests[i]), want)
                     responses[i] = self._outputs(pb_utils, [r.first_token], r.taps)
                 elif mode == VERIFY:
-                    groups.setdefault((len(tokens), want), []).append(i)
+                    results[i] = [None] * len(seqs)
+                    for j, row in enumerate(tokens):
+                        groups.setdefault((len(row), want), []).append((i, j))
                 elif mode in (FREE, STATS):
                     if mode == FREE:
-                        self.verifier.free(seq)
+                        for seq in seqs:
+                            self.verifier.free(seq)
                     responses[i] = self._outputs(pb_utils, [], None, _stats(self.verifier.slots))
                 else:
                     raise ConfigError("mode", mode, "must be 0 (start), 1 (verify), 2 (free) or 3 (stats)")
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
         for (_, want), idx in groups.items():
-            try:  # one batched forward for all verify requests of the same block length
-                results = self.verifier.verify([parsed[i][1] for i in idx], [parsed[i][2] for i in idx], want)
-                for i, r in zip(idx, results):
-                    responses[i] = self._outputs(pb_utils, r.emitted, r.taps)
+            try:  # one batched forward for all verify rows of the same block length
+                out = self.verifier.verify([parsed[i][1][j] for i, j in idx], [parsed[i][2][j] for i, j in idx], want)
+                for (i, j), r in zip(idx, out):
+                    results[i][j] = r
             except Exception as exc:
-                for i in idx:
+                for i, _ in idx:
                     responses[i] = error_response(pb_utils, exc)
+        for i, rs in results.items():
+            if responses[i] is None:
+                responses[i] = self._verify_response(pb_utils, rs)
         return responses
 
 
@@ -248,10 +301,19 @@ class KVInjectModel:
         responses = []
         for req in requests:
             try:
-                taps = get_torch(pb_utils, req, "taps").to(self.device, self.dtype)
-                k, v = self.inject(taps, scalar(pb_utils, req, "start", 0, int))
+                taps = rows_torch(pb_utils, req, "taps")
+                require(taps is not None and taps.dim() == 3, "taps", None if taps is None else list(taps.shape),
+                        "must be [rows, tokens, taps width]")
+                starts = np.asarray(rows(pb_utils, req, "start", np.zeros(taps.shape[0], np.int32))).reshape(-1)
+                require(starts.size == taps.shape[0], "start", starts.tolist(), "must have one value per row")
+                taps = taps.to(self.device, self.dtype)
+                if hasattr(self.inject, "rows"):  # all rows in one call (the torch injector)
+                    k, v = self.inject.rows(taps, torch.as_tensor(starts, dtype=torch.long))
+                else:
+                    kv = [self.inject(taps[j], int(starts[j])) for j in range(taps.shape[0])]
+                    k, v = torch.stack([x for x, _ in kv]), torch.stack([y for _, y in kv])
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    torch_output(pb_utils, "ctx_k", k.float()), torch_output(pb_utils, "ctx_v", v.float())]))
+                    torch_rows_output(pb_utils, "ctx_k", k.float()), torch_rows_output(pb_utils, "ctx_v", v.float())]))
             except Exception as exc:
                 responses.append(error_response(pb_utils, exc))
         return responses
@@ -278,20 +340,32 @@ class DrafterStepModel:
 
     def execute(self, pb_utils, requests) -> list:
         self.drafter.expire()
-        self.threads(max(len(self.drafter.slots.rows), len(requests)))
         responses: list = [None] * len(requests)
-        groups: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor, int]]] = {}
+        groups: dict[int, list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]] = {}  # block -> rows
+        drafts: dict[int, list] = {}  # request -> drafts per row
+        coalesced = False
         for i, req in enumerate(requests):
             try:
-                mode = scalar(pb_utils, req, "mode", None, int)
-                seq = scalar(pb_utils, req, "seq_id", 0, int)
+                mode, seqs = _step_rows(pb_utils, req)
+                coalesced = coalesced or len(seqs) > 1
                 if mode == 0:
-                    k, v = get_torch(pb_utils, req, "ctx_k"), get_torch(pb_utils, req, "ctx_v")
-                    block = scalar(pb_utils, req, "block_size", None, int)
-                    groups.setdefault(block, []).append((i, seq, k, v, scalar(pb_utils, req, "bonus", None, int)))
+                    k, v = rows_torch(pb_utils, req, "ctx_k"), rows_torch(pb_utils, req, "ctx_v")
+                    bonus = rows(pb_utils, req, "bonus")
+                    for name, x in (("ctx_k", k), ("ctx_v", v), ("bonus", bonus)):
+                        require(x is not None and len(x) == len(seqs), name, None if x is None else list(x.shape),
+                                f"must have one row per sequence ({len(seqs)})")
+                    lens = np.asarray(rows(pb_utils, req, "ctx_len", np.full(len(seqs), k.shape[2]))).reshape(-1)
+                    block = _shared(pb_utils, req, "block_size", None, int)
+                    require(block is not None, "block_size", None, "is required to draft")
+                    bonus = np.asarray(bonus).reshape(-1)
+                    drafts[i] = [None] * len(seqs)
+                    for j, seq in enumerate(seqs):
+                        n = int(lens[j])
+                        groups.setdefault(block, []).append((i, j, seq, k[j, :, :n], v[j, :, :n], int(bonus[j])))
                 elif mode in (FREE, STATS):
                     if mode == FREE:
-                        self.drafter.free(seq)
+                        for seq in seqs:
+                            self.drafter.free(seq)
                     responses[i] = pb_utils.InferenceResponse(output_tensors=[
                         tensor(pb_utils, "drafts", np.zeros(0, np.int32)),
                         *(tensor(pb_utils, n, a) for n, a in _stats(self.drafter.slots))])
@@ -299,14 +373,18 @@ class DrafterStepModel:
                     raise ConfigError("mode", mode, "must be 0 (draft), 2 (free) or 3 (stats)")
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
+        self.threads(max(len(self.drafter.slots.rows), sum(map(len, groups.values()))), coalesced)
         for block, items in groups.items():
             try:  # one block forward for all sequences drafting the same block size
-                drafts = self.drafter.draft([s for _, s, *_ in items], [k for *_, k, _, _ in items],
-                                            [v for *_, v, _ in items], [b for *_, b in items], block)
-                for (i, *_), d in zip(items, drafts):
-                    responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                        tensor(pb_utils, "drafts", d.numpy().astype(np.int32))])
+                out = self.drafter.draft([s for _, _, s, *_ in items], [k for *_, k, _, _ in items],
+                                         [v for *_, v, _ in items], [b for *_, b in items], block)
+                for (i, j, *_), d in zip(items, out):
+                    drafts[i][j] = d
             except Exception as exc:
                 for i, *_ in items:
                     responses[i] = error_response(pb_utils, exc)
+        for i, ds in drafts.items():
+            if responses[i] is None:
+                responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("drafts", torch.stack(ds).cpu().numpy().astype(np.int32))])
         return responses

@@ -20,11 +20,14 @@ PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
 BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
+# template directory -> the template directory whose 1/model.py it renders with (one loop model.py serves both)
+MODEL_PY_FROM = {"entry": "dflash_bls"}
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
-LOOP_KEYS = ("loop_block_size", "adaptive")  # the loop's block size (an int or "auto") and its policy file
-ENTRY_KEYS = ("name", "max_batch_size", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
+# the loop's block size (an int or "auto"), its policy file, its step coalescer (on / off) and the step models' batch
+LOOP_KEYS = ("loop_block_size", "adaptive", "coalesce", "max_batch_size")
+ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances")),
@@ -35,8 +38,8 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
                             "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
-    "dflash_bls": ("dflash_bls", ("name", "max_batch_size", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
-    "baseline_bls": ("dflash_bls", ("name", "max_batch_size", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
+    "dflash_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
+    "baseline_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
     "dflash": ("entry", ENTRY_KEYS),
     "baseline": ("entry", ENTRY_KEYS),
@@ -83,6 +86,7 @@ class RepoConfig:
     queue_delay_us: int = 200  # dynamic batcher wait for more requests
     idle_timeout_s: float = 120.0  # a sequence's state is freed after this long unused
     torch_threads: int = 0  # torch threads per CPU step model (0 = by load: handlers.CpuThreads)
+    coalesce: bool = True  # the loop models send the live sequences' step calls of one kind as one batched call
     max_queue: int = 64  # requests per entry model waiting for a sequence slot; beyond: refused (UNAVAILABLE)
     queue_timeout_s: float = 60.0  # longest wait for a sequence slot; then refused (UNAVAILABLE)
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
@@ -146,7 +150,8 @@ class RepoConfig:
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
-            "torch_threads": self.torch_threads, "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s,
+            "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
+            "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s,
             "tap_layers": ",".join(map(str, tap_layers)),
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
@@ -240,8 +245,9 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
             text = render_text((src / "config.pbtxt").read_text(), values[model], f"{template}/config.pbtxt")
             (tmp / model / "1").mkdir(parents=True)
             (tmp / model / "config.pbtxt").write_text(text)
-            if (src / "1" / "model.py").is_file():
-                shutil.copy2(src / "1" / "model.py", tmp / model / "1" / "model.py")
+            model_py = templates / MODEL_PY_FROM.get(template, template) / "1" / "model.py"
+            if model_py.is_file():
+                shutil.copy2(model_py, tmp / model / "1" / "model.py")
             if model in extra:
                 (tmp / model / "1" / "model.yaml").write_text(extra[model])
             if model == "dflash_bls" and adaptive_doc is not None:

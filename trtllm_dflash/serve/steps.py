@@ -155,6 +155,14 @@ class KVInjector:
             k, v = self.drafter.context_kv(taps[None], positions)
         return k[:, 0], v[:, 0]
 
+    def rows(self, taps: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """taps [n, T, K·H] of n sequences, row j at positions starts[j].. -> K, V [n, num_layers, T, kv, head_dim]
+        (one forward; every token's K/V depends on that token alone, so padded rows cost only their padding)."""
+        positions = starts.to(taps.device)[:, None] + torch.arange(taps.shape[1], device=taps.device)[None]
+        with torch.inference_mode():
+            k, v = self.drafter.context_kv(taps, positions)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
 
 class TargetHead:
     """The target's embedding table and LM head, loaded alone (the drafter model needs both, nothing else)."""

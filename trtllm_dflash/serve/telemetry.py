@@ -3,7 +3,9 @@
 Per BLS model (label ``model``): draft tokens proposed and accepted, steps, finished requests, acceptance-length
 counts (label ``tau``), live sequences (gauge), the drafts verified per step (label ``k``: what ``--block-size auto``
 chose) and where the loop's time went (label ``part``: draft / verify / overhead). τ for a run = (accepted + steps) /
-steps.
+steps. The step coalescer's batched calls (label ``step``: verify / inject / draft): requests sent
+(``dflash_step_requests_total``) and the sequence rows they carried (``dflash_step_rows_total``); rows / requests is
+how many sequences one step-model call served.
 
 The same counts are also exported under the names other servers use, so their dashboards work unchanged (labels
 ``model_name`` and ``model``):
@@ -52,6 +54,8 @@ class LoopTelemetry:
             fam("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted (vLLM name)", counter),
             fam("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafts by position (vLLM name)",
                 counter),
+            fam("dflash_step_requests_total", "Batched step-model calls sent by the step coalescer", counter),
+            fam("dflash_step_rows_total", "Sequence rows carried by the batched step-model calls", counter),
         ]
         f = self._families
         self.proposed, self.accepted, self.steps, self.requests = (x.Metric(labels=labels) for x in f[:4])
@@ -62,6 +66,8 @@ class LoopTelemetry:
         self.trt_drafted, self.trt_accepted, self.trt_tau, self.trt_overhead = (x.Metric(labels=eco) for x in f[8:12])
         self.vllm_drafts, self.vllm_drafted, self.vllm_accepted = (x.Metric(labels=eco) for x in f[12:15])
         self.vllm_per_pos = [f[15].Metric(labels={**eco, "position": str(j)}) for j in range(block_size - 1)]
+        self.step_requests = {k: f[16].Metric(labels={**labels, "step": k}) for k in ("verify", "inject", "draft")}
+        self.step_rows = {k: f[17].Metric(labels={**labels, "step": k}) for k in ("verify", "inject", "draft")}
         self._active = 0
         self._totals = {"steps": 0, "accepted": 0, **dict.fromkeys(PARTS, 0.0)}
 
@@ -94,6 +100,10 @@ class LoopTelemetry:
             self.trt_overhead.set(t["draft"] / total)
         if update.final:
             self.requests.increment(1)
+
+    def step_call(self, kind: str, rows: int) -> None:
+        self.step_requests[kind].increment(1)
+        self.step_rows[kind].increment(rows)
 
     def active(self, delta: int) -> None:
         self._active += delta

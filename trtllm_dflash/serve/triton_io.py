@@ -39,24 +39,42 @@ def scalar(pb_utils, request, name: str, default: Any = None, kind=float) -> Any
     return kind(flat[0])
 
 
-def get_torch(pb_utils, request, name: str, default: Any = None):
-    """Input ``name`` as a torch tensor without its batch dimension. A device tensor arrives through DLPack without a
-    copy and stays on its GPU; a host tensor is wrapped from its numpy view."""
+def rows(pb_utils, request, name: str, default: Any = None) -> np.ndarray | None:
+    """Input ``name`` of ``request`` with its batch dimension (one row per sequence of a coalesced step call)."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return default if t is None else t.as_numpy()
+
+
+def rows_torch(pb_utils, request, name: str, default: Any = None):
+    """Input ``name`` as a torch tensor with its batch dimension: a device tensor through DLPack without a copy, a
+    host tensor wrapped from its numpy view."""
     import torch
 
     t = pb_utils.get_input_tensor_by_name(request, name)
     if t is None:
         return default
-    x = torch.from_numpy(t.as_numpy()) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
+    return torch.from_numpy(t.as_numpy()) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
+
+
+def get_torch(pb_utils, request, name: str, default: Any = None):
+    """Input ``name`` as a torch tensor without its batch dimension (see ``rows_torch``)."""
+    x = rows_torch(pb_utils, request, name)
+    if x is None:
+        return default
     return x[0] if x.dim() >= 1 and x.shape[0] == 1 else x
 
 
 def torch_output(pb_utils, name: str, x) -> Any:
     """An output tensor (leading batch dimension of 1) from a torch tensor: a CUDA tensor leaves through DLPack and
     stays on the device, so the next model of the loop reads it where it was written."""
+    return torch_rows_output(pb_utils, name, x.unsqueeze(0))
+
+
+def torch_rows_output(pb_utils, name: str, x) -> Any:
+    """An output tensor from a torch tensor that already has its batch dimension (see ``torch_output``)."""
     import torch.utils.dlpack
 
-    x = x.unsqueeze(0).contiguous()
+    x = x.contiguous()
     if x.is_cuda:
         return pb_utils.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x))
     return pb_utils.Tensor(name, x.numpy())

@@ -1,5 +1,6 @@
-"""dflash_bls: the decoupled speculative loop; one coroutine per request, BLS calls to the step models
-(logic: trtllm_dflash.serve.bls)."""
+"""dflash_bls / baseline_bls, and the entry points dflash / baseline (rendered from the ``entry`` template with this
+same file; their ``frontend: on`` parameter adds tokenization and detokenization): the decoupled speculative loop,
+BLS calls to the step models (logic: trtllm_dflash.serve.bls)."""
 
 import triton_python_backend_utils as pb_utils
 

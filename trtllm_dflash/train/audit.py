@@ -83,23 +83,36 @@ def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngr
 
 
 @torch.no_grad()
-def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int) -> list[int]:
+def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
+                chunk: int = 64) -> list[int]:
     """Acceptance lengths of greedy DFlash decoding replayed over a known greedy output ``ids`` (prompt + response):
-    one teacher-forced target forward for the taps, the training path's drafts at every response anchor
-    (``training_drafts``, which the audit proves equal to the decoder's), then the decoder's walk with
-    ``prompt_lookup_taus``' convention. Much cheaper than decoding when many drafters are compared on one output."""
+    one teacher-forced target forward for the taps, the training path's blocks at every response anchor (which the
+    audit proves equal to the decoder's drafts), then the decoder's walk with ``prompt_lookup_taus``' convention.
+    The LM head runs slot by slot and only for blocks whose earlier slots all matched (a draft after the first miss
+    is never accepted), so most blocks cost one slot of the head instead of B − 1."""
     s, bs = len(ids), drafter.spec.block_size
     if s - 1 <= prompt_len:
         return []
     x = torch.tensor(ids)
     _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
-    drafts = training_drafts(target, drafter, Sample(x, taps[0].cpu(), prompt_len), list(range(prompt_len, s - 1)))
+    sample = Sample(x, taps[0].cpu(), prompt_len)
+    anchors = torch.arange(prompt_len, s - 1)
+    accepted = torch.zeros(len(anchors), dtype=torch.long)
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i : i + chunk]
+        hidden = drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype))
+        alive = torch.arange(len(a))  # blocks whose slots 1 .. k − 1 all matched
+        for k in range(1, bs):
+            pos = a[alive] + k
+            alive = alive[pos < s]
+            if len(alive) == 0:
+                break
+            guess = target.lm_head(hidden[alive, k].to(target.dtype)).argmax(-1).cpu()
+            alive = alive[guess == x[a[alive] + k]]
+            accepted[i + alive] += 1
     taus, c = [], prompt_len + 1
     while c < s:
-        d = drafts[c - 1 - prompt_len].tolist()[: s - c]
-        acc = 0
-        while acc < len(d) and d[acc] == ids[c + acc]:
-            acc += 1
+        acc = min(int(accepted[c - 1 - prompt_len]), s - c)
         taus.append(acc + 1)
         c += acc + 1
     return taus

@@ -167,14 +167,6 @@ class TritonSteps:
     async def inject(self, taps, start):
         return await self.coalescer.submit("inject", (), taps, start)
 
-    def join_taps(self, chunks):
-        """The taps of consecutive verify responses ([1, T_i, K·H] each) as one ``taps`` tensor, where they lie
-        (the serving loop injects lazily, only when the sequence drafts)."""
-        from torch.utils import dlpack
-
-        joined = torch.cat([dlpack.from_dlpack(t.to_dlpack()) for t in chunks], dim=1)
-        return self.pb.Tensor.from_dlpack("taps", dlpack.to_dlpack(joined.contiguous()))
-
     async def draft(self, seq_id, k, v, bonus, block_size):
         return await self.coalescer.submit("draft", (block_size,), seq_id, k, v, bonus, block_size)
 

@@ -369,16 +369,29 @@ def cmd_report(args) -> None:
         args.main = max(regen, key=lambda p: p["data_response_tokens"])["name"]
     main_runs = [p for p in regen if p["name"] == args.main]
     single = [p for p in main_runs if p["step"] * p["samples_per_step"] <= p["data_sequences"]]  # each seen once
+    def tokens_or_none(exponent: float | None):
+        return None if exponent is None or exponent > math.log(1e12) else round(math.exp(exponent))
+
     fits = {}
     for ds in ("humaneval", "mtbench"):
-        f = fit_log([p["seen_response_tokens"] for p in single], [p[ds]["tau"] for p in single])
-        if f:
+        xs = [p["seen_response_tokens"] for p in single]
+        f = fit_log(xs, [p[ds]["tau"] for p in single])
+        g = fit_log(xs, [math.log(max(p[ds]["tau"] - 1, 1e-6)) for p in single])  # ln(τ − 1) = ln c + α ln n
+        if f and g:
             a, b = f
-            fits[ds] = {"a": round(a, 4), "b_per_ln_token": round(b, 4),
-                        "tokens_for_tau_4": (round(math.exp((4 - a) / b)) if b > 0 else None),
-                        "tokens_for_tau_2_5": (round(math.exp((2.5 - a) / b)) if b > 0 else None),
-                        "note": "log-linear fit over the single-pass points of the main run; an extrapolation far "
-                                "beyond the data, read as an order of magnitude"}
+            lc, alpha = g
+            fits[ds] = {
+                "log_linear": {"tau": f"{a:.4f} + {b:.4f} ln(tokens)",
+                               "tokens_for_tau_4": tokens_or_none((4 - a) / b if b > 0 else None),
+                               "tokens_for_tau_2_5": tokens_or_none((2.5 - a) / b if b > 0 else None),
+                               "none_means": "more than 1e12 tokens: no credible forecast"},
+                "power_law": {"tau_minus_1": f"{math.exp(lc):.3e} * tokens^{alpha:.3f}",
+                              "tokens_for_tau_4": tokens_or_none((math.log(3) - lc) / alpha if alpha > 0 else None),
+                              "tokens_for_tau_2_5": tokens_or_none((math.log(1.5) - lc) / alpha if alpha > 0
+                                                                   else None)},
+                "note": "fits over the single-pass points of the main run (every token seen once); predicting τ 4 "
+                        "is an extrapolation orders of magnitude beyond the data: read it as an order of magnitude, "
+                        "and the two fits as bounds on the story, not a forecast"}
     sources = []  # the source comparison: τ beside what the data and the training cost, in CPU-hours
     for p in points:
         if p["source"] in ("regen", "text") and p["name"] != args.main:
@@ -406,7 +419,7 @@ def cmd_report(args) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, ds, title in zip(axes, ("humaneval", "mtbench"), ("HumanEval", "MT-Bench")):
         xs = [p["seen_response_tokens"] for p in main_runs]
-        ax.plot(xs, [p[ds]["tau"] for p in main_runs], "o-", label=f"{args.main} (checkpoints)")
+        ax.plot(xs, [p[ds]["tau"] for p in main_runs], "o-", label=f"{args.main} checkpoints (2nd pass: right end)")
         for p in points:
             if p["source"] == "text":
                 ax.plot(p["seen_response_tokens"], p[ds]["tau"], "s", color="tab:green",
@@ -416,13 +429,13 @@ def cmd_report(args) -> None:
                         label=f"{p['name']}@{p['step']}")
             elif p["source"] == "reference":
                 ax.plot(p["seen_response_tokens"], p[ds]["tau"], "*", ms=12, color="tab:red",
-                        label=f"shipped ({p['name']})")
+                        label=f"shipped drafter ({p['step']} steps, several passes)")
         if prompt_lookup[ds] is not None:
             ax.axhline(prompt_lookup[ds], ls="--", color="gray", label="prompt lookup (no training)")
         if ds in fits:
-            a, b = fits[ds]["a"], fits[ds]["b_per_ln_token"]
+            c, alpha = (float(v) for v in fits[ds]["power_law"]["tau_minus_1"].split(" * tokens^"))
             gx = [min(xs) * (max(xs) / min(xs)) ** (i / 20) for i in range(21)]
-            ax.plot(gx, [a + b * math.log(x) for x in gx], ":", color="tab:blue", label="log fit")
+            ax.plot(gx, [1 + c * x**alpha for x in gx], ":", color="tab:blue", label="fit 1 + c·n^α")
         ax.set_xscale("log")
         ax.set_xlabel("distinct regenerated response tokens seen")
         ax.set_ylabel(f"τ at B={args.block_size} (first {args.limit} prompts)")

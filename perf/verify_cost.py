@@ -55,13 +55,14 @@ def _timed(fn) -> float:
 @torch.inference_mode()
 def measure(target, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
     cache = target.new_cache(1, context + max(sizes) + 1)
-    ids = torch.randint(100, 20000, (1, context))
+    vocab = target.spec.vocab_size
+    ids = torch.randint(0, vocab, (1, context))
     target(ids, cache)
     cache.commit(None, torch.tensor([context]))
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
         for n in sizes if r % 2 == 0 else reversed(sizes):
-            x = torch.randint(100, 20000, (1, n))
+            x = torch.randint(0, vocab, (1, n))
             t = time.perf_counter()
             hidden, _ = target(x, cache)
             target.logits(hidden[0])

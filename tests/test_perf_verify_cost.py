@@ -1,0 +1,29 @@
+"""perf/verify_cost.py on a tiny random target: one JSON document with measured times, floors and ratios per size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import make_tiny_pair
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_verify_cost_reports_ratios_and_floors(tmp_path):
+    tdir, _ = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
+    out = tmp_path / "cost.json"
+    r = subprocess.run([sys.executable, str(REPO / "perf" / "verify_cost.py"), "--target", str(tdir), "--dtype",
+                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--out", str(out)],
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc == json.loads(r.stdout)
+    d = doc["dtypes"]["float32"]
+    assert set(d["ms"]) == {"1", "4"} and all(v > 0 for v in d["ms"].values())
+    assert d["ratio_to_step1"]["1"] == 1.0 and d["floor_ratio_to_step1"]["4"] >= 1.0
+    assert doc["copy_bandwidth_gb_s"] > 0 and d["gemm_gflop_s"] > 0

@@ -125,21 +125,27 @@ def build_regen(target: TargetModel, encoded: list[list[int]], out_dir: Path, *,
                 stop_token_ids: tuple[int, ...], batch_size: int, top_k: int = 8, seed: int = 0,
                 max_shards: int | None = None, progress=None) -> list[Path]:
     """Regenerate ``encoded`` prompts chunk by chunk into ``out_dir``; resumes by shard; returns the shard paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"max_new_tokens": max_new_tokens, "num_prompts": len(encoded), "batch_size": batch_size, "top_k": top_k,
             "seed": seed, "stop_token_ids": list(stop_token_ids)}
+    chunks = plan_chunks([len(e) for e in encoded], batch_size, seed)[:max_shards]
+    return write_chunk_shards(out_dir, meta, chunks, lambda chunk: regenerate(
+        target, [encoded[i] for i in chunk], max_new_tokens, stop_token_ids, top_k), progress)
+
+
+def write_chunk_shards(out_dir: Path, meta: dict, chunks: list[list[int]], make, progress=None) -> list[Path]:
+    """One ``regen-NNNNN`` shard per chunk, ``make(chunk)`` -> its samples; a shard already on disk is kept (resume),
+    and ``meta.json`` must match the settings it was made with."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "meta.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
-        raise ValueError(f"{out_dir} holds responses made with other settings {meta_path.read_text()}; use a new dir")
+        raise ValueError(f"{out_dir} holds data made with other settings {meta_path.read_text()}; use a new dir")
     meta_path.write_text(json.dumps(meta) + "\n")
-    chunks = plan_chunks([len(e) for e in encoded], batch_size, seed)[:max_shards]
     paths = []
     for c, chunk in enumerate(chunks):
         path = out_dir / f"regen-{c:05d}.safetensors"
         paths.append(path)
         if not path.is_file():
-            write_regen_shard(path, regenerate(target, [encoded[i] for i in chunk], max_new_tokens, stop_token_ids,
-                                               top_k))
+            write_regen_shard(path, make(chunk))
         if progress is not None:
             progress(c + 1, len(chunks))
     return paths

@@ -13,7 +13,6 @@ hard labels: the drafter then learns what the target would say next, not what th
 from __future__ import annotations
 
 import ast
-import json
 import random
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.train.data import Sample
-from trtllm_dflash.train.regen import Regenerated, plan_chunks, write_regen_shard
+from trtllm_dflash.train.regen import Regenerated, plan_chunks, write_chunk_shards
 
 
 def mine_functions(limit: int, seed: int, index=None) -> list[dict]:
@@ -98,7 +97,6 @@ def build_text_source(target: TargetModel, tok, rows: list[dict], out_dir: Path,
     """Shards of teacher-forced real responses (the regeneration layout); resumes by shard."""
     from trtllm_dflash.runtime.text import encode_prompt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     seqs = []
     for r in rows:
         p = encode_prompt(tok, r["prompt"], True)
@@ -107,18 +105,9 @@ def build_text_source(target: TargetModel, tok, rows: list[dict], out_dir: Path,
             seqs.append((p + resp[:max_new_tokens], len(p)))
     meta = {"source": "text", "num": len(seqs), "max_new_tokens": max_new_tokens, "batch_size": batch_size,
             "top_k": top_k, "seed": seed}
-    meta_path = out_dir / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
-        raise ValueError(f"{out_dir} holds data made with other settings {meta_path.read_text()}; use a new dir")
-    meta_path.write_text(json.dumps(meta) + "\n")
     chunks = plan_chunks([len(s) for s, _ in seqs], batch_size, seed)[:max_shards]
-    paths = []
-    for c, chunk in enumerate(chunks):
-        path = out_dir / f"regen-{c:05d}.safetensors"
-        paths.append(path)
-        if not path.is_file():
-            write_regen_shard(path, teacher_forced(target, [seqs[i] for i in chunk], top_k))
-    return paths
+    return write_chunk_shards(out_dir, meta, chunks,
+                              lambda chunk: teacher_forced(target, [seqs[i] for i in chunk], top_k))
 
 
 def target_labels(sample: Sample) -> Sample:

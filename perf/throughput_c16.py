@@ -9,14 +9,16 @@ machine hits both alike): in-process, one ``generate`` call over all C requests;
 prompt each over their own gRPC streams. Reports tokens/s of both per round, their ratio per round and overall, and
 how many Triton outputs equal the in-process ones, and the step coalescer's sequence rows per step-model call over
 the Triton runs. Starts its own server (demo assets unless --target/--drafter); --no-coalesce, --queue-delay-us,
---torch-threads and --instances render it with those make-repo options (the cheap knobs).
+--torch-threads, --instances and --io-nice render it with those make-repo options (the cheap knobs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--queue-delay-us", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--instances", type=int, default=None)
+    p.add_argument("--io-nice", type=int, default=None)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -66,6 +69,7 @@ def triton_outputs(url, model, texts, max_tokens):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load = os.getloadavg()[0]
     from bench_serving import in_process_decoders
 
     from trtllm_dflash.assets import prepare_demo_assets
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
     decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size)
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "dataset": args.dataset,
               "block_size": args.block_size, "rounds": args.rounds, "models": {}}
-    knobs = {k: getattr(args, k) for k in ("coalesce", "queue_delay_us", "torch_threads", "instances")
+    knobs = {k: getattr(args, k) for k in ("coalesce", "queue_delay_us", "torch_threads", "instances", "io_nice")
              if getattr(args, k) is not None}
     result["repo_options"] = knobs
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,12 +121,12 @@ def main(argv=None) -> int:
                     b = calls_before.get(step, {})
                     n = c.get("requests", 0) - b.get("requests", 0)
                     rows_per_call[step] = round((c.get("rows", 0) - b.get("rows", 0)) / n, 2) if n else None
-                result["models"][model] = {"rounds": rounds, "median_ratio": ratios[len(ratios) // 2],
+                result["models"][model] = {"rounds": rounds, "median_ratio": round(statistics.median(ratios), 3),
                                            "identical_outputs": f"{same}/{args.rounds * len(texts)}",
                                            "triton_rows_per_step_call": rows_per_call}
                 print(json.dumps({model: result["models"][model]}), file=sys.stderr, flush=True)
     result["command"] = " ".join(["python", "perf/throughput_c16.py", *(argv if argv is not None else sys.argv[1:])])
-    result["machine"] = f"{platform.machine()}, shared 2-core VM (other engineers' jobs running)"
+    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, 1-min load average {load:.2f} at start"
     print(json.dumps(result, indent=2))
     if args.out:
         from trtllm_dflash.models.weights import write_json

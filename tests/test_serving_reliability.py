@@ -243,6 +243,25 @@ def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, smollm2
         assert rows >= len(texts) and rows / requests >= 8, (step, rows, requests)
 
 
+def test_io_side_yields_the_cores_to_the_step_models(server):
+    """On a CPU server the server's own threads and the models that only move requests (entry, loop, tokenizer
+    models) run at the repository's io_nice (19, the default), the computing step models at the default 0: their OpenMP teams
+    get the cores first. Every thread is checked (Linux keeps a niceness per thread)."""
+    import os
+
+    from trtllm_dflash.perf.health import stub_processes
+
+    def niceness(pid: int) -> set[int]:
+        return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    by_model = {model: niceness(pid) for pid, model in stub_processes(server.repo).items()}
+    steps = {"target_verify", "kv_inject", "drafter"}
+    assert steps <= set(by_model) and {"dflash", "baseline", "dflash_bls", "preprocessing"} <= set(by_model)
+    for model, values in by_model.items():
+        assert values == ({0} if model in steps else {19}), (model, values)
+    assert niceness(server.proc.pid) == {19}
+
+
 def test_killed_step_model_fails_in_flight_requests_naming_it(server):
     """SIGKILL the kv_inject stub while 4 streams generate: they fail within seconds with an error naming the
     model (Triton 2.51 alone would leave them waiting forever); the server reports it (dead_models, then not ready

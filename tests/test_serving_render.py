@@ -185,3 +185,27 @@ def test_cpu_step_threads_follow_the_load():
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(tiny_dirs, tmp_path):
+    """raise_niceness raises every thread of a process (threads started later inherit it), never lowers one;
+    io_nice reaches the entry / loop / tokenizer models' configs and not the step models'."""
+    import subprocess
+    import sys
+
+    code = ("import os, threading, time\n"
+            "from trtllm_dflash.serve.lifecycle import raise_niceness, yield_to_compute\n"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
+            "assert yield_to_compute(0) is False\n"
+            "n = raise_niceness(3); again = raise_niceness(2)\n"
+            "late = threading.Thread(target=time.sleep, args=(1,)); late.start()\n"
+            "print(n, again, sorted({os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "2" and out[1] == "0" and out[2:] == ["[3]"], out
+    target, drafter = map(str, tiny_dirs["llama"])
+    repo = make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=7), tmp_path / "repo")
+    line = 'parameters { key: "io_nice" value: { string_value: "7" } }'
+    rendered = {p.parent.name for p in repo.glob("*/config.pbtxt") if line in p.read_text()}
+    assert rendered == {"dflash", "baseline", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing"}
+    with pytest.raises(ConfigError, match="--io-nice"):
+        make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")

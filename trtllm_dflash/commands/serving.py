@@ -47,6 +47,10 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                              "live; more are refused at once with UNAVAILABLE (RESOURCE_EXHAUSTED message)")
     parser.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
                         help="longest wait for a sequence slot before the request is refused")
+    parser.add_argument("--io-nice", type=int, default=d.io_nice,
+                        help="CPU only: niceness of the server's own threads and of the models that only move "
+                             "requests (loops, tokenizers), so the step models' forwards get the cores first "
+                             "(0 = equal priority)")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -63,7 +67,8 @@ def make_repo_main(args: argparse.Namespace) -> int:
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
                      coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
-                     engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size)
+                     engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
+                     io_nice=args.io_nice)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0

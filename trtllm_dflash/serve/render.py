@@ -27,10 +27,10 @@ STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
 # the loop's block size (an int or "auto"), its policy file, its step coalescer (on / off) and the step models' batch
 LOOP_KEYS = ("loop_block_size", "adaptive", "coalesce", "max_batch_size")
-ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS)
+ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances")),
-    "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances")),
+    "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
+    "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
                                         "max_sequences", "max_seq_len", "block_size", "idle_timeout_s",
                                         "torch_threads", *STEP_KEYS)),
@@ -38,8 +38,8 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
                             "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
-    "dflash_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
-    "baseline_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS)),
+    "dflash_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
+    "baseline_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
     "dflash": ("entry", ENTRY_KEYS),
     "baseline": ("entry", ENTRY_KEYS),
@@ -92,6 +92,7 @@ class RepoConfig:
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
     checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
     max_block_size: int | None = None  # block_size "auto": the longest block (default: the drafter's)
+    io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
 
     @property
     def adaptive(self) -> bool:
@@ -137,6 +138,7 @@ class RepoConfig:
         require(self.idle_timeout_s > 0, "--idle-timeout-s", self.idle_timeout_s, "must be > 0")
         require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
         require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
+        require(0 <= self.io_nice <= 19, "--io-nice", self.io_nice, "must be in [0, 19] (0 = no priority split)")
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm_engine import load_engine_set
 
@@ -151,7 +153,7 @@ class RepoConfig:
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
-            "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s,
+            "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s, "io_nice": self.io_nice,
             "tap_layers": ",".join(map(str, tap_layers)),
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }

@@ -10,6 +10,7 @@ Endpoints bind to 127.0.0.1 by default. ``stop`` ends the whole process group, s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -166,10 +167,20 @@ class TritonServer:
                 raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n{tail}")
             if self._ready():
                 self.dead_models()  # remember every model's stubs, so one that dies later is noticed
+                self._yield_to_compute()
                 return self
             time.sleep(0.5)
         self.stop()
         raise ArtifactError(self.repo, f"tritonserver not ready after {timeout_s:.0f} s", "see the server log")
+
+    def _yield_to_compute(self) -> None:
+        """The server's own threads at the repository's ``io_nice`` (lifecycle.yield_to_compute). Done once every
+        model is loaded, so the step models' stubs, which the server's threads start, keep the default priority."""
+        from trtllm_dflash.serve.lifecycle import yield_to_compute
+
+        manifest = self.repo / "manifest.json"
+        if manifest.is_file():
+            yield_to_compute(json.loads(manifest.read_text()).get("repo_config", {}).get("io_nice", 0), self.proc.pid)
 
     def python_models(self) -> list[str]:
         return sorted(p.parent.parent.name for p in self.repo.glob("*/1/model.py"))

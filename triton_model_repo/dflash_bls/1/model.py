@@ -5,14 +5,16 @@ BLS calls to the step models (logic: trtllm_dflash.serve.bls)."""
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.bls import LoopModel
-from trtllm_dflash.serve.lifecycle import watch_parent
+from trtllm_dflash.serve.lifecycle import watch_parent, yield_to_compute
 from trtllm_dflash.serve.triton_io import model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent(needs=("target_verify", "kv_inject", "drafter"))
-        self.loop = LoopModel(model_parameters(args), pb_utils)
+        params = model_parameters(args)
+        yield_to_compute(params.get("io_nice", 0))
+        self.loop = LoopModel(params, pb_utils)
 
     async def execute(self, requests):
         await self.loop.execute(requests)

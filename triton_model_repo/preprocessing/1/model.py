@@ -3,14 +3,16 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.handlers import Preprocessor
-from trtllm_dflash.serve.lifecycle import watch_parent
+from trtllm_dflash.serve.lifecycle import watch_parent, yield_to_compute
 from trtllm_dflash.serve.triton_io import error_response, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent()
-        self.pre = Preprocessor(model_parameters(args))
+        params = model_parameters(args)
+        yield_to_compute(params.get("io_nice", 0))
+        self.pre = Preprocessor(params)
 
     def execute(self, requests):
         responses = []

@@ -270,11 +270,10 @@ def cmd_train(args) -> None:
 # ---------------------------------------------------------------- eval
 
 def greedy_reference(args, target, tok, stops, dataset: str) -> list[dict]:
-    """Cached greedy outputs (target only) of the first --limit prompts, with prompt-lookup τ replayed on them."""
+    """Cached greedy outputs (target only) of the first --limit prompts (prompt lookup is replayed per block size)."""
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt
-    from trtllm_dflash.train.audit import prompt_lookup_taus
 
     path = Path(args.work) / "eval" / f"greedy-{dataset}-{args.limit}-{args.max_new_tokens}.json"
     if path.is_file():
@@ -286,9 +285,7 @@ def greedy_reference(args, target, tok, stops, dataset: str) -> list[dict]:
         reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
                 for p in prompts[i : i + args.batch_size]]
         for p, r, out in zip(prompts[i : i + args.batch_size], reqs, ar.generate(reqs)):
-            ids = list(r.prompt_ids) + list(out.token_ids)
-            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(out.token_ids),
-                         "prompt_lookup_taus": prompt_lookup_taus(ids, len(r.prompt_ids), args.block_size)})
+            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(out.token_ids)})
     write_json(path, rows)
     return rows
 
@@ -299,7 +296,7 @@ def cmd_eval(args) -> None:
 
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.train.audit import replay_taus
+    from trtllm_dflash.train.audit import prompt_lookup_taus, replay_taus
 
     _, target, tok, stops = load_target(args)
     drafters = [Path(d) for d in args.drafters] if args.drafters else sorted((Path(args.work) / "drafters").iterdir())
@@ -317,7 +314,8 @@ def cmd_eval(args) -> None:
             taus, pl, mismatched = [], [], []
             for i in range(0, len(rows), args.batch_size):
                 part = rows[i : i + args.batch_size]
-                pl += [t for r in part for t in r["prompt_lookup_taus"]]
+                pl += [t for r in part for t in prompt_lookup_taus(r["prompt_ids"] + r["token_ids"],
+                                                                   len(r["prompt_ids"]), args.block_size)]
                 if dec is None:  # the decoder's walk replayed on the known greedy output (train.audit.replay_taus)
                     for r in part:
                         taus += replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]))

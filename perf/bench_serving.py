@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=None)
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the paired c=1 comparison")
+    p.add_argument("--io-nice", type=int, default=19, help="make-repo --io-nice (CPU: the I/O side's niceness)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not args.models or not set(args.models.split(",")) <= {"dflash", "baseline"}:
@@ -226,11 +227,13 @@ def main(argv=None) -> int:
     decoders = {m: decoders[m] for m in args.models.split(",")}
 
     results = {"dataset": args.dataset, "prompts": len(texts), "max_tokens": args.max_tokens, "block_size": block,
-               "rounds": args.rounds, "torch_threads": args.torch_threads, "in_process_tokens_per_second": {},
+               "rounds": args.rounds, "torch_threads": args.torch_threads, "io_nice": args.io_nice,
+               "in_process_tokens_per_second": {},
                "triton": {}, "paired_c1": {}}
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024,
-                                    max_sequences=max(conc) + 2, torch_threads=args.torch_threads),
+                                    max_sequences=max(conc) + 2, torch_threads=args.torch_threads,
+                                    io_nice=args.io_nice),
                          Path(tmp) / "repo")
         env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
         results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")

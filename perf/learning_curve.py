@@ -278,10 +278,12 @@ def greedy_reference(args, target, tok, stops, dataset: str) -> list[dict]:
     path = Path(args.work) / "eval" / f"greedy-{dataset}-{args.limit}-{args.max_new_tokens}.json"
     if path.is_file():
         return read_json(path)
+    from tqdm import tqdm
+
     prompts = load_prompts(dataset, args.limit)
     ar = SpeculativeDecoder(target, None, 1)
     rows = []
-    for i in range(0, len(prompts), args.batch_size):
+    for i in tqdm(range(0, len(prompts), args.batch_size), desc=f"greedy {dataset} (batches of {args.batch_size})"):
         reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
                 for p in prompts[i : i + args.batch_size]]
         for p, r, out in zip(prompts[i : i + args.batch_size], reqs, ar.generate(reqs)):
@@ -303,7 +305,9 @@ def cmd_eval(args) -> None:
     refs = {d: greedy_reference(args, target, tok, stops, d) for d in args.datasets.split(",")}
     for d in tqdm(drafters, desc="drafters"):
         method = "decode" if args.decode else "replay"
-        out_path = Path(args.work) / "eval" / f"{method}-{d.name}-B{args.block_size}-{args.limit}-{args.max_new_tokens}.json"
+        sets = "" if args.datasets == "humaneval,mtbench" else f"-{args.datasets.replace(',', '+')}"
+        out_path = (Path(args.work) / "eval" /
+                    f"{method}-{d.name}-B{args.block_size}-{args.limit}-{args.max_new_tokens}{sets}.json")
         if out_path.is_file() or not (d / "model.safetensors").is_file():
             continue
         drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")

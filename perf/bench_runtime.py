@@ -53,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device of both models, e.g. cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
                    help="weights and activations (default float32)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="exit 0 even when DFlash's outputs differ from autoregressive decoding (still reported as "
+                        "\"lossless\": false): in bfloat16/float16 a multi-token verify rounds differently from "
+                        "1-token steps, so near-tied argmaxes can flip; token identity holds in float32")
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, args.out)
-    return 0 if all(line["lossless"] for line in lines) else 1
+    return 0 if args.allow_mismatch or all(line["lossless"] for line in lines) else 1
 
 
 if __name__ == "__main__":

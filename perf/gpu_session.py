@@ -208,7 +208,11 @@ def step_dflash_vs_ar(args, log) -> dict:
             cmd = [sys.executable, "perf/bench_runtime.py", "--dataset", str(path), "--limit", str(args.limit),
                    "--max-new-tokens", str(args.max_new_tokens), "--block-size", args.block_sizes,
                    "--batch-size", str(batch), "--target", str(tdir), "--drafter", str(ddir),
-                   "--device", args.device, "--dtype", dtype, "--json"]
+                   "--device", args.device, "--dtype", dtype, "--json",
+                   # bfloat16: token identity is reported, not required (a 16-token verify rounds differently from
+                   # 1-token steps; on the CPU 4 of 8 HumanEval outputs differed at B = 16). The parity step checks
+                   # identity in float32.
+                   *(["--allow-mismatch"] if dtype != "float32" else [])]
             out = run(cmd, log, 300)
             results.append({"dataset": name, "batch_size": batch, "exit": out.returncode,
                             "results": json_lines(out.stdout)})

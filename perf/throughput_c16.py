@@ -121,7 +121,9 @@ def main(argv=None) -> int:
                     b = calls_before.get(step, {})
                     n = c.get("requests", 0) - b.get("requests", 0)
                     rows_per_call[step] = round((c.get("rows", 0) - b.get("rows", 0)) / n, 2) if n else None
+                mean = {k: statistics.mean(x[f"{k}_tokens_per_second"] for x in rounds) for k in ("triton", "in_process")}
                 result["models"][model] = {"rounds": rounds, "median_ratio": round(statistics.median(ratios), 3),
+                                           "mean_ratio": round(mean["triton"] / mean["in_process"], 3),  # of mean tok/s
                                            "identical_outputs": f"{same}/{args.rounds * len(texts)}",
                                            "triton_rows_per_step_call": rows_per_call}
                 print(json.dumps({model: result["models"][model]}), file=sys.stderr, flush=True)

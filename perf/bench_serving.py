@@ -95,40 +95,46 @@ def in_process_decoders(target_dir, drafter_dir, block_size):
             "baseline": SpeculativeDecoder(target, None, 1)}, encode
 
 
+def alternate(sides: dict, texts, rounds) -> tuple[list[dict], dict, bool]:
+    """Every text through each side (``name -> fn(text) -> token ids``) back to back, the order alternating by prompt
+    and round (so drifting load on a shared machine hits all sides alike). Returns the seconds per side of each
+    round, the tokens per side, and whether the sides always gave the same tokens."""
+    names = list(sides)
+    tokens, round_secs, same = dict.fromkeys(names, 0), [], True
+    for r in range(rounds):
+        secs = dict.fromkeys(names, 0.0)
+        for i, text in enumerate(texts):
+            out = {}
+            for name in (names if (i + r) % 2 == 0 else names[::-1]):
+                t0 = time.perf_counter()
+                out[name] = sides[name](text)
+                secs[name] += time.perf_counter() - t0
+                tokens[name] += len(out[name])
+            same &= all(out[n] == out[names[0]] for n in names)
+        round_secs.append(secs)
+    return round_secs, tokens, same
+
+
 def paired_c1(url, model, decoder, encode, texts, max_tokens, rounds):
     """Tokens/s of ``decoder`` in-process and of ensemble ``model`` through Triton at c=1, prompt by prompt back to
-    back in alternating order (so drifting load on a shared machine hits both sides alike). Also returns the
-    Triton-side wall time (for the server time split), the per-round ratios, and whether every Triton output equals
-    the in-process tokens."""
+    back in alternating order (``alternate``). Also returns the Triton-side wall time (for the server time split),
+    the per-round ratios, and whether every Triton output equals the in-process tokens."""
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
     from trtllm_dflash.runtime.decoder import Request
 
-    def in_process(text):
-        return list(decoder.generate([Request(*encode(text, max_tokens))])[0].token_ids)
-
-    def triton(text):
-        return list(client.generate(model, GenerateParams(text, max_tokens)).token_ids)
-
-    secs, tokens, ratios, same = {"in_process": 0.0, "triton": 0.0}, {"in_process": 0, "triton": 0}, [], True
     with DFlashClient(url) as client:
-        for r in range(rounds):
-            rs = {"in_process": 0.0, "triton": 0.0}
-            for i, text in enumerate(texts):
-                order = ("in_process", "triton") if (i + r) % 2 == 0 else ("triton", "in_process")
-                out = {}
-                for side in order:
-                    t0 = time.perf_counter()
-                    out[side] = (in_process if side == "in_process" else triton)(text)
-                    rs[side] += time.perf_counter() - t0
-                    tokens[side] += len(out[side])
-                same &= out["in_process"] == out["triton"]
-            ratios.append(round(rs["in_process"] / rs["triton"], 3))  # same tokens both sides: time ratio = tok/s ratio
-            secs = {k: secs[k] + rs[k] for k in secs}
+        round_secs, tokens, same = alternate({
+            "in_process": lambda text: list(decoder.generate([Request(*encode(text, max_tokens))])[0].token_ids),
+            "triton": lambda text: list(client.generate(model, GenerateParams(text, max_tokens)).token_ids),
+        }, texts, rounds)
+    secs = {k: sum(r[k] for r in round_secs) for k in tokens}
     tps = {k: tokens[k] / secs[k] for k in secs}
     return {"in_process_tokens_per_second": round(tps["in_process"], 2),
             "triton_tokens_per_second": round(tps["triton"], 2),
             "triton_over_in_process": round(tps["triton"] / tps["in_process"], 3),
-            "round_ratios": ratios, "identical_tokens": same, "triton_seconds": secs["triton"]}
+            # same tokens both sides: time ratio = tok/s ratio
+            "round_ratios": [round(r["in_process"] / r["triton"], 3) for r in round_secs],
+            "identical_tokens": same, "triton_seconds": secs["triton"]}
 
 
 def paired_models_c1(url, texts, max_tokens, rounds, models=("dflash", "baseline")) -> dict:
@@ -136,23 +142,15 @@ def paired_models_c1(url, texts, max_tokens, rounds, models=("dflash", "baseline
     fair dflash/baseline ratio on a shared machine, where measuring one ensemble after the other is not)."""
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
 
-    secs, tokens, ratios, same = dict.fromkeys(models, 0.0), dict.fromkeys(models, 0), [], True
     with DFlashClient(url) as client:
-        for r in range(rounds):
-            rs = dict.fromkeys(models, 0.0)
-            for i, text in enumerate(texts):
-                out = {}
-                for m in (models if (i + r) % 2 == 0 else models[::-1]):
-                    t0 = time.perf_counter()
-                    out[m] = list(client.generate(m, GenerateParams(text, max_tokens)).token_ids)
-                    rs[m] += time.perf_counter() - t0
-                    tokens[m] += len(out[m])
-                same &= out[models[0]] == out[models[1]]
-            ratios.append(round(rs[models[1]] / rs[models[0]], 3))  # same tokens: time ratio = tok/s ratio
-            secs = {m: secs[m] + rs[m] for m in models}
+        round_secs, tokens, same = alternate(
+            {m: (lambda text, m=m: list(client.generate(m, GenerateParams(text, max_tokens)).token_ids))
+             for m in models}, texts, rounds)
+    secs = {m: sum(r[m] for r in round_secs) for m in models}
     tps = {m: tokens[m] / secs[m] for m in models}
     return {"tokens_per_second": {m: round(v, 2) for m, v in tps.items()},
-            f"{models[0]}_over_{models[1]}": round(tps[models[0]] / tps[models[1]], 3), "round_ratios": ratios,
+            f"{models[0]}_over_{models[1]}": round(tps[models[0]] / tps[models[1]], 3),
+            "round_ratios": [round(r[models[1]] / r[models[0]], 3) for r in round_secs],  # same tokens: time ratio
             "identical_tokens": same}
 
 

@@ -27,6 +27,20 @@ def widen(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def stack_padded(xs: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Tensors equal in shape but along ``dim`` (ragged rows: taps or K/V of several sequences) stacked into
+    [len(xs), ...], zero-padded along ``dim`` to the longest; no padding copy when all are equally long."""
+    width = max(x.shape[dim] for x in xs)
+    if all(x.shape[dim] == width for x in xs):
+        return torch.stack(xs)
+    shape = list(xs[0].shape)
+    shape[dim] = width
+    out = xs[0].new_zeros([len(xs), *shape])
+    for j, x in enumerate(xs):
+        out[j].narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

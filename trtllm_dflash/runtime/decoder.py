@@ -32,6 +32,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
+from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
@@ -114,21 +115,13 @@ class _PendingTaps:
         """Padded taps [r, T_max, K·H] and the token count of each of ``rows``; clears them."""
         pieces = []
         for row in rows:
-            chunk = self.chunks[row]
+            chunk, self.chunks[row] = self.chunks[row], []
             pieces.append(chunk[0] if len(chunk) == 1 else torch.cat(chunk) if chunk else None)
-            self.chunks[row] = []
         num = [0 if p is None else p.shape[0] for p in pieces]
         if not any(num):
             return None, num
         ref = next(p for p in pieces if p is not None)
-        width = max(num)
-        if all(n == width for n in num):
-            return torch.stack(pieces), num
-        out = ref.new_zeros(len(rows), width, ref.shape[-1])
-        for j, p in enumerate(pieces):
-            if p is not None:
-                out[j, : p.shape[0]] = p
-        return out, num
+        return stack_padded([ref.new_zeros(0, ref.shape[-1]) if p is None else p for p in pieces]), num
 
 
 class SpeculativeDecoder:

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
-from trtllm_dflash.serve.triton_io import error_response, get, scalar, tensor
+from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
 
 START, VERIFY, FREE = 0, 1, 2
 
@@ -92,24 +93,11 @@ class TritonSteps:
     async def _rows(self, model: str, outputs: list[str], **inputs) -> dict:
         """A call with a row per sequence: ``inputs`` numpy arrays or torch tensors with their batch dimension;
         outputs as torch tensors (host copies, or device tensors through DLPack)."""
-        import torch.utils.dlpack
-
         pb = self.pb
-
-        def as_input(name, x):
-            if isinstance(x, np.ndarray):
-                return pb.Tensor(name, np.ascontiguousarray(x))
-            x = x.contiguous()
-            if x.is_cuda:
-                return pb.Tensor.from_dlpack(name, torch.utils.dlpack.to_dlpack(x))
-            return pb.Tensor(name, x.numpy())
-
-        response = await self._exec(model, outputs, [as_input(n, x) for n, x in inputs.items()])
-        out = {}
-        for n in outputs:
-            t = pb.get_output_tensor_by_name(response, n)
-            out[n] = torch.from_numpy(np.array(t.as_numpy())) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
-        return out
+        tensors = [pb.Tensor(n, np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else torch_rows_output(pb, n, x)
+                   for n, x in inputs.items()]
+        response = await self._exec(model, outputs, tensors)
+        return {n: as_torch(pb.get_output_tensor_by_name(response, n), copy=True) for n in outputs}
 
     @staticmethod
     def _seq(seq_id: int) -> np.ndarray:
@@ -179,17 +167,9 @@ class TritonSteps:
         def column(values, dtype):
             return np.array(values, dtype).reshape(n, 1)
 
-        def padded(xs: list[torch.Tensor], dim: int) -> torch.Tensor:  # [n, ...] zero-padded along dim
-            shape = list(xs[0].shape)
-            shape[dim] = max(x.shape[dim] for x in xs)
-            out = xs[0].new_zeros([n, *shape])
-            for j, x in enumerate(xs):
-                out[j].narrow(dim, 0, x.shape[dim]).copy_(x)
-            return out
-
         if kind == "inject":
             taps = [c.args[0] for c in calls]
-            out = await self._rows(self.injector, ["ctx_k", "ctx_v"], taps=padded(taps, 0),
+            out = await self._rows(self.injector, ["ctx_k", "ctx_v"], taps=stack_padded(taps, 0),
                                    start=column([c.args[1] for c in calls], np.int32))
             return [(out["ctx_k"][j, :, :len(t)], out["ctx_v"][j, :, :len(t)]) for j, t in enumerate(taps)]
         seqs = column([c.args[0] for c in calls], np.uint64)
@@ -203,7 +183,7 @@ class TritonSteps:
             return [(e, out["taps"][j, :len(e)] if want else None) for j, e in enumerate(emitted)]
         ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
         out = await self._rows(self.drafter, ["drafts"], mode=column([0] * n, np.int32), seq_id=seqs,
-                               ctx_k=padded(ks, 1), ctx_v=padded(vs, 1),
+                               ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
                                ctx_len=column([k.shape[1] for k in ks], np.int32),
                                bonus=column([c.args[3] for c in calls], np.int32),
                                block_size=column([key[0]] * n, np.int32))

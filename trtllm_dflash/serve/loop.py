@@ -11,8 +11,7 @@ run it over the step engines in-process; a TensorRT-LLM backend only needs anoth
 step the shared ``runtime.adaptive`` policy picks how many drafts k this sequence verifies (k = 0: no draft call, the
 verify is a plain autoregressive step), and the step's draft / verify / other times are fed back to its cost model.
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
-projects all of them (``join_taps`` concatenates them where the client has it), so k = 0 steps cost no injection and
-the drafter always receives its whole context.
+projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ class StepClient(Protocol):
     async def verify(self, seq_id: int, block: list[int], want_taps: bool) -> tuple[list[int], torch.Tensor | None]: ...
 
     async def inject(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    # Optional: ``join_taps(chunks)`` -> the taps of consecutive token runs as one (default: torch.cat on dim 0).
 
     async def draft(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, bonus: int, block_size: int) -> list[int]: ...
 
@@ -137,7 +134,7 @@ async def run_generation(
             if adaptive and state.source == "ngram":
                 drafts = lookup[:n]
             elif want_taps and n > 0:
-                k, v = await steps.inject(_join(steps, pending), injected)
+                k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
                 pending, injected = [], committed
                 drafts = await steps.draft(seq_id, k, v, bonus, n + 1)
             else:
@@ -169,13 +166,6 @@ async def run_generation(
     if p.finish_reason != "cancelled":
         await report(True)
     return p.finish_reason or "length"
-
-
-def _join(steps: StepClient, chunks: list):
-    if len(chunks) == 1:
-        return chunks[0]
-    join = getattr(steps, "join_taps", None)
-    return join(chunks) if join is not None else torch.cat(chunks)
 
 
 class LocalSteps:

@@ -111,13 +111,16 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     return ServerCommand(argv, env)
 
 
+def read_manifest(repo: str | Path) -> dict:
+    """The repository's ``manifest.json`` (written by make-repo), or {} for a repository without one."""
+    manifest = Path(repo) / "manifest.json"
+    return json.loads(manifest.read_text()) if manifest.is_file() else {}
+
+
 def check_backend_available(repo: str | Path) -> None:
     """A repository rendered for a TensorRT-LLM backend needs tensorrt_llm (NVIDIA's containers): say so up front
     instead of letting Triton fail to load the models."""
-    import json
-
-    manifest = Path(repo) / "manifest.json"
-    backend = json.loads(manifest.read_text()).get("backend", "torch") if manifest.is_file() else "torch"
+    backend = read_manifest(repo).get("backend", "torch")
     if backend != "torch" and importlib.util.find_spec("tensorrt_llm") is None:
         raise ArtifactError(repo, f"was rendered for --backend {backend}, which needs TensorRT-LLM "
                             "(not installed here; it runs only inside NVIDIA's containers, see docker/)",
@@ -178,9 +181,7 @@ class TritonServer:
         model is loaded, so the step models' stubs, which the server's threads start, keep the default priority."""
         from trtllm_dflash.serve.lifecycle import yield_to_compute
 
-        manifest = self.repo / "manifest.json"
-        if manifest.is_file():
-            yield_to_compute(json.loads(manifest.read_text()).get("repo_config", {}).get("io_nice", 0), self.proc.pid)
+        yield_to_compute(read_manifest(self.repo).get("repo_config", {}).get("io_nice", 0), self.proc.pid)
 
     def python_models(self) -> list[str]:
         return sorted(p.parent.parent.name for p in self.repo.glob("*/1/model.py"))

@@ -45,23 +45,20 @@ def rows(pb_utils, request, name: str, default: Any = None) -> np.ndarray | None
     return default if t is None else t.as_numpy()
 
 
-def rows_torch(pb_utils, request, name: str, default: Any = None):
-    """Input ``name`` as a torch tensor with its batch dimension: a device tensor through DLPack without a copy, a
-    host tensor wrapped from its numpy view."""
+def as_torch(t, copy: bool = False):
+    """A pb_utils.Tensor as a torch tensor: a device tensor through DLPack without a copy, a host tensor from its
+    numpy view (``copy``: from a copy of it, for a response's outputs, whose buffer the stub may reuse)."""
     import torch
 
+    if not t.is_cpu():
+        return torch.from_dlpack(t.to_dlpack())
+    return torch.from_numpy(np.array(t.as_numpy()) if copy else t.as_numpy())
+
+
+def rows_torch(pb_utils, request, name: str, default: Any = None):
+    """Input ``name`` as a torch tensor with its batch dimension (``as_torch``)."""
     t = pb_utils.get_input_tensor_by_name(request, name)
-    if t is None:
-        return default
-    return torch.from_numpy(t.as_numpy()) if t.is_cpu() else torch.from_dlpack(t.to_dlpack())
-
-
-def get_torch(pb_utils, request, name: str, default: Any = None):
-    """Input ``name`` as a torch tensor without its batch dimension (see ``rows_torch``)."""
-    x = rows_torch(pb_utils, request, name)
-    if x is None:
-        return default
-    return x[0] if x.dim() >= 1 and x.shape[0] == 1 else x
+    return default if t is None else as_torch(t)
 
 
 def torch_output(pb_utils, name: str, x) -> Any:

@@ -303,6 +303,8 @@ def cmd_eval(args) -> None:
     _, target, tok, stops = load_target(args)
     drafters = [Path(d) for d in args.drafters] if args.drafters else sorted((Path(args.work) / "drafters").iterdir())
     refs = {d: greedy_reference(args, target, tok, stops, d) for d in args.datasets.split(",")}
+    lookup = {d: [prompt_lookup_taus(r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]), args.block_size)
+                  for r in rows] for d, rows in refs.items()}  # per output row; the same for every drafter
     for d in tqdm(drafters, desc="drafters"):
         method = "decode" if args.decode else "replay"
         sets = "" if args.datasets == "humaneval,mtbench" else f"-{args.datasets.replace(',', '+')}"
@@ -318,8 +320,7 @@ def cmd_eval(args) -> None:
             taus, pl, mismatched = [], [], []
             for i in range(0, len(rows), args.batch_size):
                 part = rows[i : i + args.batch_size]
-                pl += [t for r in part for t in prompt_lookup_taus(r["prompt_ids"] + r["token_ids"],
-                                                                   len(r["prompt_ids"]), args.block_size)]
+                pl += [t for row_taus in lookup[ds][i : i + args.batch_size] for t in row_taus]
                 if dec is None:  # the decoder's walk replayed on the known greedy output (train.audit.replay_taus)
                     for r in part:
                         taus += replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]))

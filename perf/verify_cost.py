@@ -24,17 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from trtllm_dflash.runtime.adaptive import timed  # noqa: E402  (after the path insert)
+
 
 def gemm_rate(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
     """FLOP/s of one [m, k] x [k, n] matmul, the shape of a verify's MLP projection."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     a @ b
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * m * k * n / min(times)
+    return 2 * m * k * n / min(timed(lambda: a @ b) for _ in range(repeats))
 
 
 def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
@@ -42,14 +39,8 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    best = min(timed(lambda: dst.copy_(src)) for _ in range(repeats))
     return src.numel() * 4 / best
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 @torch.inference_mode()

@@ -181,8 +181,8 @@ def cmd_text(args) -> None:
 
 # ---------------------------------------------------------------- train
 
-RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--lr", "0.001", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0", "--loss-vocab", "data",
-          "--loss-negatives", "8192", "--init", "target", "--autocast", "bf16"]
+RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0", "--loss-vocab", "data",
+          "--loss-negatives", "8192", "--autocast", "bf16"]
 
 
 def prefix_shards(src: Path, tokens: int) -> tuple[list[Path], int, float]:
@@ -203,6 +203,23 @@ def prefix_shards(src: Path, tokens: int) -> tuple[list[Path], int, float]:
     return paths, tot, cpu
 
 
+def cmd_taps(args) -> None:
+    """The taps of the first ``--size`` response tokens ahead of ``train``, one process per core (shard i with
+    i ≡ --worker mod --workers): ``train`` then finds them cached. CPU seconds go to taps-cost-w<i>.json."""
+    import torch
+
+    from trtllm_dflash.train.regen import tap_shards
+
+    work = Path(args.work)
+    paths, _, _ = prefix_shards(work / args.source, args.size)
+    tapper = load_target(args, getattr(torch, args.taps_dtype))[1]
+    c0 = cpu_seconds()
+    mine = paths[args.worker :: args.workers]
+    tap_shards(tapper, mine, work / f"{args.source}-taps-{args.taps_dtype}", tuple(args.tap_layers), batch_size=16)
+    write_json(work / f"{args.source}-taps-{args.taps_dtype}" / f"taps-cost-w{args.worker}.json",
+               {"shards": [p.name for p in mine], "cpu_s": round(cpu_seconds() - c0, 1), "threads": args.threads})
+
+
 def cmd_train(args) -> None:
     """One drafter on the first ``--size`` response tokens of a source, for ``--epochs`` passes; every checkpoint's
     export is kept as its own drafter, with the distinct response tokens its training had seen by then."""
@@ -220,13 +237,15 @@ def cmd_train(args) -> None:
 
     work = Path(args.work)
     name = f"{args.source}-{args.labels}-{args.size}" if args.source == "text" else f"{args.source}-{args.size}"
+    if args.init != "target":  # continued training (a drafter directory) or the random-init ablation
+        name += "-from-" + Path(args.init).name
     target_dir, target, _, _ = load_target(args)
     paths, tokens, data_cpu = prefix_shards(work / args.source, args.size)
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = TrainConfig.from_args(p.parse_args([
         "--target", str(target_dir), "--out", str(work / "train" / name / "export"),
-        "--work-dir", str(work / "train" / name), *RECIPE, "--epochs", str(args.epochs),
+        "--work-dir", str(work / "train" / name), *RECIPE, "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
         "--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.tap_layers),
         "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
         "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",
@@ -259,7 +278,7 @@ def cmd_train(args) -> None:
             "data_cpu_s": round(data_cpu, 1), "taps_cpu_s": round(taps_cpu, 1),
             "train_cpu_s": round(cpu_seconds() - c0, 1), "train_wall_s": round(time.monotonic() - w0, 1),
             "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
-            "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype,
+            "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype, "init": args.init,
         })
 
     torch.manual_seed(cfg.seed)
@@ -485,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokens", type=int, default=400_000)
     q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="forward dtype for the top-k (default bfloat16, as regen)")
+    q = sub.add_parser("taps", help="tap the first --size tokens' shards ahead of train, split over processes")
+    q.add_argument("--source", choices=["regen", "text"], default="regen")
+    q.add_argument("--size", type=int, required=True)
+    q.add_argument("--taps-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27])
+    q.add_argument("--worker", type=int, default=0)
+    q.add_argument("--workers", type=int, default=1)
     q = sub.add_parser("train", help="train one drafter on the first --size response tokens of a source")
     q.add_argument("--source", choices=["regen", "text"], default="regen")
     q.add_argument("--labels", choices=["target", "text"], default="target",
@@ -498,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "default bfloat16, ~2x faster on this CPU)")
     q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
                    help="target layers tapped (default 1 14 27, the shipped drafter's)")
+    q.add_argument("--init", default="target",
+                   help="'target' (default), 'random', or a drafter directory to continue training (e.g. the shipped one)")
+    q.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3, the shipped recipe's)")
     q.add_argument("--samples-per-step", type=int, default=4)
     q.add_argument("--anchors-per-sample", type=int, default=16)
     q = sub.add_parser("eval", help="τ of every trained drafter (or --drafters) on the evaluation prompts")
@@ -520,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    {"regen": cmd_regen, "text": cmd_text, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
+    {"regen": cmd_regen, "text": cmd_text, "taps": cmd_taps, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
     return 0
 
 

@@ -48,6 +48,10 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
                               "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
     assert again["shards"] == out["shards"] and again["cpu_s"] == out["cpu_s"]
 
+    for w in ("0", "1"):  # taps ahead of training, one process per core
+        _curve(work, tiny_smol, "taps", "--size", "60", "--tap-layers", "1", "3", "--workers", "2", "--worker", w)
+    tapped = {p.name for p in (work / "regen-taps-bfloat16").glob("shard-*.safetensors")}
+    assert tapped == {s.replace("regen-", "shard-") for s in cost["shards"]}  # every shard once, between the two
     _curve(work, tiny_smol, "train", "--size", "40", "--epochs", "2", "--ckpt-every", "2", "--samples-per-step", "2",
            "--num-layers", "1", "--tap-layers", "1", "3")
     kept = sorted((work / "drafters").iterdir())
@@ -73,3 +77,10 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     doc = json.loads((tmp_path / "rep" / "curve.json").read_text())
     assert doc["points"][0]["humaneval"]["tau"] >= 1.0
     assert (tmp_path / "rep" / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # continued training from a kept drafter gets its own name and records where it started
+    _curve(work, tiny_smol, "train", "--size", "40", "--epochs", "1", "--ckpt-every", "100", "--samples-per-step", "2",
+           "--num-layers", "1", "--tap-layers", "1", "3", "--init", last, "--lr", "1e-4")
+    warm = [d for d in (work / "drafters").iterdir() if "-from-" in d.name]
+    assert len(warm) == 1 and warm[0].name.startswith(f"regen-40-from-{Path(last).name}@")
+    assert json.loads((warm[0] / "curve_point.json").read_text())["init"] == last

@@ -5,6 +5,7 @@ differs between training and inference would leave τ near 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -101,6 +102,27 @@ def test_existing_checkpoint_needs_resume(trained):
         train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=False)
     # Resuming a finished run trains nothing more and leaves the export in place.
     train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=True)
+
+
+def test_warm_start_continues_from_an_exported_drafter(trained, tmp_path):
+    """--init <drafter dir>: training continues from the export's weights (the tap standardisation folded into fc at
+    export is undone), so zero further steps re-export the same drafter; another architecture is refused by name."""
+    from trtllm_dflash.models.weights import read_state_dict
+
+    cfg, tdir, target, spec, shard = trained
+    warm = dataclasses.replace(cfg, init=cfg.out, out=str(tmp_path / "again"), work_dir=str(tmp_path / "w"), steps=0)
+    Path(warm.work_dir).mkdir()
+    train(warm, Path(warm.work_dir), target, spec, [shard], resume=False)
+    before, after = read_state_dict(cfg.out), read_state_dict(warm.out)
+    assert before.keys() == after.keys()
+    for k in before:
+        torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=0, msg=k)
+    doc = json.loads((Path(warm.out) / "training_log.json").read_text())
+    assert doc["held_out"][-1]["expected_tau"] >= 3.5  # the trained drafter's, not a fresh one's
+    other = drafter_spec_for(target.spec, num_layers=1, block_size=BLOCK, mask_token_id=0)
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        train(dataclasses.replace(warm, num_layers=1, work_dir=str(tmp_path / "w1")), tmp_path / "w1", target,
+              other, [shard], resume=False)
 
 
 def test_retap_reproduces_the_decoding_pass_taps(tmp_path, one_thread):

@@ -73,8 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autocast", choices=("none", "bf16"), default="none",
                    help="run the objective under bf16 autocast (weights and AdamW stay fp32; perf/bench_trainer.py "
                         "measures speed and the loss/gradient against fp32; default none)")
-    p.add_argument("--init", choices=("target", "random"), default="target",
-                   help="drafter initialisation: the target's early layers (train/init.py; default) or random")
+    p.add_argument("--init", default="target",
+                   help="drafter initialisation: 'target' (the target's early layers, train/init.py; default), "
+                        "'random', or an exported drafter directory to continue training (same architecture and taps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1,

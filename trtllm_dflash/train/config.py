@@ -43,7 +43,7 @@ class TrainConfig:
     gamma: float
     loss_vocab: str  # "full" | "data" (softmax over the tokens present in the training sequences + negatives)
     loss_negatives: int  # with loss_vocab "data": random absent tokens added to the softmax each step
-    init: str  # "target" (layers copied from the target, train/init.py) | "random"
+    init: str  # "target" (layers copied from the target, train/init.py) | "random" | an exported drafter directory
     seed: int
     device: str
     threads: int
@@ -83,7 +83,9 @@ class TrainConfig:
         require(0 <= self.warmup < 1, "warmup", self.warmup, "must be in [0, 1)")
         require(self.gamma > 0 and math.isfinite(self.gamma), "gamma", self.gamma, "must be a positive number")
         require(self.loss_vocab in ("full", "data"), "loss_vocab", self.loss_vocab, "must be 'full' or 'data'")
-        require(self.init in ("target", "random"), "init", self.init, "must be 'target' or 'random'")
+        require(self.init in ("target", "random") or (Path(self.init) / "model.safetensors").is_file(), "init",
+                self.init, "must be 'target', 'random' or a drafter directory holding model.safetensors",
+                "pass --init target, or the directory of an exported drafter to continue training it")
         require(0.0 <= self.distill <= 1.0, "distill", self.distill, "must be in [0, 1]")
         require(self.distill == 0 or self.loss_vocab == "full", "distill", self.distill,
                 "needs the full-vocabulary loss", "pass --loss-vocab full or --distill 0")

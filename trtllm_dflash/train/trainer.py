@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from trtllm_dflash.checkpoints import random_drafter_state, write_drafter
-from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.specs import DrafterSpec
 from trtllm_dflash.train.config import TrainConfig
@@ -86,6 +87,20 @@ def exported_state(drafter: DrafterModel, tap_scale: torch.Tensor) -> dict[str, 
     """The drafter's weights for raw taps: the training-time tap standardisation folded into ``fc``."""
     state = {k: v.detach().cpu().clone() for k, v in drafter.state_dict().items()}
     state["fc.weight"] = state["fc.weight"] * tap_scale.cpu()[None, :]
+    return state
+
+
+def warm_start_state(drafter_dir: Path, spec: DrafterSpec, tap_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An exported drafter's weights as this run's starting point (continued training): the inverse of
+    ``exported_state`` under this run's tap standardiser. The drafter must be the architecture being trained."""
+    have = DrafterSpec.load(drafter_dir)
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "block_size", "mask_token_id", "target_layer_ids"):
+        require(getattr(have, field) == getattr(spec, field), f"init ({drafter_dir}).{field}", getattr(have, field),
+                f"differs from the drafter being trained ({getattr(spec, field)})",
+                "train with the same --num-layers/--block-size/--target-layer-ids/--mask-token-id, or --init target")
+    state = {k: v.float().clone() for k, v in read_state_dict(drafter_dir).items()}
+    state["fc.weight"] = state["fc.weight"] / tap_scale.cpu()[None, :]
     return state
 
 
@@ -193,6 +208,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         init = random_drafter_state(spec, cfg.seed)
         if cfg.init == "target":
             init = init_from_target(init, target, spec, tap_scale, train_set[0].ids[:512].to(cfg.device))
+        elif cfg.init != "random":
+            init = warm_start_state(Path(cfg.init), spec, tap_scale)
         drafter.load_state_dict(init)
     drafter.train()
     log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)

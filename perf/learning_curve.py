@@ -81,21 +81,52 @@ def load_target(args, dtype=None):
 
 # ---------------------------------------------------------------- regen
 
+def regen_prompts(args, tok) -> tuple[list[dict], list[list[int]]]:
+    """The pool rows ``regen`` decodes, in its order, and their chat-templated ids (rows too long dropped)."""
+    from trtllm_dflash.runtime.text import encode_prompt
+
+    rows = pool_prompts(Path(args.pool), args.num_prompts, args.code_fraction, args.seed)
+    kept = [(r, e) for r in rows for e in [encode_prompt(tok, r["prompt"], True)] if len(e) <= args.max_prompt_len]
+    return [r for r, _ in kept], [e for _, e in kept]
+
+
+def cmd_prompts(args) -> None:
+    """The pool prompts behind the first ``--size`` tokens of regenerated shards, as the JSONL a drafter ships with
+    (``training_prompts.jsonl``, which the overlap test reads); each row is checked against the ids in its shard."""
+    from trtllm_dflash.runtime.text import load_tokenizer
+    from trtllm_dflash.train.regen import plan_chunks, read_regen_shard
+
+    work = Path(args.work) / "regen"
+    tok = load_tokenizer(args.target or load_target(args)[0])
+    rows, encoded = regen_prompts(args, tok)
+    chunks = plan_chunks([len(e) for e in encoded], read_json(work / "meta.json")["gen_batch_size"], args.seed)
+    paths, _, _ = prefix_shards(work, args.size)
+    out = []
+    for path in paths:
+        chunk = chunks[int(path.stem.split("-")[1])]
+        got = [r.ids[: r.prompt_len].tolist() for r in read_regen_shard(path)]
+        if got != [encoded[i] for i in chunk]:
+            raise SystemExit(f"{path}: its prompts are not the pool's under these settings (--pool/--num-prompts/"
+                             "--code-fraction/--max-prompt-len/--seed must be regen's)")
+        out += [{"id": rows[i]["id"], "prompt": rows[i]["prompt"], "chat": True} for i in chunk]
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in out))
+    os.replace(tmp, args.out)
+    print(json.dumps({"shards": len(paths), "prompts": len(out), "out": args.out}))
+
+
 def cmd_regen(args) -> None:
     """Regenerate shard after shard (``train.regen``'s chunking and shard layout); ``--worker i --workers n`` makes
     the shards with index ≡ i (mod n), so one process per core fills the same folder without overlap."""
     import torch
     from tqdm import tqdm
 
-    from trtllm_dflash.runtime.text import encode_prompt
     from trtllm_dflash.train.regen import plan_chunks, regenerate, write_regen_shard
 
     work = Path(args.work) / "regen"
     work.mkdir(parents=True, exist_ok=True)
     _, target, tok, stops = load_target(args, getattr(torch, args.dtype))
-    rows = pool_prompts(Path(args.pool), args.num_prompts, args.code_fraction, args.seed)
-    encoded = [encode_prompt(tok, r["prompt"], True) for r in rows]
-    encoded = [e for e in encoded if len(e) <= args.max_prompt_len]
+    rows, encoded = regen_prompts(args, tok)
     meta = {"pool": str(args.pool), "num_prompts": len(encoded), "code_fraction": args.code_fraction,
             "max_new_tokens": args.max_new_tokens, "gen_batch_size": args.gen_batch_size, "seed": args.seed,
             "dtype": args.dtype, "top_k": 8}
@@ -504,6 +535,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokens", type=int, default=400_000)
     q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="forward dtype for the top-k (default bfloat16, as regen)")
+    q = sub.add_parser("prompts", help="the pool prompts behind the first --size regenerated tokens, as JSONL")
+    q.add_argument("--size", type=int, required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--pool", default="artifacts/pool/pool.jsonl")
+    q.add_argument("--num-prompts", type=int, default=8192)
+    q.add_argument("--code-fraction", type=float, default=0.5)
+    q.add_argument("--max-prompt-len", type=int, default=256)
     q = sub.add_parser("taps", help="tap the first --size tokens' shards ahead of train, split over processes")
     q.add_argument("--source", choices=["regen", "text"], default="regen")
     q.add_argument("--size", type=int, required=True)
@@ -549,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    {"regen": cmd_regen, "text": cmd_text, "taps": cmd_taps, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
+    {"regen": cmd_regen, "text": cmd_text, "prompts": cmd_prompts, "taps": cmd_taps, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
     return 0
 
 

@@ -48,6 +48,11 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
                               "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
     assert again["shards"] == out["shards"] and again["cpu_s"] == out["cpu_s"]
 
+    got = json.loads(_curve(work, tiny_smol, "prompts", "--pool", str(pool), "--num-prompts", "12", "--size", "60",
+                            "--out", str(tmp_path / "used.jsonl")).splitlines()[-1])  # checked against the shards
+    used = [json.loads(line) for line in (tmp_path / "used.jsonl").read_text().splitlines()]
+    assert len(used) == got["prompts"] == sum(s["sequences"] for s in cost["shards"].values())
+    assert {r["id"] for r in used} <= {r["id"] for r in rows}
     for w in ("0", "1"):  # taps ahead of training, one process per core
         _curve(work, tiny_smol, "taps", "--size", "60", "--tap-layers", "1", "3", "--workers", "2", "--worker", w)
     tapped = {p.name for p in (work / "regen-taps-bfloat16").glob("shard-*.safetensors")}

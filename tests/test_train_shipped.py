@@ -13,7 +13,7 @@ from trtllm_dflash.specs import DrafterSpec
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER / "model.safetensors").is_file(), reason="no shipped drafter")
 
-TAU_FLOOR = 1.25  # B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 1.350 (step-800 drafter, 768 prompts)
+TAU_FLOOR = 1.40  # B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 1.528 (session-8 drafter; step-800 one: 1.350)
 
 
 def test_shipped_drafter_files_and_config():

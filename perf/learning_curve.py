@@ -246,8 +246,8 @@ def cmd_taps(args) -> None:
     tapper = load_target(args, getattr(torch, args.taps_dtype))[1]
     c0 = cpu_seconds()
     mine = paths[args.worker :: args.workers]
-    tap_shards(tapper, mine, work / f"{args.source}-taps-{args.taps_dtype}", tuple(args.tap_layers), batch_size=16)
-    write_json(work / f"{args.source}-taps-{args.taps_dtype}" / f"taps-cost-w{args.worker}.json",
+    tap_shards(tapper, mine, taps_dir(args), tuple(args.tap_layers), batch_size=16)
+    write_json(taps_dir(args) / f"taps-cost-w{args.worker}.json",
                {"shards": [p.name for p in mine], "cpu_s": round(cpu_seconds() - c0, 1), "threads": args.threads})
 
 
@@ -284,7 +284,7 @@ def cmd_train(args) -> None:
     spec = drafter_spec(cfg, target.spec)
     c0 = cpu_seconds()
     tapper = target if args.taps_dtype == "float32" else load_target(args, getattr(torch, args.taps_dtype))[1]
-    shards = tap_shards(tapper, paths, work / f"{args.source}-taps-{args.taps_dtype}", spec.target_layer_ids,
+    shards = tap_shards(tapper, paths, taps_dir(args), spec.target_layer_ids,
                         batch_size=16)
     del tapper
     taps_cpu = cpu_seconds() - c0
@@ -506,6 +506,29 @@ def cmd_report(args) -> None:
 
 # ---------------------------------------------------------------- command line
 
+def add_pool_args(q: argparse.ArgumentParser) -> None:
+    """Which pool prompts ``regen`` decodes (``prompts`` must be given the same to find them again)."""
+    q.add_argument("--pool", default="artifacts/pool/pool.jsonl")
+    q.add_argument("--num-prompts", type=int, default=8192, help="pool sample size (the order of the shards)")
+    q.add_argument("--code-fraction", type=float, default=0.5)
+    q.add_argument("--max-prompt-len", type=int, default=256)
+
+
+def add_data_args(q: argparse.ArgumentParser) -> None:
+    """The shards a run trains on and how they are tapped (``taps`` and ``train`` must agree)."""
+    q.add_argument("--source", choices=["regen", "text"], default="regen")
+    q.add_argument("--size", type=int, required=True, help="response tokens (whole shards, at least this many)")
+    q.add_argument("--taps-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="dtype of the teacher-forced forward that makes the taps (stored as bf16 either way; "
+                        "default bfloat16, ~2x faster on this CPU)")
+    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
+                   help="target layers tapped (default 1 14 27, the shipped drafter's)")
+
+
+def taps_dir(args) -> Path:
+    return Path(args.work) / f"{args.source}-taps-{args.taps_dtype}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="artifacts/curve", help="state folder (default artifacts/curve)")
@@ -514,10 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("regen", help="regenerate responses from the pool until --tokens or --minutes")
-    q.add_argument("--pool", default="artifacts/pool/pool.jsonl")
-    q.add_argument("--num-prompts", type=int, default=8192, help="pool sample size (the order of the shards)")
-    q.add_argument("--code-fraction", type=float, default=0.5)
-    q.add_argument("--max-prompt-len", type=int, default=256)
+    add_pool_args(q)
     q.add_argument("--max-new-tokens", type=int, default=256)
     q.add_argument("--gen-batch-size", type=int, default=32)
     q.add_argument("--tokens", type=int, default=400_000, help="stop after this many response tokens")
@@ -538,30 +558,18 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("prompts", help="the pool prompts behind the first --size regenerated tokens, as JSONL")
     q.add_argument("--size", type=int, required=True)
     q.add_argument("--out", required=True)
-    q.add_argument("--pool", default="artifacts/pool/pool.jsonl")
-    q.add_argument("--num-prompts", type=int, default=8192)
-    q.add_argument("--code-fraction", type=float, default=0.5)
-    q.add_argument("--max-prompt-len", type=int, default=256)
+    add_pool_args(q)
     q = sub.add_parser("taps", help="tap the first --size tokens' shards ahead of train, split over processes")
-    q.add_argument("--source", choices=["regen", "text"], default="regen")
-    q.add_argument("--size", type=int, required=True)
-    q.add_argument("--taps-dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27])
+    add_data_args(q)
     q.add_argument("--worker", type=int, default=0)
     q.add_argument("--workers", type=int, default=1)
     q = sub.add_parser("train", help="train one drafter on the first --size response tokens of a source")
-    q.add_argument("--source", choices=["regen", "text"], default="regen")
+    add_data_args(q)
     q.add_argument("--labels", choices=["target", "text"], default="target",
                    help="text source: the target's greedy predictions (default) or the real text as labels")
-    q.add_argument("--size", type=int, required=True, help="response tokens (whole shards, at least this many)")
     q.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1: each token once)")
     q.add_argument("--ckpt-every", type=int, default=100, help="steps between kept checkpoints (curve points)")
     q.add_argument("--num-layers", type=int, default=3, help="drafter layers (default 3, the shipped drafter's)")
-    q.add_argument("--taps-dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="dtype of the teacher-forced forward that makes the taps (stored as bf16 either way; "
-                        "default bfloat16, ~2x faster on this CPU)")
-    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
-                   help="target layers tapped (default 1 14 27, the shipped drafter's)")
     q.add_argument("--init", default="target",
                    help="'target' (default), 'random', or a drafter directory to continue training (e.g. the shipped one)")
     q.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3, the shipped recipe's)")

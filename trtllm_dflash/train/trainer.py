@@ -117,13 +117,18 @@ def export(cfg: TrainConfig, spec: DrafterSpec, target: TargetModel, drafter: Dr
         "torch": torch.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
     }
-    (out / "training_config.json").write_text(json.dumps(training_config, indent=2) + "\n")
-    (out / "training_log.json").write_text(json.dumps(log_doc, indent=1) + "\n")
+    (out / "training_config.json").write_text(_portable(json.dumps(training_config, indent=2)) + "\n")
+    (out / "training_log.json").write_text(_portable(json.dumps(log_doc, indent=1)) + "\n")
     if (work / "prompts.jsonl").is_file():
         shutil.copyfile(work / "prompts.jsonl", out / "training_prompts.jsonl")
     out.chmod(0o755)  # write_drafter's atomic temp dir is private (mkdtemp); the export is meant to be shared
     for f in out.iterdir():
         f.chmod(0o644)
+
+
+def _portable(text: str) -> str:
+    """Provenance without this machine's home directory (the default target lives under ~/.cache)."""
+    return text.replace(str(Path.home()) + "/", "~/")
 
 
 def _cli_flags(cfg: TrainConfig) -> list[str]:

@@ -109,6 +109,18 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     for k, v in d_home.state_dict().items():
         torch.testing.assert_close(d_merged.state_dict()[k], v, rtol=1e-2, atol=1e-3)
 
+    # a later run may continue an exported drafter (the shipped one travels with the tracked files): --init is checked
+    # before anything is received, and the job warm-starts from it
+    assert gp.main(["start", "--carry", str(last), "--home", str(tmp_path / "home-bad"),
+                    "--init", str(tmp_path / "no-such-drafter")]) == 2
+    assert not (tmp_path / "home-bad").exists()
+    r = _script("start", "--carry", carry, "--home", tmp_path / "home3", *RUN, "--steps", "2", "--eval-limit", "0",
+                "--taps", "cached", "--init", merged, "--wait", "240", "--out", tmp_path / "out3")
+    assert r.returncode == 0, r.stderr
+    status3 = json.loads((tmp_path / "out3" / "status.json").read_text())
+    assert status3["phase"] == "done", status3.get("job_log_tail")
+    assert f"warm start from the drafter in {merged.resolve()}" in status3["job_log_tail"]
+
     # a fresh machine next time: every part again + the returned checkpoint; training continues at step 6 (taps now
     # computed online by the target at each step, the default)
     home2 = tmp_path / "home2"

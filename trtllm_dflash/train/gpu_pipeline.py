@@ -48,7 +48,8 @@ OUT_MAX_FILES, OUT_MAX_BYTES = 8, 16 * MiB
 STATE_PREFIX = "drafter-fp32"
 RUN_FLAGS = ("num_prompts", "max_new_tokens", "max_prompt_len", "gen_batch_size", "top_k", "steps", "samples_per_step",
              "anchors_per_sample", "num_layers", "block_size", "lr", "seed", "train_seconds", "eval_limit",
-             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill", "taps")
+             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill", "taps",
+             "init")
 
 
 def sha256(path: Path) -> str:
@@ -284,7 +285,20 @@ def _resume_missing(d: Path) -> list[str]:
     return [w for w in want if not (d / w).is_file()]
 
 
+def resolve_init(init: str) -> str:
+    """``--init``: 'target', 'random', or a drafter directory (e.g. the shipped one, which travels with the repository's
+    tracked files) made absolute here, since the background job may run from another directory."""
+    if init in ("target", "random"):
+        return init
+    d = Path(init).resolve()
+    if not ((d / "config.json").is_file() and (d / "model.safetensors").is_file()):
+        raise ConfigError("--init", init, "is not a drafter directory (config.json + model.safetensors)",
+                          "pass 'target', 'random' or e.g. trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash")
+    return str(d)
+
+
 def start(carry: Path, home: Path, run_args: dict, resume_from: Path | None) -> dict:
+    run_args = run_args | {"init": resolve_init(run_args.get("init", "target"))}
     state = recv(carry, home)
     if resume_from is not None:
         state["resume_missing"] = stash_resume(resume_from, home)
@@ -512,7 +526,7 @@ def _train_config(home: Path, a: dict):
              str(a["ckpt_every"]), "--max-new-tokens", str(a["max_new_tokens"]), "--max-prompt-len",
              str(a["max_prompt_len"]), "--gen-batch-size", str(a["gen_batch_size"]), "--data",
              str(home / "prompts.jsonl.gz"), "--threads", str(os.cpu_count() or 1), "--log-every", "20",
-             "--autocast", a["autocast"], "--distill", str(a["distill"])]
+             "--autocast", a["autocast"], "--distill", str(a["distill"]), "--init", a.get("init", "target")]
     return TrainConfig.from_args(p.parse_args(flags))
 
 
@@ -576,7 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
-                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online")
+                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online",
+                    init="target")
     for k, v in defaults.items():
         q.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
                        choices=("online", "cached") if k == "taps" else None)

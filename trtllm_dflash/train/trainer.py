@@ -215,6 +215,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
             init = init_from_target(init, target, spec, tap_scale, train_set[0].ids[:512].to(cfg.device))
         elif cfg.init != "random":
             init = warm_start_state(Path(cfg.init), spec, tap_scale)
+            log.info("warm start from the drafter in %s", cfg.init)
         drafter.load_state_dict(init)
     drafter.train()
     log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)

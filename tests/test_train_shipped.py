@@ -13,7 +13,9 @@ from trtllm_dflash.specs import DrafterSpec
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER / "model.safetensors").is_file(), reason="no shipped drafter")
 
-TAU_FLOOR = 1.40  # B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 1.528 (session-8 drafter; step-800 one: 1.350)
+# B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 1.647 (session-9 drafter; session-8: 1.528;
+# step-800: 1.350)
+TAU_FLOOR = 1.50
 
 
 def test_shipped_drafter_files_and_config():

@@ -121,6 +121,7 @@ def cmd_regen(args) -> None:
     import torch
     from tqdm import tqdm
 
+    from trtllm_dflash.train.data import write_shard
     from trtllm_dflash.train.regen import plan_chunks, regenerate, write_regen_shard
 
     work = Path(args.work) / "regen"
@@ -148,11 +149,17 @@ def cmd_regen(args) -> None:
         if c % args.workers != args.worker or (work / name).is_file():
             continue
         c0, w0 = cpu_seconds(), time.monotonic()
-        samples = regenerate(target, [encoded[i] for i in chunk], args.max_new_tokens, stops, 8)
+        samples = regenerate(target, [encoded[i] for i in chunk], args.max_new_tokens, stops, 8,
+                             tap_layers=tuple(args.tap_layers) if args.taps else ())
+        if args.taps:  # the training shard first: a shard whose regen file exists is never tapped again here
+            tdir = Path(args.work) / f"regen-taps-{args.dtype}"
+            tdir.mkdir(exist_ok=True)
+            write_shard(tdir / name.replace("regen-", "shard-"), [s.as_sample() for s in samples])
         write_regen_shard(work / name, samples)
         cost["shards"][name] = {
             "cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
             "response_tokens": sum(len(s.ids) - s.prompt_len for s in samples), "sequences": len(samples),
+            **({"taps": list(args.tap_layers)} if args.taps else {}),
         }
         write_json(cost_path, cost)
     bar.close()
@@ -543,8 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tokens", type=int, default=400_000, help="stop after this many response tokens")
     q.add_argument("--minutes", type=float, default=60.0, help="or after this long")
     q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="regeneration dtype (default bfloat16: ~2x float32 on a CPU with bf16 units; the taps for "
-                        "training still come from a float32 forward)")
+                   help="regeneration dtype (default bfloat16: ~2x float32 on a CPU with bf16 units)")
+    q.add_argument("--taps", action="store_true",
+                   help="also keep the taps the decode computes and write each chunk's training shard to "
+                        "regen-taps-<dtype>/ (what `taps --taps-dtype <dtype>` would make): no second forward "
+                        "over the data, which on a CPU costs as much as the decode")
+    q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
+                   help="with --taps: target layers tapped (default 1 14 27; train's --tap-layers must match)")
     q.add_argument("--worker", type=int, default=0, help="this process makes shards i with i %% --workers == --worker")
     q.add_argument("--workers", type=int, default=1)
     q = sub.add_parser("text", help="teacher-forced real code from installed sources until --tokens")

@@ -89,3 +89,27 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     warm = [d for d in (work / "drafters").iterdir() if "-from-" in d.name]
     assert len(warm) == 1 and warm[0].name.startswith(f"regen-40-from-{Path(last).name}@")
     assert json.loads((warm[0] / "curve_point.json").read_text())["init"] == last
+
+
+def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path):
+    from trtllm_dflash.train.data import read_shard
+    from trtllm_dflash.train.regen import read_regen_shard
+
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"chat/x/p{i}", "prompt": f"Say {i} twice.", "chat": True}) + "\n"
+                            for i in range(6)))
+    work = tmp_path / "work"
+    _curve(work, tiny_smol, "regen", "--pool", str(pool), "--num-prompts", "6", "--tokens", "30", "--max-new-tokens",
+           "8", "--gen-batch-size", "3", "--dtype", "float32", "--taps", "--tap-layers", "1", "3")
+    cost = json.loads((work / "regen" / "cost-w0.json").read_text())
+    assert cost["shards"] and all(s["taps"] == [1, 3] for s in cost["shards"].values())
+    tdir = work / "regen-taps-float32"
+    made = {p.name: p.read_bytes() for p in tdir.glob("shard-*.safetensors")}
+    assert set(made) == {s.replace("regen-", "shard-") for s in cost["shards"]}
+    for name in cost["shards"]:
+        regen, train = read_regen_shard(work / "regen" / name), read_shard(tdir / name.replace("regen-", "shard-"))
+        assert [r.ids.tolist() for r in regen] == [s.ids.tolist() for s in train]
+        assert all(s.taps.shape == (len(s.ids), 2 * 64) and not s.taps[-1].any() for s in train)
+    tokens = sum(s["response_tokens"] for s in cost["shards"].values())
+    _curve(work, tiny_smol, "taps", "--size", str(tokens), "--taps-dtype", "float32", "--tap-layers", "1", "3")
+    assert {p.name: p.read_bytes() for p in tdir.glob("shard-*.safetensors")} == made  # found, not redone

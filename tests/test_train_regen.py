@@ -86,3 +86,31 @@ def test_online_taps_equal_the_cached_ones(tmp_path, one_thread):
     for a, b in zip(cached, online):
         assert a.ids.tolist() == b.ids.tolist() and torch.equal(a.topk_ids, b.topk_ids)
         torch.testing.assert_close(a.taps.float(), b.taps.float())
+
+
+def test_decode_time_taps_equal_the_teacher_forced_ones(tmp_path, one_thread):
+    """``regenerate(tap_layers=...)`` keeps the taps its prefill and decode steps computed: the training shard it
+    makes is the one ``tap_shards`` would make from its regen shard (same ids, top-k, taps), including rows that
+    finished early and rows that were dropped from the stepped batch (compact)."""
+    from trtllm_dflash.train.regen import write_regen_shard
+    from trtllm_dflash.train.data import write_shard
+
+    tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    layers = drafter.spec.target_layer_ids
+    prompts = _prompts(6, seed=3)
+    plain = regenerate(target, prompts, 12, (7,), top_k=4)
+    early = (int(plain[0].ids[plain[0].prompt_len + 2]),)  # row 0 stops after 3 tokens, others later or never
+    for compact in (0.0, 1.0):
+        got = regenerate(target, prompts, 12, early, top_k=4, check_every=2, compact=compact, tap_layers=layers)
+        assert len({len(g.ids) - g.prompt_len for g in got}) > 1, "some rows must finish early for this check"
+        write_regen_shard(tmp_path / "regen-00000.safetensors", got)
+        ref = read_shard(tap_shards(target, [tmp_path / "regen-00000.safetensors"], tmp_path / f"t{compact}",
+                                    layers, batch_size=4)[0])
+        write_shard(tmp_path / "fused.safetensors", [g.as_sample() for g in got])
+        for g, f, r in zip(got, read_shard(tmp_path / "fused.safetensors"), ref):
+            assert f.ids.tolist() == r.ids.tolist() and torch.equal(f.topk_ids, r.topk_ids)
+            assert f.taps.shape == r.taps.shape == (len(g.ids), len(layers) * target.spec.hidden_size)
+            assert not f.taps[-1].any()
+            torch.testing.assert_close(f.taps.float(), r.taps.float(), rtol=1e-2, atol=1e-2)
+    assert regenerate(target, prompts[:2], 4, (), top_k=2)[0].taps is None  # no tap_layers: nothing kept

@@ -4,6 +4,8 @@ resumable, deterministic on-disk dataset of token ids plus the target's own top-
 Unlike ``data.generate_with_taps`` (which keeps every tap of every token in memory: 3.5 KB per token for SmolLM2's
 three taps, 17 GB for 5M tokens), this keeps only ids and top-k logits; taps come afterwards from one teacher-forced
 forward per chunk (``tap_shards``), which is cheap on a GPU and yields the training shards ``data.read_shard`` reads.
+Where that second forward is not cheap (a CPU, where it costs as much as the decode), ``regenerate(tap_layers=...)``
+keeps the taps the decode computes anyway, one chunk at a time, for the caller to write as the training shard.
 
 Layout of ``out_dir`` (one chunk of prompts per shard; a shard is written atomically, so a killed run resumes at the
 first missing one; chunk membership depends only on the prompts and the seed, so a rerun is bit-identical on the same
@@ -38,14 +40,21 @@ class Regenerated:
     prompt_len: int
     topk_ids: torch.Tensor  # [S, k] int32
     topk_logits: torch.Tensor  # [S, k] bf16
+    taps: torch.Tensor | None = None  # [S, K·H] bf16, row j the taps of ids[j], last row zero (``data`` layout)
+
+    def as_sample(self) -> Sample:
+        return Sample(self.ids, self.taps, self.prompt_len, self.topk_ids, self.topk_logits)
 
 
 @torch.inference_mode()
 def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...],
-               top_k: int = 8, check_every: int = 8, compact: float = 0.75) -> list[Regenerated]:
+               top_k: int = 8, check_every: int = 8, compact: float = 0.75,
+               tap_layers: tuple[int, ...] = ()) -> list[Regenerated]:
     """Greedy responses of every prompt, decoded together, with one host sync per ``check_every`` steps and none per
     row: finished rows keep stepping (masked) until at most ``compact`` of the stepped rows are unfinished, then only
-    the unfinished ones are stepped (``rows=`` into the same cache; a row's tokens do not depend on the others)."""
+    the unfinished ones are stepped (``rows=`` into the same cache; a row's tokens do not depend on the others).
+    With ``tap_layers``, each sample also carries the taps the prefill and the decode steps computed (bf16; the
+    teacher-forced ``tap_shards`` pass then has nothing left to do)."""
     dev, n = target.device, len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)  # [n]
     p_max = int(lens.max())
@@ -53,7 +62,10 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
     ids = torch.zeros(n, p_max, dtype=torch.long, device=dev)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p, device=dev)
-    hidden, _ = target(ids, cache)
+    hidden, prompt_taps = target(ids, cache, tap_layers=tap_layers)
+    if tap_layers:  # step_taps[:, s]: the taps of response token s, computed when it is fed back at step s + 1
+        prompt_taps = prompt_taps.to(torch.bfloat16)
+        step_taps = torch.zeros(n, max_new_tokens, prompt_taps.shape[2], dtype=torch.bfloat16, device=dev)
     cache.commit(None, lens)
     logits = target.logits(hidden[torch.arange(n, device=dev), lens - 1]).float()  # [n, V]
     stops = torch.tensor(stop_token_ids or (-1,), device=dev)
@@ -80,7 +92,9 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
                 break
             if len(live) <= compact * (n if active is None else len(active)):  # step only the unfinished rows
                 active, nxt = live, out[live, step]
-        hidden, _ = target(nxt[:, None], cache, rows=active)
+        hidden, taps = target(nxt[:, None], cache, rows=active, tap_layers=tap_layers)
+        if tap_layers:
+            step_taps[slice(None) if active is None else active, step] = taps[:, 0].to(torch.bfloat16)
         cache.commit(active, torch.ones_like(nxt))
         logits = target.logits(hidden[:, 0]).float()
     res = []
@@ -91,7 +105,11 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
         tk_i = torch.zeros(pl + m, top_k, dtype=torch.int32)
         tk_v = torch.zeros(pl + m, top_k, dtype=torch.bfloat16)
         tk_i[pl - 1 : pl - 1 + m], tk_v[pl - 1 : pl - 1 + m] = top_i[r, :m], top_v[r, :m]
-        res.append(Regenerated(torch.cat([torch.tensor(p), out[r, :m]]), pl, tk_i, tk_v))
+        taps = None
+        if tap_layers:  # ids[: -1] = prompt + response[: m - 1] are tapped; the last row stays zero
+            taps = torch.zeros(pl + m, prompt_taps.shape[2], dtype=torch.bfloat16)
+            taps[:pl], taps[pl : pl + m - 1] = prompt_taps[r, :pl].cpu(), step_taps[r, : m - 1].cpu()
+        res.append(Regenerated(torch.cat([torch.tensor(p), out[r, :m]]), pl, tk_i, tk_v, taps))
     return res
 
 

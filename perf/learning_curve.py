@@ -606,7 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from trtllm_dflash.train.cli import use_huge_pages
+
     args = build_parser().parse_args(argv)
+    use_huge_pages()  # before the first torch import (every phase imports it lazily)
     {"regen": cmd_regen, "text": cmd_text, "prompts": cmd_prompts, "taps": cmd_taps, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
     return 0
 

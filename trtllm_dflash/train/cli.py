@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from trtllm_dflash.errors import DFlashError
@@ -86,7 +87,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", choices=("prompts", "taps"), default=None, help="stop after this stage")
 
 
+def use_huge_pages() -> None:
+    """Ask PyTorch's CPU allocator for transparent huge pages (``THP_MEM_ALLOC_ENABLE``, read once, before torch's
+    first allocation: call this before importing torch). Training allocates and frees activations far above glibc's
+    mmap threshold every step, so each one faulted in afresh 4 KiB at a time: on the 2-core VM 186k page faults/s and a
+    third of the CPU in the kernel (7.2 s/step); with huge pages 6.8k faults/s and 6.0 s/step. Set it to 0 to opt out."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def main(args: argparse.Namespace) -> int:
+    use_huge_pages()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from trtllm_dflash.train.config import TrainConfig

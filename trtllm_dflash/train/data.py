@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from trtllm_dflash.datasets import Prompt
 from trtllm_dflash.models.target import TargetModel
@@ -121,7 +121,9 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
 
 
 def read_shard(path: Path) -> list[Sample]:
-    t = load_file(str(path))
+    """The samples of one training shard, in anonymous memory: ``load_file`` would leave them file-backed (mmap), and a
+    long run holding gigabytes of such pages had the kernel evict and re-read them (system time 20-100 %)."""
+    t = load(Path(path).read_bytes())
     cu = t["cu_seqlens"].tolist()
     ti, tl = t.get("topk_ids"), t.get("topk_logits")
     return [

@@ -10,7 +10,7 @@ import pytest
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, ServerError
 from trtllm_dflash.runtime.text import encode_prompt
 from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import TritonServer
+from trtllm_dflash.serve.server import SHM_DIR, TritonServer, shm_prefix
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -26,7 +26,11 @@ def server(smollm2, tmp_path_factory):
                                 max_sequences=12, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
     log = tmp_path_factory.mktemp("log") / "server.log"
     with TritonServer(repo, log_path=log) as s:
+        regions = list(SHM_DIR.glob(shm_prefix(s.grpc_port) + "*"))
+        assert regions, "the python backend's shared memory should carry this server's prefix"
         yield s
+    left = [f.name for f in SHM_DIR.glob(shm_prefix(s.grpc_port) + "*")]
+    assert not left, f"stop() must free the server's shared memory (RAM): {left}"
 
 
 @pytest.fixture(scope="module")

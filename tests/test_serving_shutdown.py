@@ -16,7 +16,7 @@ import pytest
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, build_inputs
 from trtllm_dflash.perf.health import stub_processes
 from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import STOP_GRACE_S, free_port
+from trtllm_dflash.serve.server import SHM_DIR, STOP_GRACE_S, free_port, remove_shm_regions
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -125,7 +125,11 @@ def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_pat
         assert not stub_processes(repo), stub_processes(repo)
         servers = [p for p in os.listdir("/proc") if p.isdigit() and _is_server_of(p, repo)]
         assert not servers, f"tritonserver {servers} outlived serve"
-        print(f"serve SIGKILLed: every stub gone {gone_s:.1f} s later, no tritonserver left")
+        # a SIGKILLed serve frees nothing itself: the next server start sweeps the regions of exited processes
+        left = {f.name for f in SHM_DIR.glob(f"dflash{proc.pid}_{grpc}_*")}
+        assert left <= set(remove_shm_regions()) and not list(SHM_DIR.glob(f"dflash{proc.pid}_{grpc}_*"))
+        print(f"serve SIGKILLed: every stub gone {gone_s:.1f} s later, no tritonserver left, "
+              f"{len(left)} shared-memory regions swept")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -2,7 +2,9 @@
 # The fresh-machine check: clone the committed HEAD into a temporary directory and run the README's set-up commands
 # there as a newcomer would: an empty HOME (so no pip cache, no ~/.cache/trtllm_dflash, no Hugging Face cache), no
 # model cache variable, no standard input, a clone per command. Prints each command's wall time and result and a
-# JSON summary line; exits non-zero if any command failed. Logs stay in the work directory it names.
+# JSON summary line; exits non-zero if any command failed. Logs stay in the work directory it names; the clone and
+# home of each command (a virtual environment and model cache, 3-6 GB: a dozen checks once filled the disk) are
+# removed when it ends unless KEEP_FRESH=1.
 # Usage: build_scripts/check_fresh.sh [demo] [test]     (default: both, demo first)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,6 +40,7 @@ for c in "${commands[@]}"; do
   [ "$rc" -eq 0 ] || failed=1
   echo "check_fresh: bash build_scripts/$c.sh -> exit $rc in ${wall}s (log: $work/$c.log); last lines:"
   tail -n 5 "$work/$c.log" | sed 's/^/    /'
+  [ "${KEEP_FRESH:-0}" = 1 ] || rm -rf "${work:?}/$c" "${work:?}/home-$c"
   summary+="\"$c\": {\"exit\": $rc, \"wall_s\": $wall}, "
 done
 echo "${summary%, }, \"commit\": \"$commit\"}"

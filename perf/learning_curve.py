@@ -122,7 +122,7 @@ def cmd_regen(args) -> None:
     from tqdm import tqdm
 
     from trtllm_dflash.train.data import write_shard
-    from trtllm_dflash.train.regen import plan_chunks, regenerate, write_regen_shard
+    from trtllm_dflash.train.regen import plan_chunks, regenerate, training_shard_name, write_regen_shard
 
     work = Path(args.work) / "regen"
     work.mkdir(parents=True, exist_ok=True)
@@ -152,9 +152,9 @@ def cmd_regen(args) -> None:
         samples = regenerate(target, [encoded[i] for i in chunk], args.max_new_tokens, stops, 8,
                              tap_layers=tuple(args.tap_layers) if args.taps else ())
         if args.taps:  # the training shard first: a shard whose regen file exists is never tapped again here
-            tdir = Path(args.work) / f"regen-taps-{args.dtype}"
+            tdir = taps_dir(args.work, "regen", args.dtype)
             tdir.mkdir(exist_ok=True)
-            write_shard(tdir / name.replace("regen-", "shard-"), [s.as_sample() for s in samples])
+            write_shard(tdir / training_shard_name(name), [s.as_sample() for s in samples])
         write_regen_shard(work / name, samples)
         cost["shards"][name] = {
             "cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
@@ -253,8 +253,9 @@ def cmd_taps(args) -> None:
     tapper = load_target(args, getattr(torch, args.taps_dtype))[1]
     c0 = cpu_seconds()
     mine = paths[args.worker :: args.workers]
-    tap_shards(tapper, mine, taps_dir(args), tuple(args.tap_layers), batch_size=16)
-    write_json(taps_dir(args) / f"taps-cost-w{args.worker}.json",
+    out = taps_dir(args.work, args.source, args.taps_dtype)
+    tap_shards(tapper, mine, out, tuple(args.tap_layers), batch_size=16)
+    write_json(out / f"taps-cost-w{args.worker}.json",
                {"shards": [p.name for p in mine], "cpu_s": round(cpu_seconds() - c0, 1), "threads": args.threads})
 
 
@@ -291,7 +292,7 @@ def cmd_train(args) -> None:
     spec = drafter_spec(cfg, target.spec)
     c0 = cpu_seconds()
     tapper = target if args.taps_dtype == "float32" else load_target(args, getattr(torch, args.taps_dtype))[1]
-    shards = tap_shards(tapper, paths, taps_dir(args), spec.target_layer_ids,
+    shards = tap_shards(tapper, paths, taps_dir(args.work, args.source, args.taps_dtype), spec.target_layer_ids,
                         batch_size=16)
     del tapper
     taps_cpu = cpu_seconds() - c0
@@ -532,8 +533,9 @@ def add_data_args(q: argparse.ArgumentParser) -> None:
                    help="target layers tapped (default 1 14 27, the shipped drafter's)")
 
 
-def taps_dir(args) -> Path:
-    return Path(args.work) / f"{args.source}-taps-{args.taps_dtype}"
+def taps_dir(work, source: str, dtype: str) -> Path:
+    """The training shards (taps added) of ``source``'s shards, by the dtype of the forward that tapped them."""
+    return Path(work) / f"{source}-taps-{dtype}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,13 +16,7 @@ from pathlib import Path
 
 def parent_alive(pid: int) -> bool:
     """True while ``pid`` is this process's parent and is neither a zombie nor dead."""
-    if os.getppid() != pid:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return os.getppid() == pid and pid_alive(pid)
 
 
 def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
@@ -99,7 +93,7 @@ class StubWatch:
     def current(self, model: str) -> set[int]:
         now = time.monotonic()
         when, pids = self._pids.get(model, (-1e9, set()))
-        if now - when > self.period_s or not all(_alive(p) for p in pids):
+        if now - when > self.period_s or not all(pid_alive(p) for p in pids):
             pids = stub_pids(model)
             self._pids[model] = (now, pids)
         return pids
@@ -107,10 +101,11 @@ class StubWatch:
     @staticmethod
     def died(pids: set[int]) -> bool:
         """True when ``pids`` (a call's stubs) were known and none is alive any more."""
-        return bool(pids) and not any(_alive(p) for p in pids)
+        return bool(pids) and not any(pid_alive(p) for p in pids)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

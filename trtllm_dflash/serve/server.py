@@ -60,11 +60,13 @@ def remove_shm_regions(prefix: str | None = None, shm_dir: Path = SHM_DIR) -> li
     ``prefix*`` (a server just stopped), or with ``prefix=None`` those of every server whose starting process has
     exited (its server died with it, ``_die_with_parent``, and a SIGKILLed server never frees its regions: 1.4 GB had
     piled up on a development machine). Returns the names removed."""
+    from trtllm_dflash.serve.lifecycle import pid_alive
+
     removed = []
     for f in shm_dir.glob(f"{prefix or SHM_PREFIX}*"):
         if prefix is None:
             m = re.match(rf"{SHM_PREFIX}(\d+)_", f.name)
-            if m is None or _alive(int(m.group(1))):
+            if m is None or pid_alive(int(m.group(1))):
                 continue
         try:
             f.unlink()
@@ -72,16 +74,6 @@ def remove_shm_regions(prefix: str | None = None, shm_dir: Path = SHM_DIR) -> li
         except FileNotFoundError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def free_port() -> int:

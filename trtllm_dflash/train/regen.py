@@ -113,6 +113,11 @@ def regenerate(target: TargetModel, prompts: list[list[int]], max_new_tokens: in
     return res
 
 
+def training_shard_name(regen_name: str) -> str:
+    """The training shard (taps added) of regen shard ``regen_name``: regen-00012.safetensors -> shard-00012..."""
+    return regen_name.replace("regen-", "shard-")
+
+
 def write_regen_shard(path: Path, samples: list[Regenerated]) -> None:
     save_atomic(pack_sequences(samples, ("topk_ids", "topk_logits")), path)
 
@@ -201,7 +206,7 @@ def tap_shards(target: TargetModel, regen_paths: list[Path], out_dir: Path, tap_
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for n, src in enumerate(regen_paths):
-        dst = out_dir / src.name.replace("regen-", "shard-")
+        dst = out_dir / training_shard_name(src.name)
         paths.append(dst)
         if not dst.is_file():
             regen = read_regen_shard(src)

@@ -53,9 +53,12 @@ def read_json(path: Path, default=None):
     return json.loads(path.read_text()) if path.is_file() else default
 
 
-def pool_prompts(pool: Path, num: int, code_fraction: float, seed: int) -> list[dict]:
-    """A seeded sample of the pool: ``code_fraction`` of code-completion prompts, the rest chat."""
+def pool_prompts(pool: Path, num: int, code_fraction: float, seed: int, exclude: list[str] = ()) -> list[dict]:
+    """A seeded sample of the pool: ``code_fraction`` of code-completion prompts, the rest chat; without the prompts
+    whose ids appear in the ``exclude`` JSONL files (e.g. a drafter's ``training_prompts.jsonl``: new data for it)."""
     rows = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
+    seen = {json.loads(line)["id"] for f in exclude for line in Path(f).read_text().splitlines() if line.strip()}
+    rows = [r for r in rows if r["id"] not in seen]
     code = [r for r in rows if r["id"].startswith("code/")]
     chat = [r for r in rows if not r["id"].startswith("code/")]
     rng = random.Random(seed)
@@ -85,7 +88,7 @@ def regen_prompts(args, tok) -> tuple[list[dict], list[list[int]]]:
     """The pool rows ``regen`` decodes, in its order, and their chat-templated ids (rows too long dropped)."""
     from trtllm_dflash.runtime.text import encode_prompt
 
-    rows = pool_prompts(Path(args.pool), args.num_prompts, args.code_fraction, args.seed)
+    rows = pool_prompts(Path(args.pool), args.num_prompts, args.code_fraction, args.seed, args.exclude)
     kept = [(r, e) for r in rows for e in [encode_prompt(tok, r["prompt"], True)] if len(e) <= args.max_prompt_len]
     return [r for r, _ in kept], [e for _, e in kept]
 
@@ -131,6 +134,8 @@ def cmd_regen(args) -> None:
     meta = {"pool": str(args.pool), "num_prompts": len(encoded), "code_fraction": args.code_fraction,
             "max_new_tokens": args.max_new_tokens, "gen_batch_size": args.gen_batch_size, "seed": args.seed,
             "dtype": args.dtype, "top_k": 8}
+    if args.exclude:  # (absent otherwise: work folders made before --exclude existed keep resuming)
+        meta["exclude"] = [Path(f).name for f in args.exclude]
     if read_json(work / "meta.json", meta) != meta:
         raise SystemExit(f"{work} holds responses made with other settings; use another --work")
     write_json(work / "meta.json", meta)
@@ -520,6 +525,9 @@ def add_pool_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--num-prompts", type=int, default=8192, help="pool sample size (the order of the shards)")
     q.add_argument("--code-fraction", type=float, default=0.5)
     q.add_argument("--max-prompt-len", type=int, default=256)
+    q.add_argument("--exclude", nargs="*", default=[], metavar="JSONL",
+                   help="leave out the pool prompts whose ids these JSONL files hold (e.g. the shipped drafter's "
+                        "training_prompts.jsonl, to regenerate data it has not seen)")
 
 
 def add_data_args(q: argparse.ArgumentParser) -> None:

@@ -113,3 +113,25 @@ def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path
     tokens = sum(s["response_tokens"] for s in cost["shards"].values())
     _curve(work, tiny_smol, "taps", "--size", str(tokens), "--taps-dtype", "float32", "--tap-layers", "1", "3")
     assert {p.name: p.read_bytes() for p in tdir.glob("shard-*.safetensors")} == made  # found, not redone
+
+
+def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
+    sys.path.insert(0, str(REPO / "perf"))
+    try:
+        from learning_curve import pool_prompts
+    finally:
+        sys.path.remove(str(REPO / "perf"))
+    pool = tmp_path / "pool.jsonl"
+    rows = [{"id": f"code/x/f{i}", "prompt": f"def f{i}(x):", "chat": True} for i in range(10)]
+    rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain {i}.", "chat": True} for i in range(10)]
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    used = tmp_path / "training_prompts.jsonl"
+    gone = {"code/x/f1", "code/x/f7", "chat/x/p0", "chat/x/p5"}
+    used.write_text("".join(json.dumps({"id": i, "prompt": "", "chat": True}) + "\n" for i in sorted(gone)))
+    everything = pool_prompts(pool, 100, 0.5, 0, [str(used)])
+    assert {r["id"] for r in everything} == {r["id"] for r in rows} - gone  # the rest, each once
+    assert len(everything) == 16
+    sample = pool_prompts(pool, 12, 0.5, 3, [str(used)])
+    assert len(sample) == 12 and not {r["id"] for r in sample} & gone
+    assert sample == pool_prompts(pool, 12, 0.5, 3, [str(used)])  # seeded
+    assert pool_prompts(pool, 100, 0.5, 0) != everything  # nothing excluded without the file

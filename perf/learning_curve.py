@@ -42,6 +42,12 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def cpu_since(c0: float) -> float:
+    """CPU seconds since ``c0``, to 0.1 ms: a tiny shard on a fast machine takes well under 10 ms, and a
+    coarser rounding recorded it (and the sum) as 0.0."""
+    return round(cpu_seconds() - c0, 4)
+
+
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -162,7 +168,7 @@ def cmd_regen(args) -> None:
             write_shard(tdir / training_shard_name(name), [s.as_sample() for s in samples])
         write_regen_shard(work / name, samples)
         cost["shards"][name] = {
-            "cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
+            "cpu_s": cpu_since(c0), "wall_s": round(time.monotonic() - w0, 2),
             "response_tokens": sum(len(s.ids) - s.prompt_len for s in samples), "sequences": len(samples),
             **({"taps": list(args.tap_layers)} if args.taps else {}),
         }
@@ -171,7 +177,7 @@ def cmd_regen(args) -> None:
     tot = sum(s["response_tokens"] for s in cost["shards"].values())
     cpu = sum(s["cpu_s"] for s in cost["shards"].values())
     print(json.dumps({"worker": args.worker, "shards": len(cost["shards"]), "response_tokens": tot,
-                      "cpu_s": round(cpu, 1), "tokens_per_cpu_s": round(tot / max(cpu, 1e-9), 1)}))
+                      "cpu_s": round(cpu, 4), "tokens_per_cpu_s": round(tot / max(cpu, 1e-9), 1)}))
 
 
 # ---------------------------------------------------------------- text (teacher-forced real code)
@@ -196,7 +202,7 @@ def cmd_text(args) -> None:
     mine_s = cpu_seconds() - c0
     end_id = tok.convert_tokens_to_ids("<|im_end|>")
     cost = read_json(work / "cost.json", {"shards": {}})
-    cost.setdefault("mine_cpu_s", round(mine_s, 2))
+    cost.setdefault("mine_cpu_s", round(mine_s, 4))
     n = 0
     while sum(s["response_tokens"] for s in cost["shards"].values()) < args.tokens:
         n += 1
@@ -210,7 +216,7 @@ def cmd_text(args) -> None:
         if len(paths) < n:
             break
         samples = read_regen_shard(paths[-1])
-        cost["shards"][name] = {"cpu_s": round(cpu_seconds() - c0, 2), "wall_s": round(time.monotonic() - w0, 2),
+        cost["shards"][name] = {"cpu_s": cpu_since(c0), "wall_s": round(time.monotonic() - w0, 2),
                                 "response_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
                                 "sequences": len(samples)}
         cost.update(threads=args.threads, source="text", max_new_tokens=args.max_new_tokens, num_functions=len(rows),
@@ -218,7 +224,7 @@ def cmd_text(args) -> None:
         write_json(work / "cost.json", cost)
     tot = sum(s["response_tokens"] for s in cost["shards"].values())
     cpu = sum(s["cpu_s"] for s in cost["shards"].values())
-    print(json.dumps({"shards": len(cost["shards"]), "response_tokens": tot, "cpu_s": round(cpu, 1),
+    print(json.dumps({"shards": len(cost["shards"]), "response_tokens": tot, "cpu_s": round(cpu, 4),
                       "tokens_per_cpu_s": round(tot / max(cpu, 1e-9), 1)}))
 
 
@@ -261,7 +267,7 @@ def cmd_taps(args) -> None:
     out = taps_dir(args.work, args.source, args.taps_dtype)
     tap_shards(tapper, mine, out, tuple(args.tap_layers), batch_size=16)
     write_json(out / f"taps-cost-w{args.worker}.json",
-               {"shards": [p.name for p in mine], "cpu_s": round(cpu_seconds() - c0, 1), "threads": args.threads})
+               {"shards": [p.name for p in mine], "cpu_s": cpu_since(c0), "threads": args.threads})
 
 
 def cmd_train(args) -> None:
@@ -319,8 +325,8 @@ def cmd_train(args) -> None:
             "data_response_tokens": tokens, "data_sequences": len(train_set),
             "seen_sequences": len(seen),
             "seen_response_tokens": sum(len(train_set[i].ids) - train_set[i].prompt_len for i in seen),
-            "data_cpu_s": round(data_cpu, 1), "taps_cpu_s": round(taps_cpu, 1),
-            "train_cpu_s": round(cpu_seconds() - c0, 1), "train_wall_s": round(time.monotonic() - w0, 1),
+            "data_cpu_s": round(data_cpu, 4), "taps_cpu_s": round(taps_cpu, 4),
+            "train_cpu_s": cpu_since(c0), "train_wall_s": round(time.monotonic() - w0, 1),
             "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
             "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype, "init": args.init,
         })

@@ -25,6 +25,7 @@ Phases (each resumable; all state lives under ``--work``, an ignored folder):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -142,8 +143,14 @@ def cmd_regen(args) -> None:
             "dtype": args.dtype, "top_k": 8}
     if args.exclude:  # (absent otherwise: work folders made before --exclude existed keep resuming)
         meta["exclude"] = [Path(f).name for f in args.exclude]
-    if read_json(work / "meta.json", meta) != meta:
-        raise SystemExit(f"{work} holds responses made with other settings; use another --work")
+    # the sample itself, so that a changed --exclude file (a drafter's training_prompts.jsonl grows when a drafter
+    # is shipped) or pool cannot silently re-plan the shards still to come; folders made before it was recorded
+    # take it on at their next call
+    meta["sample_sha256"] = hashlib.sha256("\n".join(r["id"] for r in rows).encode()).hexdigest()[:16]
+    old = read_json(work / "meta.json", meta)
+    if {"sample_sha256": meta["sample_sha256"], **old} != meta:
+        raise SystemExit(f"{work} holds responses made with other settings (--pool, --num-prompts, --exclude files "
+                         "and their contents, ...: meta.json there says which); use the same ones or another --work")
     write_json(work / "meta.json", meta)
     chunks = plan_chunks([len(e) for e in encoded], args.gen_batch_size, args.seed)
     cost_path = work / f"cost-w{args.worker}.json"

@@ -34,19 +34,28 @@ def _curve(work, target, *args):
 def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     pool = tmp_path / "pool.jsonl"
     rows = [{"id": f"code/x/f{i}", "prompt": f"Complete this Python function.\n```python\ndef f{i}(x):\n```",
-             "chat": True} for i in range(6)]
-    rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain item number {i} of a list.", "chat": True} for i in range(6)]
+             "chat": True} for i in range(8)]
+    rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain item number {i} of a list.", "chat": True} for i in range(8)]
     pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
     work = tmp_path / "work"
-    out = json.loads(_curve(work, tiny_smol, "regen", "--pool", str(pool), "--num-prompts", "12", "--tokens", "60",
-                            "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
+    used = tmp_path / "training_prompts.jsonl"  # a drafter's prompts, none of them in this pool yet
+    used.write_text(json.dumps({"id": "code/elsewhere/g", "prompt": "", "chat": True}) + "\n")
+    regen = ("regen", "--pool", str(pool), "--num-prompts", "12", "--tokens", "60", "--max-new-tokens", "12",
+             "--gen-batch-size", "4", "--dtype", "float32", "--exclude", str(used))
+    out = json.loads(_curve(work, tiny_smol, *regen).splitlines()[-1])
     assert out["response_tokens"] >= 60 and out["cpu_s"] > 0
     cost = json.loads((work / "regen" / "cost-w0.json").read_text())
     assert all(s["response_tokens"] > 0 and s["cpu_s"] > 0 for s in cost["shards"].values())
     # a second call resumes: nothing is regenerated
-    again = json.loads(_curve(work, tiny_smol, "regen", "--pool", str(pool), "--num-prompts", "12", "--tokens", "60",
-                              "--max-new-tokens", "12", "--gen-batch-size", "4", "--dtype", "float32").splitlines()[-1])
+    again = json.loads(_curve(work, tiny_smol, *regen).splitlines()[-1])
     assert again["shards"] == out["shards"] and again["cpu_s"] == out["cpu_s"]
+    # the same file name and as many prompts, other contents (a shipped drafter's prompts grew): the sample changed
+    # (code/x/f0 was in it), so it refuses rather than plan the remaining shards anew
+    used.write_text(used.read_text() + json.dumps({"id": "code/x/f0", "prompt": "", "chat": True}) + "\n")
+    r = subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
+                        str(tiny_smol), *regen], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert r.returncode != 0 and "other settings" in r.stderr and "--exclude" in r.stderr
 
     got = json.loads(_curve(work, tiny_smol, "prompts", "--pool", str(pool), "--num-prompts", "12", "--size", "60",
                             "--out", str(tmp_path / "used.jsonl")).splitlines()[-1])  # checked against the shards

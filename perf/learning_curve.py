@@ -241,21 +241,39 @@ RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--warmup", "0.04", "--
           "--loss-negatives", "8192", "--autocast", "bf16"]
 
 
-def prefix_shards(src: Path, tokens: int) -> tuple[list[Path], int, float]:
-    """The first shards of ``src`` holding >= ``tokens`` response tokens: (paths, their tokens, their CPU seconds)."""
+def shard_costs(src: Path) -> list[tuple[Path, int, float]]:
+    """The contiguous run of finished shards of ``src`` from shard 0, in order: (path, response tokens, CPU s)."""
     shards = {}
     for f in sorted(src.glob("cost*.json")):
         shards.update(read_json(f)["shards"])
-    paths, tot, cpu = [], 0, 0.0
+    out = []
     for c in range(len(shards)):
         name = f"regen-{c:05d}.safetensors"
-        if tot >= tokens or name not in shards:
+        if name not in shards:
             break
-        paths.append(src / name)
-        tot += shards[name]["response_tokens"]
-        cpu += shards[name]["cpu_s"]
+        out.append((src / name, shards[name]["response_tokens"], shards[name]["cpu_s"]))
+    return out
+
+
+def prefix_shards(src: Path, tokens: int, skip: int = 0) -> tuple[list[Path], int, float]:
+    """The first shards of ``src`` holding >= ``tokens`` response tokens: (paths, their tokens, their CPU seconds);
+    with ``skip``, without the first shards holding exactly ``skip`` tokens (e.g. what a drafter was trained on)."""
+    paths, tot, cpu, ends = [], 0, 0.0, [0]
+    for path, n, c in shard_costs(src):
+        if tot >= tokens:
+            break
+        paths.append(path)
+        tot, cpu = tot + n, cpu + c
+        ends.append(tot)
     if tot < tokens:
         raise SystemExit(f"--size {tokens}: {src} holds only {tot} response tokens; make more (regen/text phase)")
+    if skip:
+        if skip not in ends[:-1]:
+            near = [e for e in ends if e < skip][-1:] + [e for e in ends if e > skip][:1]
+            raise SystemExit(f"--skip {skip}: not where a shard ends within --size {tokens} in {src}; shards end "
+                             f"at {' and '.join(map(str, near))} there: pass one of those (below --size)")
+        k = ends.index(skip)
+        return paths[k:], tot - skip, cpu - sum(c for _, _, c in shard_costs(src)[:k])
     return paths, tot, cpu
 
 
@@ -294,10 +312,12 @@ def cmd_train(args) -> None:
 
     work = Path(args.work)
     name = f"{args.source}-{args.labels}-{args.size}" if args.source == "text" else f"{args.source}-{args.size}"
+    if args.skip:  # the shards after the first --skip tokens only (new data for a drafter trained on those)
+        name += f"-after-{args.skip}"
     if args.init != "target":  # continued training (a drafter directory) or the random-init ablation
         name += "-from-" + Path(args.init).name
     target_dir, target, _, _ = load_target(args)
-    paths, tokens, data_cpu = prefix_shards(work / args.source, args.size)
+    paths, tokens, data_cpu = prefix_shards(work / args.source, args.size, args.skip)
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = TrainConfig.from_args(p.parse_args([
@@ -336,6 +356,7 @@ def cmd_train(args) -> None:
             "train_cpu_s": cpu_since(c0), "train_wall_s": round(time.monotonic() - w0, 1),
             "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
             "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype, "init": args.init,
+            **({"skip": args.skip} if args.skip else {}),
         })
 
     torch.manual_seed(cfg.seed)
@@ -604,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text source: the target's greedy predictions (default) or the real text as labels")
     q.add_argument("--epochs", type=float, default=1.0, help="passes over the data (default 1: each token once)")
     q.add_argument("--ckpt-every", type=int, default=100, help="steps between kept checkpoints (curve points)")
+    q.add_argument("--skip", type=int, default=0, metavar="TOKENS",
+                   help="leave out the first shards holding exactly this many response tokens (e.g. the --size an "
+                        "--init drafter was trained on: continue on the newer shards only)")
     q.add_argument("--num-layers", type=int, default=3, help="drafter layers (default 3, the shipped drafter's)")
     q.add_argument("--init", default="target",
                    help="'target' (default), 'random', or a drafter directory to continue training (e.g. the shipped one)")

@@ -144,3 +144,29 @@ def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
     assert len(sample) == 12 and not {r["id"] for r in sample} & gone
     assert sample == pool_prompts(pool, 12, 0.5, 3, [str(used)])  # seeded
     assert pool_prompts(pool, 100, 0.5, 0) != everything  # nothing excluded without the file
+
+
+def test_train_can_skip_the_shards_a_drafter_already_trained_on(tmp_path):
+    sys.path.insert(0, str(REPO / "perf"))
+    try:
+        from learning_curve import prefix_shards
+    finally:
+        sys.path.remove(str(REPO / "perf"))
+    # two workers' cost files, shards 0-4 of 10/20/30/40/50 tokens; shard 5 missing (not made yet), 6 made
+    costs = {0: {}, 1: {}}
+    for c, n in enumerate((10, 20, 30, 40, 50, None, 70)):
+        if n:
+            costs[c % 2][f"regen-{c:05d}.safetensors"] = {"response_tokens": n, "cpu_s": n / 10}
+    for w, shards in costs.items():
+        (tmp_path / f"cost-w{w}.json").write_text(json.dumps({"shards": shards}))
+    paths, tokens, cpu = prefix_shards(tmp_path, 100)
+    assert [p.name for p in paths] == [f"regen-{c:05d}.safetensors" for c in range(4)] and tokens == 100
+    paths, tokens, cpu = prefix_shards(tmp_path, 150, skip=30)  # after shards 0-1: shards 2-4
+    assert [p.name for p in paths] == [f"regen-{c:05d}.safetensors" for c in (2, 3, 4)]
+    assert tokens == 120 and cpu == pytest.approx(12.0)
+    with pytest.raises(SystemExit, match=r"--skip 35: .* shards end at 30 and 60"):
+        prefix_shards(tmp_path, 150, skip=35)
+    with pytest.raises(SystemExit, match=r"--skip 150: .* pass one of those"):  # nothing would be left
+        prefix_shards(tmp_path, 150, skip=150)
+    with pytest.raises(SystemExit, match=r"--size 200: .* holds only 150"):  # shard 6 is past the gap
+        prefix_shards(tmp_path, 200)

@@ -63,8 +63,10 @@ def read_json(path: Path, default=None):
 def pool_prompts(pool: Path, num: int, code_fraction: float, seed: int, exclude: list[str] = ()) -> list[dict]:
     """A seeded sample of the pool: ``code_fraction`` of code-completion prompts, the rest chat; without the prompts
     whose ids appear in the ``exclude`` JSONL files (e.g. a drafter's ``training_prompts.jsonl``: new data for it)."""
+    from trtllm_dflash.train.pool import jsonl_ids
+
     rows = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
-    seen = {json.loads(line)["id"] for f in exclude for line in Path(f).read_text().splitlines() if line.strip()}
+    seen = jsonl_ids(exclude)
     rows = [r for r in rows if r["id"] not in seen]
     code = [r for r in rows if r["id"].startswith("code/")]
     chat = [r for r in rows if not r["id"].startswith("code/")]

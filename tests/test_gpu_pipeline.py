@@ -5,6 +5,7 @@ limits, merge into a loadable drafter, and resume on a fresh machine from the re
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -132,3 +133,22 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     steps = [rec["step"] for rec in status2["train_log"]["records"]]
     assert steps[-1] == 9 and "resumed from" in status2["job_log_tail"] and "optimizer" in status2["job_log_tail"]
     assert "taps" not in status2["timings"] and status2["train_log"]["data"]["num_sequences"] >= 8
+
+
+def test_pack_leaves_a_warm_start_drafters_training_prompts_behind(tmp_path):
+    source = tmp_path / "target.gguf"  # pack only splits and checksums the file
+    source.write_bytes(bytes(range(256)) * 40)
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"fact {i}", "chat": True}) + "\n" for i in range(12)))
+    used = tmp_path / "training_prompts.jsonl"
+    used.write_text("".join(json.dumps({"id": f"p{i}", "prompt": "", "chat": True}) + "\n" for i in (0, 5, 11, 99)))
+    m = gp.pack(source, tmp_path / "carry", 0.004, pool, None, [], [used])
+    with gzip.open(tmp_path / "carry" / "prompts.jsonl.gz", "rt") as f:
+        ids = [json.loads(line)["id"] for line in f]
+    assert ids == [f"p{i}" for i in range(12) if i not in (0, 5, 11)]  # the rest, in pool order
+    assert m["prompts"] == {"rows": 9, "excluded": 3, "exclude": [str(used)]}
+    assert b"".join((tmp_path / "carry" / p["name"]).read_bytes() for p in m["parts"]) == source.read_bytes()
+    everything = gp.pack(source, tmp_path / "carry2", 0.004, pool, None, [])
+    assert everything["prompts"]["rows"] == 12
+    assert gp.main(["pack", "--source", str(source), "--carry", str(tmp_path / "c3"), "--prompts", str(pool),
+                    "--exclude", str(tmp_path / "nope.jsonl")]) == 2  # named, exit 2

@@ -69,14 +69,19 @@ def _write_json(path: Path, obj) -> None:
 # ---------------------------------------------------------------- pack (here)
 
 def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts: Path | None,
-         wheels: list[Path]) -> dict:
-    """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib``."""
+         wheels: list[Path], exclude: list[Path] = ()) -> dict:
+    """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib``; the
+    prompt pool travels without the rows whose ids are in the ``exclude`` JSONL files (a warm-start drafter's
+    ``training_prompts.jsonl``: the run then regenerates prompts it has never seen)."""
     if not source.exists():
         raise ArtifactError(source, "target source not found", "pass the GGUF file or an HF model directory")
     if not prompts.is_file():
         raise ArtifactError(prompts, "prompt pool not found", 'pass a JSONL of {"id", "prompt", "chat"}')
     if not part_mib > 0:
         raise ConfigError("--part-mib", part_mib, "must be > 0")
+    for f in exclude:
+        if not f.is_file():
+            raise ArtifactError(f, "--exclude file not found", "pass JSONL files of {\"id\", ...} rows")
     carry.mkdir(parents=True, exist_ok=True)
     for old in carry.glob("part-*"):
         old.unlink()
@@ -99,8 +104,18 @@ def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts
             parts.append({"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     if kind == "hf-tar":
         blob.unlink()
-    with open(prompts, "rb") as f, gzip.GzipFile(carry / "prompts.jsonl.gz", "wb", mtime=0) as g:
-        shutil.copyfileobj(f, g)
+    from trtllm_dflash.train.pool import jsonl_ids
+
+    drop, kept, excluded = jsonl_ids(exclude), 0, 0
+    with open(prompts, encoding="utf-8") as f, gzip.GzipFile(carry / "prompts.jsonl.gz", "wb", mtime=0) as g:
+        for line in f:
+            if not line.strip():
+                continue
+            if drop and json.loads(line)["id"] in drop:
+                excluded += 1
+                continue
+            g.write(line.rstrip("\n").encode() + b"\n")
+            kept += 1
     files = {"prompts.jsonl.gz": sha256(carry / "prompts.jsonl.gz")}
     if eval_prompts is not None and str(eval_prompts) in ("humaneval", "mtbench"):
         from trtllm_dflash.datasets import load_prompts
@@ -116,7 +131,8 @@ def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts
         shutil.copyfile(w, carry / "wheels" / w.name)
         files[f"wheels/{w.name}"] = sha256(carry / "wheels" / w.name)
     manifest = {"kind": kind, "name": name, "size": size, "sha256": sha256(source) if kind == "gguf" else None,
-                "parts": parts, "files": files}
+                "parts": parts, "files": files,
+                "prompts": {"rows": kept, "excluded": excluded, "exclude": [str(f) for f in exclude]}}
     if kind == "hf-tar":  # the whole tar's checksum, recomputed from the parts
         h = hashlib.sha256()
         for p in parts:
@@ -579,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--eval-prompts", default=None,
                    help='evaluation prompts: "humaneval", "mtbench" or a JSONL of {"prompt"} (chat-templated)')
     q.add_argument("--wheel", action="append", default=[], help="wheel(s) to carry (the gguf wheel for a GGUF)")
+    q.add_argument("--exclude", nargs="*", default=[], metavar="JSONL",
+                   help="leave the pool rows with these files' ids behind (with start --init <drafter>: its "
+                        "training_prompts.jsonl)")
     for name in ("recv", "start"):
         q = sub.add_parser(name)
         q.add_argument("--carry", default="artifacts/gpu")
@@ -613,7 +632,8 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "pack":
             res = pack(Path(args.source), Path(args.carry), args.part_mib, Path(args.prompts),
-                       Path(args.eval_prompts) if args.eval_prompts else None, [Path(w) for w in args.wheel])
+                       Path(args.eval_prompts) if args.eval_prompts else None, [Path(w) for w in args.wheel],
+                       [Path(f) for f in args.exclude])
         elif args.cmd == "recv":
             res = recv(Path(args.carry), Path(args.home))
             if args.resume_from:

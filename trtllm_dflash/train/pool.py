@@ -29,6 +29,12 @@ from trtllm_dflash.train.prompts import (
 )
 
 
+def jsonl_ids(paths) -> set[str]:
+    """The ``id`` of every row of these JSONL files (e.g. a drafter's ``training_prompts.jsonl``): prompts to leave
+    out of a pool sample, so that a drafter trained on them gets new ones."""
+    return {json.loads(line)["id"] for f in paths for line in Path(f).read_text().splitlines() if line.strip()}
+
+
 def package_roots() -> list[tuple[str, Path]]:
     """(name, directory) of the stdlib and of every package directory in site-packages, sorted by name."""
     roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.checkpoints import random_drafter_state, write_drafter
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel
@@ -160,7 +161,9 @@ def export(cfg: TrainConfig, spec: DrafterSpec, target: TargetModel, drafter: Dr
 
 
 def _portable(text: str) -> str:
-    """Provenance without this machine's home directory (the default target lives under ~/.cache)."""
+    """Provenance without this machine's paths: the asset cache (``$TRTLLM_DFLASH_CACHE`` included) is written as its
+    default ``~/.cache/trtllm_dflash``, anything else under the home directory as ``~``."""
+    text = text.replace(str(cache_dir()) + "/", "~/.cache/trtllm_dflash/")
     return text.replace(str(Path.home()) + "/", "~/")
 
 

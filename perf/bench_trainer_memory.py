@@ -84,6 +84,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trtllm_dflash.perf.report import save_png
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
         label = "never trimmed" if r["trim_every"] == 0 else f"malloc_trim every {r['trim_every']} steps"
@@ -94,9 +96,7 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_title("Drafter trainer memory (4 seq x 128 anchors, bf16 autocast)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
+    save_png(fig, path)
 
 
 def main(argv=None) -> int:

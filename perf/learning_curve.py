@@ -518,6 +518,8 @@ def cmd_report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trtllm_dflash.perf.report import save_png
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, ds, title in zip(axes, ("humaneval", "mtbench"), ("HumanEval", "MT-Bench")):
         xs = [p["seen_response_tokens"] for p in main_runs]
@@ -546,10 +548,7 @@ def cmd_report(args) -> None:
         uniq = dict(zip(labels, handles))
         ax.legend(uniq.values(), uniq.keys(), fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = out / ".curve.png.tmp"
-    fig.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, out / "curve.png")
+    save_png(fig, out / "curve.png")
     print(json.dumps({"points": len(points), "fits": fits, "out": str(out)}))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -44,18 +43,13 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trtllm_dflash.perf.report import draw_tau_hist
+    from trtllm_dflash.perf.report import draw_tau_hist, save_png
 
     hist = {f"{d['dataset']} ({d['num_prompts']}) B={d['block_size']} {d['drafter']}":
             {int(t): n for t, n in d["acceptance_histogram"].items()} for d in lines}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     draw_tau_hist(ax, hist, args.title)
-    fig.tight_layout()
-    tmp = f"{args.out}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, args.out)
-    print(args.out)
+    print(save_png(fig, args.out))
     return 0
 
 

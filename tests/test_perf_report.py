@@ -86,3 +86,30 @@ def test_acceptance_plot_renders_recorded_bench_runtime_files(tmp_path):
     run = subprocess.run([sys.executable, str(root / "perf" / "plot_acceptance.py"), str(bad), "--out", str(png)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "bad.json:1 has no acceptance_histogram" in run.stderr
+
+
+def test_shipped_plot_reads_every_recorded_drafter_and_refuses_a_missing_eval(tmp_path):
+    """perf/plot_shipped.py draws every shipped drafter of the recorded manifest from its eval files (τ read, never
+    typed in); a manifest row naming a file that is not there is refused with exit 2 and a message naming it."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    manifest = root / "perf" / "results" / "drafter-curve" / "full-sets" / "shipped.json"
+    png = tmp_path / "shipped.png"
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_shipped.py"), str(manifest), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    points = json.loads(run.stdout)["points"]
+    assert len(points) == len(json.loads(manifest.read_text())) >= 7
+    assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
+    last = points[-1]
+    assert (last["humaneval"]["prompts"], last["mtbench"]["prompts"]) == (164, 80)
+    assert 1.0 < last["mtbench"]["tau"] < last["humaneval"]["tau"]
+    bad = tmp_path / "shipped.json"
+    bad.write_text(json.dumps([{"shipped_in": "session 99", "new_tokens": 1, "evals": ["replay-nowhere.json"]}]))
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_shipped.py"), str(bad), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "'replay-nowhere.json', which is not a file" in run.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +18,19 @@ from trtllm_dflash.perf.record import PerfRecord, load_records
 PLOTS = ("throughput.png", "speedup.png", "tau_hist.png", "latency.png")
 COLUMNS = ["model", "dataset", "B", "C", "requests", "tokens", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",
            "ITL p50 ms", "ITL p99 ms", "τ", "speed-up"]
+
+
+def save_png(fig, path: str | Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` atomically (a reader never sees half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def _f(x: float, digits: int = 2) -> str:
@@ -103,10 +117,7 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
         ax.set_xlabel("concurrency")
 
     def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        return out / name
+        return save_png(fig, out / name)
 
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))

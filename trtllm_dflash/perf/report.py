@@ -116,9 +116,6 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
         ax.minorticks_off()
         ax.set_xlabel("concurrency")
 
-    def save(fig, name):
-        return save_png(fig, out / name)
-
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for (m, d, b), pts in _series(records, lambda r: r.output_tokens_per_s).items():
@@ -126,7 +123,7 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
     ax.set(ylabel="output tokens/s", title="Throughput")
     xaxis(ax)
     ax.legend(fontsize=8)
-    paths.append(save(fig, "throughput.png"))
+    paths.append(save_png(fig, out / "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     sp = defaultdict(list)
@@ -141,7 +138,7 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no dflash/baseline pairs", ha="center", transform=ax.transAxes)
-    paths.append(save(fig, "speedup.png"))
+    paths.append(save_png(fig, out / "speedup.png"))
 
     hist = defaultdict(lambda: defaultdict(int))
     for r in records:
@@ -150,7 +147,7 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
                 hist[f"{r.dataset} B={r.block_size}"][int(t)] += n
     fig, ax = plt.subplots(figsize=(6, 4))
     draw_tau_hist(ax, hist, "τ histogram (dflash)")
-    paths.append(save(fig, "tau_hist.png"))
+    paths.append(save_png(fig, out / "tau_hist.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     panels = [("TTFT ms", "ttft_ms_p50", "ttft_ms_p99"), ("ITL ms", "itl_ms_p50", "itl_ms_p99")]
@@ -161,7 +158,7 @@ def plot(records: list[PerfRecord], out: Path) -> list[Path]:
         ax.set(ylabel=name, title=name.split()[0])
         xaxis(ax)
         ax.legend(fontsize=7)
-    paths.append(save(fig, "latency.png"))
+    paths.append(save_png(fig, out / "latency.png"))
     return paths
 
 

@@ -103,8 +103,9 @@ def regen_prompts(args, tok) -> tuple[list[dict], list[list[int]]]:
 
 
 def cmd_prompts(args) -> None:
-    """The pool prompts behind the first ``--size`` tokens of regenerated shards, as the JSONL a drafter ships with
-    (``training_prompts.jsonl``, which the overlap test reads); each row is checked against the ids in its shard."""
+    """The pool prompts behind the first ``--size`` tokens of regenerated shards (after the first ``--skip``, as
+    ``train``), as the JSONL a drafter ships with (``training_prompts.jsonl``, which the overlap test reads); each row
+    is checked against the ids in its shard."""
     from trtllm_dflash.runtime.text import load_tokenizer
     from trtllm_dflash.train.regen import plan_chunks, read_regen_shard
 
@@ -112,7 +113,7 @@ def cmd_prompts(args) -> None:
     tok = load_tokenizer(args.target or load_target(args)[0])
     rows, encoded = regen_prompts(args, tok)
     chunks = plan_chunks([len(e) for e in encoded], read_json(work / "meta.json")["gen_batch_size"], args.seed)
-    paths, _, _ = prefix_shards(work, args.size)
+    paths, _, _ = prefix_shards(work, args.size, args.skip)
     out = []
     for path in paths:
         chunk = chunks[int(path.stem.split("-")[1])]
@@ -614,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward dtype for the top-k (default bfloat16, as regen)")
     q = sub.add_parser("prompts", help="the pool prompts behind the first --size regenerated tokens, as JSONL")
     q.add_argument("--size", type=int, required=True)
+    q.add_argument("--skip", type=int, default=0, metavar="TOKENS",
+                   help="leave out the first shards holding exactly this many response tokens (train's --skip)")
     q.add_argument("--out", required=True)
     add_pool_args(q)
     q = sub.add_parser("taps", help="tap the first --size tokens' shards ahead of train, split over processes")

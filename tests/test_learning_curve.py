@@ -62,6 +62,13 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     used = [json.loads(line) for line in (tmp_path / "used.jsonl").read_text().splitlines()]
     assert len(used) == got["prompts"] == sum(s["sequences"] for s in cost["shards"].values())
     assert {r["id"] for r in used} <= {r["id"] for r in rows}
+    first = cost["shards"]["regen-00000.safetensors"]  # --skip as train's: the prompts of the later shards only
+    later = json.loads(_curve(work, tiny_smol, "prompts", "--pool", str(pool), "--num-prompts", "12", "--size", "60",
+                              "--skip", str(first["response_tokens"]), "--out", str(tmp_path / "later.jsonl")
+                              ).splitlines()[-1])
+    assert later["prompts"] == len(used) - first["sequences"]
+    assert (tmp_path / "later.jsonl").read_text().splitlines() == \
+        (tmp_path / "used.jsonl").read_text().splitlines()[first["sequences"]:]
     for w in ("0", "1"):  # taps ahead of training, one process per core
         _curve(work, tiny_smol, "taps", "--size", "60", "--tap-layers", "1", "3", "--workers", "2", "--worker", w)
     tapped = {p.name for p in (work / "regen-taps-bfloat16").glob("shard-*.safetensors")}

@@ -62,7 +62,8 @@ def read_json(path: Path, default=None):
 
 def pool_prompts(pool: Path, num: int, code_fraction: float, seed: int, exclude: list[str] = ()) -> list[dict]:
     """A seeded sample of the pool: ``code_fraction`` of code-completion prompts, the rest chat; without the prompts
-    whose ids appear in the ``exclude`` JSONL files (e.g. a drafter's ``training_prompts.jsonl``: new data for it)."""
+    whose ids appear in the ``exclude`` JSONL(.gz) files (e.g. a drafter's ``training_prompts.jsonl.gz``: new data for
+    it)."""
     from trtllm_dflash.train.pool import jsonl_ids
 
     rows = [json.loads(line) for line in pool.read_text().splitlines() if line.strip()]
@@ -104,8 +105,8 @@ def regen_prompts(args, tok) -> tuple[list[dict], list[list[int]]]:
 
 def cmd_prompts(args) -> None:
     """The pool prompts behind the first ``--size`` tokens of regenerated shards (after the first ``--skip``, as
-    ``train``), as the JSONL a drafter ships with (``training_prompts.jsonl``, which the overlap test reads); each row
-    is checked against the ids in its shard."""
+    ``train``), as JSONL: the rows a drafter's ``training_prompts.jsonl.gz`` (which the overlap test reads) gains;
+    each row is checked against the ids in its shard."""
     from trtllm_dflash.runtime.text import load_tokenizer
     from trtllm_dflash.train.regen import plan_chunks, read_regen_shard
 
@@ -146,7 +147,7 @@ def cmd_regen(args) -> None:
             "dtype": args.dtype, "top_k": 8}
     if args.exclude:  # (absent otherwise: work folders made before --exclude existed keep resuming)
         meta["exclude"] = [Path(f).name for f in args.exclude]
-    # the sample itself, so that a changed --exclude file (a drafter's training_prompts.jsonl grows when a drafter
+    # the sample itself, so that a changed --exclude file (a drafter's training prompts grow when a drafter
     # is shipped) or pool cannot silently re-plan the shards still to come; folders made before it was recorded
     # take it on at their next call
     meta["sample_sha256"] = hashlib.sha256("\n".join(r["id"] for r in rows).encode()).hexdigest()[:16]
@@ -562,8 +563,8 @@ def add_pool_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--code-fraction", type=float, default=0.5)
     q.add_argument("--max-prompt-len", type=int, default=256)
     q.add_argument("--exclude", nargs="*", default=[], metavar="JSONL",
-                   help="leave out the pool prompts whose ids these JSONL files hold (e.g. the shipped drafter's "
-                        "training_prompts.jsonl, to regenerate data it has not seen)")
+                   help="leave out the pool prompts whose ids these JSONL(.gz) files hold (e.g. the shipped drafter's "
+                        "training_prompts.jsonl.gz, to regenerate data it has not seen)")
 
 
 def add_data_args(q: argparse.ArgumentParser) -> None:

@@ -152,3 +152,40 @@ def test_pack_leaves_a_warm_start_drafters_training_prompts_behind(tmp_path):
     assert everything["prompts"]["rows"] == 12
     assert gp.main(["pack", "--source", str(source), "--carry", str(tmp_path / "c3"), "--prompts", str(pool),
                     "--exclude", str(tmp_path / "nope.jsonl")]) == 2  # named, exit 2
+
+
+def test_pack_plans_the_fewest_commands_within_the_transfer_cap(tmp_path, monkeypatch):
+    """Part size chosen against the working tree's size (it grows as the shipped drafter does), resume files planned
+    into the same sequence of device calls, and no command over the cap."""
+    monkeypatch.setattr(gp, "TRANSFER_BUDGET", 8 * gp.MiB)
+    monkeypatch.setattr(gp, "tree_bytes", lambda repo: 3 * gp.MiB)  # room: 5 MiB per command
+    source = tmp_path / "target.gguf"
+    source.write_bytes(os.urandom(12 * gp.MiB))
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"fact {i}", "chat": True}) + "\n" for i in range(9)))
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    for i in (1, 2):
+        (resume / f"{gp.STATE_PREFIX}-{i:05d}-of-00002.safetensors").write_bytes(os.urandom(2 * gp.MiB))
+    (resume / "status.json").write_text("{}")
+    m = gp.pack(source, tmp_path / "carry", None, pool, None, [], resume=resume, repo=tmp_path)
+    # 4 MiB parts: 3 commands for the parts, 1 for both 2 MiB shards (3 MiB parts would need 5, 2 MiB parts 6)
+    assert [p["size"] for p in m["parts"]] == [4 * gp.MiB] * 3
+    cmds = m["commands"]
+    assert len(cmds) == 4 and all(c["bytes"] <= 5 * gp.MiB for c in cmds)
+    carried = [c for cmd in cmds for c in cmd["carry"] if not c.endswith("manifest.json")]
+    want = [f"carry/{p['name']}" for p in m["parts"]] + ["carry/prompts.jsonl.gz"]
+    want += [f"resume/{f.name}" for f in sorted(resume.iterdir())]
+    assert sorted(carried) == sorted(want)  # each once
+    verbs = [c["command"].split("gpu_train_drafter.sh ")[1] for c in cmds]
+    assert verbs[-1] == "start --wait 420 --out $OUT --resume-from resume"
+    assert all(v.startswith("recv") for v in verbs[:-1])
+    for cmd, v in zip(cmds[:-1], verbs):
+        assert ("--resume-from resume" in v) == any(c.startswith("resume/") for c in cmd["carry"])
+    # an explicit part size that cannot fit is refused, naming the flag and the size that would
+    with pytest.raises(gp.ConfigError, match="--part-mib 4 or less"):
+        gp.pack(source, tmp_path / "carry", 6, pool, None, [], repo=tmp_path)
+    # a resume folder without every shard is refused before anything is written
+    (resume / f"{gp.STATE_PREFIX}-00002-of-00002.safetensors").unlink()
+    with pytest.raises(gp.ArtifactError, match="missing"):
+        gp.pack(source, tmp_path / "carry", None, pool, None, [], resume=resume, repo=tmp_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -43,10 +42,12 @@ def test_overlap_check_passes_unrelated_text(index):
 
 def test_shipped_training_prompts_do_not_overlap(index):
     """The prompts the shipped drafter was trained on (recorded with it) are disjoint from HumanEval and MT-Bench."""
-    path = SHIPPED / "training_prompts.jsonl"
+    from trtllm_dflash.train.pool import read_jsonl
+
+    path = SHIPPED / "training_prompts.jsonl.gz"
     if not path.is_file():
         pytest.skip("no shipped drafter yet")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)
     assert len(rows) >= 100
     bad = [(r["id"], index.overlap(r["prompt"])) for r in rows if index.overlap(r["prompt"]) is not None]
     assert not bad, bad[:3]

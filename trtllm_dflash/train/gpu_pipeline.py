@@ -68,42 +68,26 @@ def _write_json(path: Path, obj) -> None:
 
 # ---------------------------------------------------------------- pack (here)
 
-def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts: Path | None,
-         wheels: list[Path], exclude: list[Path] = ()) -> dict:
-    """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib``; the
-    prompt pool travels without the rows whose ids are in the ``exclude`` JSONL files (a warm-start drafter's
-    ``training_prompts.jsonl``: the run then regenerates prompts it has never seen)."""
+def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_prompts: Path | None,
+         wheels: list[Path], exclude: list[Path] = (), resume: Path | None = None, repo: Path | None = None) -> dict:
+    """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib`` (None:
+    the size that needs the fewest device commands next to this working tree); the prompt pool travels without the
+    rows whose ids are in the ``exclude`` JSONL files (a warm-start drafter's ``training_prompts.jsonl.gz``: the run then
+    regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned into the
+    commands too (``recv --resume-from``). ``manifest["commands"]`` is the sequence of device calls."""
     if not source.exists():
         raise ArtifactError(source, "target source not found", "pass the GGUF file or an HF model directory")
     if not prompts.is_file():
         raise ArtifactError(prompts, "prompt pool not found", 'pass a JSONL of {"id", "prompt", "chat"}')
-    if not part_mib > 0:
-        raise ConfigError("--part-mib", part_mib, "must be > 0")
+    if part_mib is not None and not part_mib > 0:
+        raise ConfigError("--part-mib", part_mib, "must be > 0 (or left out: sized to the working tree)")
+    resume_files = _resume_files(resume) if resume is not None else []
     for f in exclude:
         if not f.is_file():
             raise ArtifactError(f, "--exclude file not found", "pass JSONL files of {\"id\", ...} rows")
     carry.mkdir(parents=True, exist_ok=True)
     for old in carry.glob("part-*"):
         old.unlink()
-    if source.is_dir():
-        kind, blob = "hf-tar", carry / "target.tar"
-        with tarfile.open(blob, "w") as tar:
-            for f in sorted(source.iterdir()):
-                if f.is_file():
-                    tar.add(f, arcname=f.name)
-        name = source.name
-    else:
-        kind, blob, name = "gguf", source, source.name
-    size, step = blob.stat().st_size, int(part_mib * MiB)
-    parts = []
-    with open(blob, "rb") as f:
-        for i in range(0, max(size, 1), step):
-            data = f.read(step)
-            path = carry / f"part-{len(parts):03d}"
-            path.write_bytes(data)
-            parts.append({"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    if kind == "hf-tar":
-        blob.unlink()
     from trtllm_dflash.train.pool import jsonl_ids
 
     drop, kept, excluded = jsonl_ids(exclude), 0, 0
@@ -127,9 +111,35 @@ def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts
         shutil.copyfile(eval_prompts, carry / "eval.jsonl")
         files["eval.jsonl"] = sha256(carry / "eval.jsonl")
     (carry / "wheels").mkdir(exist_ok=True)
+    for old in (carry / "wheels").iterdir():  # the folder travels whole: no wheels of an earlier pack
+        if old.name not in {w.name for w in wheels}:
+            old.unlink()
     for w in wheels:
         shutil.copyfile(w, carry / "wheels" / w.name)
         files[f"wheels/{w.name}"] = sha256(carry / "wheels" / w.name)
+    if source.is_dir():
+        kind, blob = "hf-tar", carry / "target.tar"
+        with tarfile.open(blob, "w") as tar:
+            for f in sorted(source.iterdir()):
+                if f.is_file():
+                    tar.add(f, arcname=f.name)
+        name = source.name
+    else:
+        kind, blob, name = "gguf", source, source.name
+    size = blob.stat().st_size
+    repo = repo or Path.cwd()
+    room = TRANSFER_BUDGET - tree_bytes(repo)
+    small = [(k, (carry / k).stat().st_size) for k in files] + [(str(f), f.stat().st_size) for f in resume_files]
+    step = int(part_mib * MiB) if part_mib is not None else _auto_part_bytes(size, small, room)
+    parts = []
+    with open(blob, "rb") as f:
+        for i in range(0, max(size, 1), step):
+            data = f.read(step)
+            path = carry / f"part-{len(parts):03d}"
+            path.write_bytes(data)
+            parts.append({"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    if kind == "hf-tar":
+        blob.unlink()
     manifest = {"kind": kind, "name": name, "size": size, "sha256": sha256(source) if kind == "gguf" else None,
                 "parts": parts, "files": files,
                 "prompts": {"rows": kept, "excluded": excluded, "exclude": [str(f) for f in exclude]}}
@@ -138,7 +148,7 @@ def pack(source: Path, carry: Path, part_mib: float, prompts: Path, eval_prompts
         for p in parts:
             h.update((carry / p["name"]).read_bytes())
         manifest["sha256"] = h.hexdigest()
-    manifest["commands"] = plan_commands(carry, manifest)
+    manifest["commands"] = plan_commands(carry, manifest, repo, resume_files)
     _write_json(carry / "manifest.json", manifest)
     return manifest
 
@@ -161,30 +171,85 @@ def tree_bytes(repo: Path) -> int:
     return total
 
 
-def plan_commands(carry: Path, manifest: dict, repo: Path | None = None) -> list[dict]:
-    """Which carried paths each device command takes so that none exceeds the transfer budget: one part per command,
-    the small files with whichever command has room; an error if a part cannot fit at all."""
+MANIFEST_BYTES = 64 * 1024  # manifest.json travels with every command (a few KiB; this much is reserved)
+
+
+def _bins(parts: list[int], small: list[tuple[str, int]], room: int) -> list[dict]:
+    """One command per part, then each other file (largest first) into the command with the most room left, or a
+    command of its own; a ConfigError names whatever cannot fit one command at all."""
+    bins = []
+    for i, size in enumerate(parts):
+        if size + MANIFEST_BYTES > room:
+            raise ConfigError("--part-mib", round(size / MiB, 1), f"does not fit one command next to the "
+                              f"{(TRANSFER_BUDGET - room) / MiB:.1f} MiB working tree (64 MiB cap)",
+                              f"use --part-mib {max(1, int((room - MiB) / MiB))} or less, or leave it out")
+        bins.append({"part": i, "files": [], "bytes": size + MANIFEST_BYTES})
+    for name, size in sorted(small, key=lambda f: -f[1]):
+        if size + MANIFEST_BYTES > room:
+            raise ConfigError("carried file", f"{name} ({size / MiB:.1f} MiB)", "does not fit any command next to "
+                              f"the {(TRANSFER_BUDGET - room) / MiB:.1f} MiB working tree", "carry a smaller one")
+        best = min(bins, key=lambda c: c["bytes"], default=None)
+        if best is None or best["bytes"] + size > room:
+            best = {"part": None, "files": [], "bytes": MANIFEST_BYTES}
+            bins.append(best)
+        best["files"].append(name)
+        best["bytes"] += size
+    return bins
+
+
+def _auto_part_bytes(size: int, small: list[tuple[str, int]], room: int) -> int:
+    """The whole-MiB part size that needs the fewest commands (the largest such) next to this working tree."""
+    best = None
+    for mib in range(max(1, (room - MANIFEST_BYTES) // MiB), 0, -1):
+        step = mib * MiB
+        try:
+            n = len(_bins([min(step, size - i) for i in range(0, max(size, 1), step)], small, room))
+        except ConfigError:
+            continue
+        if best is None or n < best[0]:
+            best = (n, step)
+    if best is None:
+        raise ConfigError("working tree", f"{(TRANSFER_BUDGET - room) / MiB:.1f} MiB", "leaves no room for any part "
+                          "(64 MiB per command, tracked and untracked-not-ignored files included)",
+                          "move large untracked files under an ignored folder such as artifacts/")
+    return best[1]
+
+
+def plan_commands(carry: Path, manifest: dict, repo: Path | None = None, resume_files: list[Path] = ()) -> list[dict]:
+    """The device calls, in order, so that none exceeds the transfer budget: ``recv`` for each but the last
+    (``--resume-from`` where it carries returned checkpoint files), then ``start``; each with the paths it carries."""
     repo = repo or Path.cwd()
     room = TRANSFER_BUDGET - tree_bytes(repo)
     rel = os.path.relpath(carry, repo)
-    small = [("manifest.json", 64 * 1024)] + [(k, (carry / k).stat().st_size) for k in manifest["files"]]
+    small = [(k, (carry / k).stat().st_size) for k in manifest["files"]]
+    small += [(os.path.relpath(f, repo), f.stat().st_size) for f in resume_files]
+    bins = _bins([p["size"] for p in manifest["parts"]], small, room)
+    resume_rel = os.path.relpath(resume_files[0].parent, repo) if resume_files else None
     cmds = []
-    for p in manifest["parts"]:
-        if p["size"] + 64 * 1024 > room:
-            raise ConfigError("--part-mib", round(p["size"] / MiB, 1), f"does not fit one command next to the "
-                              f"{(TRANSFER_BUDGET - room) / MiB:.1f} MiB working tree (64 MiB cap)",
-                              f"use --part-mib {max(1, int((room - MiB) / MiB))} or less")
-        cmds.append({"carry": [f"{rel}/manifest.json", f"{rel}/{p['name']}"], "bytes": p["size"] + 64 * 1024})
-    for name, size in small[1:]:
-        best = min(cmds, key=lambda c: c["bytes"])
-        if best["bytes"] + size > room:
-            raise ConfigError("prompt pool", size, "does not fit any command", "carry fewer prompts")
-        best["carry"].append(f"{rel}/{name.split('/')[0]}" if name.startswith("wheels/") else f"{rel}/{name}")
-        best["carry"] = list(dict.fromkeys(best["carry"]))
-        best["bytes"] += size
-    for c in cmds:
-        c["tree_mib"] = round((TRANSFER_BUDGET - room + c["bytes"]) / MiB, 1)
+    for i, b in enumerate(bins):
+        carried = [f"{rel}/manifest.json"] + ([f"{rel}/{manifest['parts'][b['part']]['name']}"]
+                                             if b["part"] is not None else [])
+        for name in b["files"]:
+            if name in manifest["files"]:
+                carried.append(f"{rel}/{name.split('/')[0]}" if name.startswith("wheels/") else f"{rel}/{name}")
+            else:
+                carried.append(name)
+        verb = "start --wait 420 --out $OUT" if i == len(bins) - 1 else "recv"
+        if resume_rel and (verb.startswith("start") or any(n not in manifest["files"] for n in b["files"])):
+            verb += f" --resume-from {resume_rel}"
+        cmds.append({"command": f"bash build_scripts/gpu_train_drafter.sh {verb}",
+                     "carry": list(dict.fromkeys(carried)), "bytes": b["bytes"],
+                     "tree_mib": round((TRANSFER_BUDGET - room + b["bytes"]) / MiB, 1)})
     return cmds
+
+
+def _resume_files(d: Path) -> list[Path]:
+    """The returned checkpoint files ``start --resume-from`` needs (see ``stash_resume``), all of them."""
+    if _resume_missing(d):
+        raise ArtifactError(d, f"missing {_resume_missing(d)}", "copy every file the last poll returned there")
+    names = [f.name for f in d.glob(f"{STATE_PREFIX}-*.safetensors")] + [
+        n for n in ("status.json", "config.json", "training_config.json") if (d / n).is_file()]
+    return [d / n for n in sorted(names)]
 
 
 # ---------------------------------------------------------------- recv / start (GPU)
@@ -589,15 +654,18 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("pack", help="(here) split the target and the data into checksummed parts")
     q.add_argument("--source", required=True, help="the target: a .gguf file or an HF model directory")
     q.add_argument("--carry", default="artifacts/gpu", help="ignored folder the parts go to (default artifacts/gpu)")
-    q.add_argument("--part-mib", type=float, default=32.0,
-                   help="part size, MiB (default 32; pack checks each command against the 64 MiB cap)")
+    q.add_argument("--part-mib", type=float, default=None,
+                   help="part size, MiB (default: the size needing the fewest commands next to this working tree; "
+                        "every command is checked against the 64 MiB cap)")
+    q.add_argument("--resume-from", default=None, metavar="DIR",
+                   help="files a previous poll returned (e.g. artifacts/gpu/resume): planned into the commands")
     q.add_argument("--prompts", required=True, help='prompt pool JSONL of {"id", "prompt", "chat"}')
     q.add_argument("--eval-prompts", default=None,
                    help='evaluation prompts: "humaneval", "mtbench" or a JSONL of {"prompt"} (chat-templated)')
     q.add_argument("--wheel", action="append", default=[], help="wheel(s) to carry (the gguf wheel for a GGUF)")
     q.add_argument("--exclude", nargs="*", default=[], metavar="JSONL",
                    help="leave the pool rows with these files' ids behind (with start --init <drafter>: its "
-                        "training_prompts.jsonl)")
+                        "training_prompts.jsonl.gz)")
     for name in ("recv", "start"):
         q = sub.add_parser(name)
         q.add_argument("--carry", default="artifacts/gpu")
@@ -633,7 +701,9 @@ def main(argv=None) -> int:
         if args.cmd == "pack":
             res = pack(Path(args.source), Path(args.carry), args.part_mib, Path(args.prompts),
                        Path(args.eval_prompts) if args.eval_prompts else None, [Path(w) for w in args.wheel],
-                       [Path(f) for f in args.exclude])
+                       [Path(f) for f in args.exclude], Path(args.resume_from) if args.resume_from else None)
+            res = {"parts": len(res["parts"]), "part_bytes": res["parts"][0]["size"], "prompts": res["prompts"],
+                   "commands": res["commands"]}
         elif args.cmd == "recv":
             res = recv(Path(args.carry), Path(args.home))
             if args.resume_from:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import gzip
 import hashlib
 import json
 import os
@@ -29,10 +30,18 @@ from trtllm_dflash.train.prompts import (
 )
 
 
+def read_jsonl(path) -> list[dict]:
+    """The rows of a JSONL file, gzip-compressed when its name ends in ``.gz`` (the shipped drafter's
+    ``training_prompts.jsonl.gz``)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def jsonl_ids(paths) -> set[str]:
-    """The ``id`` of every row of these JSONL files (e.g. a drafter's ``training_prompts.jsonl``): prompts to leave
-    out of a pool sample, so that a drafter trained on them gets new ones."""
-    return {json.loads(line)["id"] for f in paths for line in Path(f).read_text().splitlines() if line.strip()}
+    """The ``id`` of every row of these JSONL(.gz) files (e.g. a drafter's ``training_prompts.jsonl.gz``): prompts to
+    leave out of a pool sample, so that a drafter trained on them gets new ones."""
+    return {row["id"] for f in paths for row in read_jsonl(f)}
 
 
 def package_roots() -> list[tuple[str, Path]]:

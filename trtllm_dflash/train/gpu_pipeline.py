@@ -6,7 +6,8 @@ network and no ``gguf`` package, and is lent for 30 minutes. So:
 
     pack     (here)  split the target (the SmolLM2 GGUF, 97 MB, or an HF directory for rehearsals) into checksummed
                      parts under an ignored folder (default artifacts/gpu), with the prompt pool, the evaluation
-                     prompts and the gguf wheel; manifest.json records every size and SHA-256
+                     prompts and the gguf wheel; manifest.json records every size and SHA-256 and the device commands
+                     (parts sized so that each fits next to the working tree, which every command carries)
     recv     (GPU)   verify the parts carried by this command and move them into the machine's state directory
                      (--home, outside the repository copy, kept while the machine stays warm)
     start    (GPU)   once every part is there: reassemble, verify, install the wheel (if needed), convert to an HF
@@ -72,8 +73,8 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
          wheels: list[Path], exclude: list[Path] = (), resume: Path | None = None, repo: Path | None = None) -> dict:
     """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib`` (None:
     the size that needs the fewest device commands next to this working tree); the prompt pool travels without the
-    rows whose ids are in the ``exclude`` JSONL files (a warm-start drafter's ``training_prompts.jsonl.gz``: the run then
-    regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned into the
+    rows whose ids are in the ``exclude`` JSONL(.gz) files (a warm-start drafter's ``training_prompts.jsonl.gz``: the
+    run then regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned into the
     commands too (``recv --resume-from``). ``manifest["commands"]`` is the sequence of device calls."""
     if not source.exists():
         raise ArtifactError(source, "target source not found", "pass the GGUF file or an HF model directory")

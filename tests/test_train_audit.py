@@ -22,7 +22,7 @@ def test_shipped_training_config_matches_the_inference_spec():
     assert cfg["mask_token_id"] == spec.mask_token_id == MASK_TOKEN_ID
     assert tuple(cfg["target_layer_ids"]) == tuple(spec.target_layer_ids)
     assert cfg["block_size"] == spec.block_size and cfg["num_layers"] == len(spec.layer_types)
-    from trtllm_dflash.train.pool import read_jsonl
+    from trtllm_dflash.datasets import read_jsonl
 
     rows = read_jsonl(SHIPPED_DRAFTER / "training_prompts.jsonl.gz")
     assert rows and all(r["chat"] is True for r in rows)  # trained on chat-templated prompts, as evaluation runs

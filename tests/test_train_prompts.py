@@ -42,7 +42,7 @@ def test_overlap_check_passes_unrelated_text(index):
 
 def test_shipped_training_prompts_do_not_overlap(index):
     """The prompts the shipped drafter was trained on (recorded with it) are disjoint from HumanEval and MT-Bench."""
-    from trtllm_dflash.train.pool import read_jsonl
+    from trtllm_dflash.datasets import read_jsonl
 
     path = SHIPPED / "training_prompts.jsonl.gz"
     if not path.is_file():

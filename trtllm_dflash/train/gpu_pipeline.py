@@ -74,8 +74,8 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
     """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib`` (None:
     the size that needs the fewest device commands next to this working tree); the prompt pool travels without the
     rows whose ids are in the ``exclude`` JSONL(.gz) files (a warm-start drafter's ``training_prompts.jsonl.gz``: the
-    run then regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned into the
-    commands too (``recv --resume-from``). ``manifest["commands"]`` is the sequence of device calls."""
+    run then regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned
+    into the commands too (``recv --resume-from``). ``manifest["commands"]`` is the sequence of device calls."""
     if not source.exists():
         raise ArtifactError(source, "target source not found", "pass the GGUF file or an HF model directory")
     if not prompts.is_file():
@@ -113,7 +113,7 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
         files["eval.jsonl"] = sha256(carry / "eval.jsonl")
     (carry / "wheels").mkdir(exist_ok=True)
     for old in (carry / "wheels").iterdir():  # the folder travels whole: no wheels of an earlier pack
-        if old.name not in {w.name for w in wheels}:
+        if old.name not in [w.name for w in wheels]:
             old.unlink()
     for w in wheels:
         shutil.copyfile(w, carry / "wheels" / w.name)
@@ -130,12 +130,13 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
     size = blob.stat().st_size
     repo = repo or Path.cwd()
     room = TRANSFER_BUDGET - tree_bytes(repo)
-    small = [(k, (carry / k).stat().st_size) for k in files] + [(str(f), f.stat().st_size) for f in resume_files]
+    small = [(k, (carry / k).stat().st_size) for k in files]
+    small += [(os.path.relpath(f, repo), f.stat().st_size) for f in resume_files]
     step = int(part_mib * MiB) if part_mib is not None else _auto_part_bytes(size, small, room)
     parts = []
     with open(blob, "rb") as f:
-        for i in range(0, max(size, 1), step):
-            data = f.read(step)
+        for n in _part_sizes(size, step):
+            data = f.read(n)
             path = carry / f"part-{len(parts):03d}"
             path.write_bytes(data)
             parts.append({"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
@@ -149,7 +150,8 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
         for p in parts:
             h.update((carry / p["name"]).read_bytes())
         manifest["sha256"] = h.hexdigest()
-    manifest["commands"] = plan_commands(carry, manifest, repo, resume_files)
+    manifest["commands"] = plan_commands(os.path.relpath(carry, repo), manifest, small, room,
+                                         os.path.relpath(resume, repo) if resume is not None else None)
     _write_json(carry / "manifest.json", manifest)
     return manifest
 
@@ -173,6 +175,10 @@ def tree_bytes(repo: Path) -> int:
 
 
 MANIFEST_BYTES = 64 * 1024  # manifest.json travels with every command (a few KiB; this much is reserved)
+
+
+def _part_sizes(size: int, step: int) -> list[int]:
+    return [min(step, size - i) for i in range(0, max(size, 1), step)]
 
 
 def _bins(parts: list[int], small: list[tuple[str, int]], room: int) -> list[dict]:
@@ -204,7 +210,7 @@ def _auto_part_bytes(size: int, small: list[tuple[str, int]], room: int) -> int:
     for mib in range(max(1, (room - MANIFEST_BYTES) // MiB), 0, -1):
         step = mib * MiB
         try:
-            n = len(_bins([min(step, size - i) for i in range(0, max(size, 1), step)], small, room))
+            n = len(_bins(_part_sizes(size, step), small, room))
         except ConfigError:
             continue
         if best is None or n < best[0]:
@@ -216,16 +222,12 @@ def _auto_part_bytes(size: int, small: list[tuple[str, int]], room: int) -> int:
     return best[1]
 
 
-def plan_commands(carry: Path, manifest: dict, repo: Path | None = None, resume_files: list[Path] = ()) -> list[dict]:
-    """The device calls, in order, so that none exceeds the transfer budget: ``recv`` for each but the last
-    (``--resume-from`` where it carries returned checkpoint files), then ``start``; each with the paths it carries."""
-    repo = repo or Path.cwd()
-    room = TRANSFER_BUDGET - tree_bytes(repo)
-    rel = os.path.relpath(carry, repo)
-    small = [(k, (carry / k).stat().st_size) for k in manifest["files"]]
-    small += [(os.path.relpath(f, repo), f.stat().st_size) for f in resume_files]
+def plan_commands(rel: str, manifest: dict, small: list[tuple[str, int]], room: int,
+                  resume_rel: str | None = None) -> list[dict]:
+    """The device calls, in order, so that none exceeds ``room`` (the transfer budget less the working tree): ``recv``
+    for each but the last (``--resume-from`` where it carries returned checkpoint files), then ``start``; each with the
+    paths it carries. ``small``: (name, bytes) of the carry folder's files and the resume files (repository-relative)."""
     bins = _bins([p["size"] for p in manifest["parts"]], small, room)
-    resume_rel = os.path.relpath(resume_files[0].parent, repo) if resume_files else None
     cmds = []
     for i, b in enumerate(bins):
         carried = [f"{rel}/manifest.json"] + ([f"{rel}/{manifest['parts'][b['part']]['name']}"]
@@ -246,8 +248,9 @@ def plan_commands(carry: Path, manifest: dict, repo: Path | None = None, resume_
 
 def _resume_files(d: Path) -> list[Path]:
     """The returned checkpoint files ``start --resume-from`` needs (see ``stash_resume``), all of them."""
-    if _resume_missing(d):
-        raise ArtifactError(d, f"missing {_resume_missing(d)}", "copy every file the last poll returned there")
+    missing = _resume_missing(d)
+    if missing:
+        raise ArtifactError(d, f"missing {missing}", "copy every file the last poll returned there")
     names = [f.name for f in d.glob(f"{STATE_PREFIX}-*.safetensors")] + [
         n for n in ("status.json", "config.json", "training_config.json") if (d / n).is_file()]
     return [d / n for n in sorted(names)]
@@ -540,6 +543,7 @@ def _run(home: Path, a: dict) -> None:
     import torch
 
     from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.datasets import read_jsonl
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
     from trtllm_dflash.train.regen import build_regen, samples_without_taps, tap_shards
 
@@ -555,8 +559,7 @@ def _run(home: Path, a: dict) -> None:
         torch.backends.cudnn.allow_tf32 = True
     target_dir = home / "target"
     tok = load_tokenizer(target_dir)
-    with gzip.open(home / "prompts.jsonl.gz", "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()][: a["num_prompts"]]
+    rows = read_jsonl(home / "prompts.jsonl.gz")[: a["num_prompts"]]
     encoded = [encode_prompt(tok, r["prompt"], bool(r.get("chat", True))) for r in rows]
     encoded = [e for e in encoded if len(e) <= a["max_prompt_len"]]
     target = TargetModel.from_pretrained(target_dir, device=a["device"])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
-import gzip
 import hashlib
 import json
 import os
@@ -25,17 +24,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from trtllm_dflash.datasets import read_jsonl
 from trtllm_dflash.train.prompts import (
     CHAT_TEMPLATES, CODE_TEMPLATE, CODE_VARIANTS, EvalIndex, _python_files, _stub,
 )
-
-
-def read_jsonl(path) -> list[dict]:
-    """The rows of a JSONL file, gzip-compressed when its name ends in ``.gz`` (the shipped drafter's
-    ``training_prompts.jsonl.gz``)."""
-    path = Path(path)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def jsonl_ids(paths) -> set[str]:

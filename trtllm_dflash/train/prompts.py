@@ -34,6 +34,19 @@ CHAT_TEMPLATES = (
     "What is `{name}` in Python's `{module}` and when would you use it?",
     "Write a short, friendly explanation of `{name}` for a beginner.",
 )
+# Other tasks on the same mined content, for train/pool.py's later passes (one per item and pass).
+CODE_TASKS = (
+    "Write pytest unit tests for this Python function, based only on its signature and docstring.\n```python\n{code}```",
+    "Plan in a few bullet points how to implement this function, then write the implementation.\n```python\n{code}```",
+    "Implement this Python function, then show one example call and the value it returns.\n```python\n{code}```",
+)
+CHAT_TASKS = (
+    "Write a short blog post for Python developers that introduces the idea in this documentation paragraph:\n\n{text}",
+    "Turn this documentation paragraph into a short dialogue between a curious student and a teacher:\n\n{text}",
+    "List the key technical terms in this text and define each in one sentence:\n\n{text}",
+    "Write three quiz questions, with their answers, that check understanding of this text:\n\n{text}",
+    "Rewrite this paragraph for a reader who does not program, in at most four sentences:\n\n{text}",
+)
 NGRAM = 8  # words; long enough that shared boilerplate ("return a list of the") does not count as overlap
 DEFAULT_PACKAGES = ("numpy", "torch", "transformers", "tqdm", "jinja2", "safetensors", "huggingface_hub")
 CODE_SOURCES = ("stdlib", "numpy", "jinja2", "tqdm")  # small self-contained functions, the closest to HumanEval
@@ -160,8 +173,8 @@ class EvalIndex:
 
 def _strip_templates(text: str) -> str:
     """Our own instruction wrappers are not content; only what was mined is compared."""
-    for t in (CODE_TEMPLATE, *CODE_VARIANTS):
-        head = t.split("{code}")[0]
+    for t in (CODE_TEMPLATE, *CODE_VARIANTS, *CODE_TASKS, *CHAT_TASKS):
+        head = t.split("{code}")[0].split("{text}")[0]
         if text.startswith(head):
             return text[len(head) :]
     return text

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.train import gpu_pipeline as gp
 from tests.conftest import write_tiny_smol
 
@@ -57,9 +58,10 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
                             + "\n" for i in range(12)))
     carry, home = tmp_path / "carry", tmp_path / "home"
     r = _script("pack", "--source", tiny_target_with_tokenizer, "--carry", carry, "--part-mib", "4",
-                "--prompts", pool, "--eval-prompts", "humaneval")
+                "--prompts", pool, "--eval-prompts", "humaneval", "--num-prompts", "10")
     assert r.returncode == 0, r.stderr
     m = json.loads((carry / "manifest.json").read_text())
+    assert m["commands"][-1]["command"].endswith("start --wait 420 --out $OUT --num-prompts 10")
     parts = [p["name"] for p in m["parts"]]
     assert m["kind"] == "hf-tar" and len(parts) >= 3 and all(p["size"] <= 4 * gp.MiB for p in m["parts"])
     assert sum(1 for _ in open(carry / "eval.jsonl")) == 164
@@ -152,6 +154,15 @@ def test_pack_leaves_a_warm_start_drafters_training_prompts_behind(tmp_path):
     assert everything["prompts"]["rows"] == 12
     assert gp.main(["pack", "--source", str(source), "--carry", str(tmp_path / "c3"), "--prompts", str(pool),
                     "--exclude", str(tmp_path / "nope.jsonl")]) == 2  # named, exit 2
+    # a pool that an exclude has used up is refused before anything is written, naming the fix
+    with pytest.raises(ConfigError, match=r"--num-prompts.*only 9 rows .* left after --exclude \(3 left behind\).*"
+                                          r"--passes 2"):
+        gp.pack(source, tmp_path / "c4", 0.004, pool, None, [], [used], num_prompts=10)
+    assert not (tmp_path / "c4").exists()
+    assert gp.main(["pack", "--source", str(source), "--carry", str(tmp_path / "c5"), "--prompts", str(pool)]) == 2
+    ok = gp.pack(source, tmp_path / "c6", 0.004, pool, None, [], [used], num_prompts=9)
+    assert ok["prompts"]["num_prompts"] == 9 and ok["commands"][-1]["command"].endswith("--num-prompts 9")
+    assert everything["commands"][-1]["command"].endswith("start --wait 420 --out $OUT")  # the default: no flag
 
 
 def test_pack_plans_the_fewest_commands_within_the_transfer_cap(tmp_path, monkeypatch):

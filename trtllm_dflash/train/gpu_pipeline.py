@@ -47,10 +47,12 @@ log = logging.getLogger(__name__)
 MiB = 2**20
 OUT_MAX_FILES, OUT_MAX_BYTES = 8, 16 * MiB
 STATE_PREFIX = "drafter-fp32"
-RUN_FLAGS = ("num_prompts", "max_new_tokens", "max_prompt_len", "gen_batch_size", "top_k", "steps", "samples_per_step",
-             "anchors_per_sample", "num_layers", "block_size", "lr", "seed", "train_seconds", "eval_limit",
-             "eval_batch_size", "eval_max_new_tokens", "speed_limit", "device", "ckpt_every", "autocast", "distill", "taps",
-             "init")
+RUN_DEFAULTS = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
+                    steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
+                    seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
+                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online",
+                    init="target")  # start's flags, planned for one 30-minute lease
+RUN_FLAGS = tuple(RUN_DEFAULTS)
 
 
 def sha256(path: Path) -> str:
@@ -70,12 +72,15 @@ def _write_json(path: Path, obj) -> None:
 # ---------------------------------------------------------------- pack (here)
 
 def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_prompts: Path | None,
-         wheels: list[Path], exclude: list[Path] = (), resume: Path | None = None, repo: Path | None = None) -> dict:
+         wheels: list[Path], exclude: list[Path] = (), resume: Path | None = None, repo: Path | None = None,
+         num_prompts: int | None = None) -> dict:
     """Split ``source`` (a .gguf file, or an HF directory which is tarred first) into parts of ``part_mib`` (None:
     the size that needs the fewest device commands next to this working tree); the prompt pool travels without the
     rows whose ids are in the ``exclude`` JSONL(.gz) files (a warm-start drafter's ``training_prompts.jsonl.gz``: the
     run then regenerates prompts it has never seen). ``resume``: a folder of files a previous poll returned, planned
-    into the commands too (``recv --resume-from``). ``manifest["commands"]`` is the sequence of device calls."""
+    into the commands too (``recv --resume-from``). ``num_prompts``: the prompts the run regenerates (planned into
+    ``start``); fewer pool rows left than that is refused here, not found out on the GPU. ``manifest["commands"]`` is
+    the sequence of device calls."""
     if not source.exists():
         raise ArtifactError(source, "target source not found", "pass the GGUF file or an HF model directory")
     if not prompts.is_file():
@@ -86,21 +91,22 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
     for f in exclude:
         if not f.is_file():
             raise ArtifactError(f, "--exclude file not found", "pass JSONL files of {\"id\", ...} rows")
+    from trtllm_dflash.train.pool import jsonl_ids
+
+    drop = jsonl_ids(exclude)
+    lines = [line.rstrip("\n") for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [line for line in lines if not drop or json.loads(line)["id"] not in drop]
+    kept, excluded = len(rows), len(lines) - len(rows)
+    if num_prompts is not None and kept < num_prompts:
+        raise ConfigError("--num-prompts", num_prompts,
+                          f"only {kept:,} rows of {prompts} are left after --exclude ({excluded:,} left behind); pack "
+                          "the two-pass pool (python -m trtllm_dflash.train.pool --passes 2 --out "
+                          "artifacts/pool/pool-p2.jsonl) or pass a smaller --num-prompts to pack")
     carry.mkdir(parents=True, exist_ok=True)
     for old in carry.glob("part-*"):
         old.unlink()
-    from trtllm_dflash.train.pool import jsonl_ids
-
-    drop, kept, excluded = jsonl_ids(exclude), 0, 0
-    with open(prompts, encoding="utf-8") as f, gzip.GzipFile(carry / "prompts.jsonl.gz", "wb", mtime=0) as g:
-        for line in f:
-            if not line.strip():
-                continue
-            if drop and json.loads(line)["id"] in drop:
-                excluded += 1
-                continue
-            g.write(line.rstrip("\n").encode() + b"\n")
-            kept += 1
+    with gzip.GzipFile(carry / "prompts.jsonl.gz", "wb", mtime=0) as g:
+        g.write("".join(r + "\n" for r in rows).encode())
     files = {"prompts.jsonl.gz": sha256(carry / "prompts.jsonl.gz")}
     if eval_prompts is not None and str(eval_prompts) in ("humaneval", "mtbench"):
         from trtllm_dflash.datasets import load_prompts
@@ -145,6 +151,8 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
     manifest = {"kind": kind, "name": name, "size": size, "sha256": sha256(source) if kind == "gguf" else None,
                 "parts": parts, "files": files,
                 "prompts": {"rows": kept, "excluded": excluded, "exclude": [str(f) for f in exclude]}}
+    if num_prompts is not None:
+        manifest["prompts"]["num_prompts"] = num_prompts
     if kind == "hf-tar":  # the whole tar's checksum, recomputed from the parts
         h = hashlib.sha256()
         for p in parts:
@@ -237,7 +245,9 @@ def plan_commands(rel: str, manifest: dict, small: list[tuple[str, int]], room: 
                 carried.append(f"{rel}/{name.split('/')[0]}" if name.startswith("wheels/") else f"{rel}/{name}")
             else:
                 carried.append(name)
-        verb = "start --wait 420 --out $OUT" if i == len(bins) - 1 else "recv"
+        n = manifest["prompts"].get("num_prompts", RUN_DEFAULTS["num_prompts"]) if "prompts" in manifest else None
+        verb = "recv" if i < len(bins) - 1 else "start --wait 420 --out $OUT" + (
+            f" --num-prompts {n}" if n not in (None, RUN_DEFAULTS["num_prompts"]) else "")
         if resume_rel and (verb.startswith("start") or any(n not in manifest["files"] for n in b["files"])):
             verb += f" --resume-from {resume_rel}"
         cmds.append({"command": f"bash build_scripts/gpu_train_drafter.sh {verb}",
@@ -670,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--exclude", nargs="*", default=[], metavar="JSONL",
                    help="leave the pool rows with these files' ids behind (with start --init <drafter>: its "
                         "training_prompts.jsonl.gz)")
+    q.add_argument("--num-prompts", type=int, default=RUN_DEFAULTS["num_prompts"],
+                   help="prompts the run regenerates (default: start's); pack refuses a pool with fewer rows left and "
+                        "plans the value into the start command")
     for name in ("recv", "start"):
         q = sub.add_parser(name)
         q.add_argument("--carry", default="artifacts/gpu")
@@ -678,12 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--resume-from", default=None, help="folder a previous poll returned (carry its files)")
     q.add_argument("--wait", type=float, default=0, help="then poll for this many seconds")
     q.add_argument("--out", default=None, help="with --wait: where poll writes the checkpoint ($OUT)")
-    defaults = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
-                    steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
-                    seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
-                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online",
-                    init="target")
-    for k, v in defaults.items():
+    for k, v in RUN_DEFAULTS.items():
         q.add_argument("--" + k.replace("_", "-"), type=type(v), default=v,
                        choices=("online", "cached") if k == "taps" else None)
     q = sub.add_parser("run", help="(background) the job itself")
@@ -705,7 +713,8 @@ def main(argv=None) -> int:
         if args.cmd == "pack":
             res = pack(Path(args.source), Path(args.carry), args.part_mib, Path(args.prompts),
                        Path(args.eval_prompts) if args.eval_prompts else None, [Path(w) for w in args.wheel],
-                       [Path(f) for f in args.exclude], Path(args.resume_from) if args.resume_from else None)
+                       [Path(f) for f in args.exclude], Path(args.resume_from) if args.resume_from else None,
+                       num_prompts=args.num_prompts)
             res = {"parts": len(res["parts"]), "part_bytes": res["parts"][0]["size"], "prompts": res["prompts"],
                    "commands": res["commands"]}
         elif args.cmd == "recv":

@@ -94,7 +94,7 @@ def pack(source: Path, carry: Path, part_mib: float | None, prompts: Path, eval_
     from trtllm_dflash.train.pool import jsonl_ids
 
     drop = jsonl_ids(exclude)
-    lines = [line.rstrip("\n") for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [line for line in prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
     rows = [line for line in lines if not drop or json.loads(line)["id"] not in drop]
     kept, excluded = len(rows), len(lines) - len(rows)
     if num_prompts is not None and kept < num_prompts:
@@ -236,6 +236,8 @@ def plan_commands(rel: str, manifest: dict, small: list[tuple[str, int]], room: 
     for each but the last (``--resume-from`` where it carries returned checkpoint files), then ``start``; each with the
     paths it carries. ``small``: (name, bytes) of the carry folder's files and the resume files (repository-relative)."""
     bins = _bins([p["size"] for p in manifest["parts"]], small, room)
+    n = manifest.get("prompts", {}).get("num_prompts", RUN_DEFAULTS["num_prompts"])
+    start = "start --wait 420 --out $OUT" + (f" --num-prompts {n}" if n != RUN_DEFAULTS["num_prompts"] else "")
     cmds = []
     for i, b in enumerate(bins):
         carried = [f"{rel}/manifest.json"] + ([f"{rel}/{manifest['parts'][b['part']]['name']}"]
@@ -245,9 +247,7 @@ def plan_commands(rel: str, manifest: dict, small: list[tuple[str, int]], room: 
                 carried.append(f"{rel}/{name.split('/')[0]}" if name.startswith("wheels/") else f"{rel}/{name}")
             else:
                 carried.append(name)
-        n = manifest["prompts"].get("num_prompts", RUN_DEFAULTS["num_prompts"]) if "prompts" in manifest else None
-        verb = "recv" if i < len(bins) - 1 else "start --wait 420 --out $OUT" + (
-            f" --num-prompts {n}" if n not in (None, RUN_DEFAULTS["num_prompts"]) else "")
+        verb = start if i == len(bins) - 1 else "recv"
         if resume_rel and (verb.startswith("start") or any(n not in manifest["files"] for n in b["files"])):
             verb += f" --resume-from {resume_rel}"
         cmds.append({"command": f"bash build_scripts/gpu_train_drafter.sh {verb}",

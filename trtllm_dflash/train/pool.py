@@ -136,7 +136,8 @@ def build_pool(seed: int = 0, index: EvalIndex | None = None, progress=None, pas
             text = rng.choice(CHAT_TEMPLATES[:3]).format(text=content, name=short, module=name.split(":", 1)[0])
         add(kind, source, name, text, "")
     later = random.Random(f"{seed}/later-passes")
-    orders = [later.sample(range(n), n) for n in (len(CODE_TASKS if it[0] == "code" else CHAT_TASKS) for it in items)]
+    orders = [later.sample(range(n), n) for n in (len(CODE_TASKS if it[0] == "code" else CHAT_TASKS) for it in items)
+              ] if passes > 1 else []
     for p in range(2, passes + 1):
         for i in later.sample(range(len(items)), len(items)):
             kind, source, name, content = items[i]

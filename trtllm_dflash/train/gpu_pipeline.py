@@ -236,8 +236,9 @@ def plan_commands(rel: str, manifest: dict, small: list[tuple[str, int]], room: 
     for each but the last (``--resume-from`` where it carries returned checkpoint files), then ``start``; each with the
     paths it carries. ``small``: (name, bytes) of the carry folder's files and the resume files (repository-relative)."""
     bins = _bins([p["size"] for p in manifest["parts"]], small, room)
-    n = manifest.get("prompts", {}).get("num_prompts", RUN_DEFAULTS["num_prompts"])
-    start = "start --wait 420 --out $OUT" + (f" --num-prompts {n}" if n != RUN_DEFAULTS["num_prompts"] else "")
+    num_prompts = manifest.get("prompts", {}).get("num_prompts", RUN_DEFAULTS["num_prompts"])
+    start = "start --wait 420 --out $OUT" + (
+        f" --num-prompts {num_prompts}" if num_prompts != RUN_DEFAULTS["num_prompts"] else "")
     cmds = []
     for i, b in enumerate(bins):
         carried = [f"{rel}/manifest.json"] + ([f"{rel}/{manifest['parts'][b['part']]['name']}"]

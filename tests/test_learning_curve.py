@@ -101,10 +101,14 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
 
     # continued training from a kept drafter gets its own name and records where it started
     _curve(work, tiny_smol, "train", "--size", "40", "--epochs", "1", "--ckpt-every", "100", "--samples-per-step", "2",
-           "--num-layers", "1", "--tap-layers", "1", "3", "--init", last, "--lr", "1e-4")
+           "--num-layers", "1", "--tap-layers", "1", "3", "--init", last, "--lr", "1e-4", "--autocast", "none")
     warm = [d for d in (work / "drafters").iterdir() if "-from-" in d.name]
     assert len(warm) == 1 and warm[0].name.startswith(f"regen-40-from-{Path(last).name}@")
-    assert json.loads((warm[0] / "curve_point.json").read_text())["init"] == last
+    point = json.loads((warm[0] / "curve_point.json").read_text())
+    assert point["init"] == last
+    # float32 (the faster choice on a CPU without bf16 units) reaches the trainer and both records say so
+    assert point["autocast"] == "none" and by_step[-1]["autocast"] == "bf16"
+    assert json.loads((warm[0] / "training_config.json").read_text())["autocast"] == "none"
 
 
 def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path):

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from trtllm_dflash.errors import ArtifactError, ConfigError
+from trtllm_dflash.hardware import cpu_model
 from trtllm_dflash.perf.metrics import LoopCounters
 from trtllm_dflash.perf.record import PerfRecord, append_record
 
@@ -177,14 +178,7 @@ def git_commit() -> str:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     gpu = ""
     try:
         import torch

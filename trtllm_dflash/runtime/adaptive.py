@@ -28,12 +28,13 @@ import hashlib
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+
+from trtllm_dflash.hardware import cpu_model
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per forward at which costs are calibrated
 
@@ -120,13 +121,7 @@ def device_name(device) -> str:
 
     if getattr(device, "type", str(device)) == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def cost_key(device: str, dtype: str, threads: int, model: str) -> dict:

@@ -37,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from trtllm_dflash.hardware import warn_slow_bf16  # noqa: E402  (bf16 is the recipe's CPU default: warn where emulated)
+
 
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
@@ -140,7 +142,7 @@ def cmd_regen(args) -> None:
 
     work = Path(args.work) / "regen"
     work.mkdir(parents=True, exist_ok=True)
-    warn_bf16(args.dtype, "--dtype", "--dtype float32")
+    warn_slow_bf16(args.dtype, "--dtype", "--dtype float32")
     _, target, tok, stops = load_target(args, getattr(torch, args.dtype))
     rows, encoded = regen_prompts(args, tok)
     meta = {"pool": str(args.pool), "num_prompts": len(encoded), "code_fraction": args.code_fraction,
@@ -202,7 +204,7 @@ def cmd_text(args) -> None:
 
     work = Path(args.work) / "text"
     work.mkdir(parents=True, exist_ok=True)
-    warn_bf16(args.dtype, "--dtype", "--dtype float32")
+    warn_slow_bf16(args.dtype, "--dtype", "--dtype float32")
     _, target, tok, stops = load_target(args, getattr(torch, args.dtype))
     rows_path = work / "functions.jsonl"
     c0 = cpu_seconds()
@@ -245,14 +247,6 @@ def cmd_text(args) -> None:
 
 RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0", "--loss-vocab", "data",
           "--loss-negatives", "8192"]
-
-
-def warn_bf16(value: str, option: str, fix: str) -> None:
-    """bf16 is this recipe's CPU default because our Intel machines have bf16 units; say so where it is emulated."""
-    from trtllm_dflash.hardware import slow_bf16_warning
-
-    if value in ("bfloat16", "bf16") and (msg := slow_bf16_warning(f"{option} {value}", fix)):
-        print(msg, file=sys.stderr)
 
 
 def shard_costs(src: Path) -> list[tuple[Path, int, float]]:
@@ -300,7 +294,7 @@ def cmd_taps(args) -> None:
 
     work = Path(args.work)
     paths, _, _ = prefix_shards(work / args.source, args.size)
-    warn_bf16(args.taps_dtype, "--taps-dtype", "--taps-dtype float32")
+    warn_slow_bf16(args.taps_dtype, "--taps-dtype", "--taps-dtype float32")
     tapper = load_target(args, getattr(torch, args.taps_dtype))[1]
     c0 = cpu_seconds()
     mine = paths[args.worker :: args.workers]
@@ -342,7 +336,7 @@ def cmd_train(args) -> None:
         "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
         "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",
         "--ckpt-every", str(args.ckpt_every), "--autocast", args.autocast, "--data", str(work / args.source)]))
-    warn_bf16(args.autocast, "--autocast", "--autocast none")
+    warn_slow_bf16(args.autocast, "--autocast", "--autocast none")
     spec = drafter_spec(cfg, target.spec)
     c0 = cpu_seconds()
     tapper = target if args.taps_dtype == "float32" else load_target(args, getattr(torch, args.taps_dtype))[1]

@@ -10,6 +10,7 @@ bf16 and 56.3 in float32 (3.8x).
 from __future__ import annotations
 
 import platform
+import sys
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -47,7 +48,14 @@ def has_bf16_units(cpuinfo: str | None = None) -> bool | None:
 
 def slow_bf16_warning(option: str, fix: str, cpuinfo: str | None = None) -> str | None:
     """The one-line advice to print when ``option`` asks for bf16 on a CPU that would emulate it, else None."""
-    if has_bf16_units(cpuinfo) is not False:
+    text = _cpuinfo(cpuinfo)  # read once for both questions
+    if has_bf16_units(text) is not False:
         return None
-    return (f"warning: {option} on a CPU without bf16 units ({cpu_model(cpuinfo)}: no {' or '.join(BF16_FLAGS)}) "
+    return (f"warning: {option} on a CPU without bf16 units ({cpu_model(text)}: no {' or '.join(BF16_FLAGS)}) "
             f"runs at about a quarter of float32's speed here; pass {fix}")
+
+
+def warn_slow_bf16(value: str, option: str, fix: str) -> None:
+    """Print ``slow_bf16_warning`` on stderr when ``option``'s ``value`` is bf16 (only then is /proc/cpuinfo read)."""
+    if value in ("bfloat16", "bf16") and (msg := slow_bf16_warning(f"{option} {value}", fix)):
+        print(msg, file=sys.stderr)

@@ -99,14 +99,13 @@ def main(args: argparse.Namespace) -> int:
     use_huge_pages()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from trtllm_dflash.hardware import slow_bf16_warning
+        from trtllm_dflash.hardware import warn_slow_bf16
         from trtllm_dflash.train.config import TrainConfig
         from trtllm_dflash.train.pipeline import run_training
 
         cfg = TrainConfig.from_args(args)
-        warning = slow_bf16_warning("--autocast bf16", "--autocast none")
-        if cfg.device == "cpu" and cfg.autocast == "bf16" and warning:
-            print(warning, file=sys.stderr)
+        if cfg.device == "cpu":
+            warn_slow_bf16(cfg.autocast, "--autocast", "--autocast none")
         run_training(cfg, resume=args.resume, stop_after=args.stop_after)
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)

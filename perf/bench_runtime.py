@@ -11,7 +11,8 @@ including prefill, summed over prompts.
 the block size, so it is decoded once per batch) and prints one JSON line per block size. ``auto`` may be one of them
 (``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
 of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
-continuation instead of the drafter's block. Every batch runs all decoders back to back (in reversed order on odd
+continuation instead of the drafter's block, and ``16+ngram`` does so at a fixed block size wherever the context ends
+in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps). Every batch runs all decoders back to back (in reversed order on odd
 batches), so the ratios are paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
@@ -35,6 +36,17 @@ import time
 
 
 AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
+NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
+
+
+def block_label(text: str) -> int | str:
+    """One --block-size item: "auto", "auto+ngram", an integer >= 2 (as int) or "N+ngram"; ValueError otherwise."""
+    base = text.removesuffix(NGRAM)
+    if base == "auto":
+        return text
+    if int(base) < 2:
+        raise ValueError(text)
+    return text if text.endswith(NGRAM) else int(base)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,14 +73,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
     try:
-        blocks = [b.strip() if b.strip() in AUTOS else int(b) for b in args.block_size.split(",")] \
-            if args.block_size else []
-        if any(b not in AUTOS and b < 2 for b in blocks) or len(set(blocks)) < len(blocks):
+        blocks = [block_label(b.strip()) for b in args.block_size.split(",")] if args.block_size else []
+        if len(set(blocks)) < len(blocks):
             raise ValueError
         args.block_sizes = blocks
     except ValueError:
-        p.error(f"--block-size {args.block_size!r} must be 'auto', 'auto+ngram' or an integer >= 2, or a comma list "
-                "of distinct ones, e.g. auto,16,8")
+        p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, each optionally with "
+                "'+ngram', or a comma list of distinct ones, e.g. auto,16,16+ngram")
     return args
 
 
@@ -94,13 +105,15 @@ def main(argv=None) -> int:
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
     decoders = {"ar": SpeculativeDecoder(target, None, 1)}
-    decoders.update({b: make_decoder(target, drafter, "auto" if b in AUTOS else b, args.drafter,
-                                     args.max_block_size if b in AUTOS else None, ngram=b == "auto+ngram")
+    decoders.update({b: make_decoder(target, drafter, "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM)),
+                                     args.drafter, args.max_block_size if b in AUTOS else None,
+                                     ngram=str(b).endswith(NGRAM))
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 
     ms, tokens = collections.Counter(), collections.Counter()
     taus: dict[int | str, list[int]] = {b: [] for b in blocks}
+    lookups: collections.Counter = collections.Counter()
     mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
@@ -118,6 +131,7 @@ def main(argv=None) -> int:
         for b in blocks:
             for p, a, d in zip(batch, outs["ar"], outs[b]):
                 taus[b].extend(d.acceptance_lengths)
+                lookups[b] += d.lookup_steps
                 if a.token_ids != d.token_ids:
                     mismatches[b].append(p.id)
         bar.update(len(batch))
@@ -144,6 +158,7 @@ def main(argv=None) -> int:
             "mismatched_prompts": mismatches[b],
             "num_new_tokens": tokens[b],
             **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
+            **({"lookup_steps": lookups[b]} if dec.ngram and not dec.adaptive else {}),
             "target": os.path.basename(os.path.normpath(args.target)),
             "drafter": os.path.basename(os.path.normpath(args.drafter)),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "

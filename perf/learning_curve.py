@@ -421,25 +421,30 @@ def cmd_eval(args) -> None:
         if out_path.is_file() or not (d / "model.safetensors").is_file():
             continue
         drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
-        dec = SpeculativeDecoder(target, drafter, args.block_size) if args.decode else None
+        decs = [SpeculativeDecoder(target, drafter, args.block_size, ngram=ngram) for ngram in (False, True)] \
+            if args.decode else None
         res = {"drafter": str(d), "block_size": args.block_size, "limit": args.limit,
                "max_new_tokens": args.max_new_tokens, "method": "decode" if args.decode else "replay"}
         for ds, rows in refs.items():
-            taus, pl, mismatched = [], [], []
+            taus, ng, pl, mismatched = [], [], [], []
             for i in range(0, len(rows), args.batch_size):
                 part = rows[i : i + args.batch_size]
                 pl += [t for row_taus in lookup[ds][i : i + args.batch_size] for t in row_taus]
-                if dec is None:  # the decoder's walk replayed on the known greedy output (train.audit.replay_taus)
+                if decs is None:  # the decoder's walks replayed on the known greedy output (train.audit.replay_taus)
                     for r in part:
-                        taus += replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]))
+                        t, m = replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"], len(r["prompt_ids"]),
+                                           ngram=True, block_size=args.block_size)
+                        taus, ng = taus + t, ng + m
                     continue
                 reqs = [Request(tuple(r["prompt_ids"]), args.max_new_tokens, stop_token_ids=stops) for r in part]
-                for r, out in zip(part, dec.generate(reqs)):
+                for r, out, out_ng in zip(part, decs[0].generate(reqs), decs[1].generate(reqs)):
                     taus += out.acceptance_lengths
-                    if list(out.token_ids) != r["token_ids"]:
+                    ng += out_ng.acceptance_lengths
+                    if list(out.token_ids) != r["token_ids"] or list(out_ng.token_ids) != r["token_ids"]:
                         mismatched.append(r["id"])
             res[ds] = {"tau": round(sum(taus) / len(taus), 4), "prompt_lookup_tau": round(sum(pl) / len(pl), 4),
-                       "steps": len(taus), **({"lossless": not mismatched, "mismatched": mismatched} if dec else {})}
+                       "steps": len(taus), "ngram_tau": round(sum(ng) / len(ng), 4), "ngram_steps": len(ng),
+                       **({"lossless": not mismatched, "mismatched": mismatched} if decs else {})}
         write_json(out_path, res)
         print(json.dumps(res))
 

@@ -358,3 +358,29 @@ def test_auto_with_ngram_is_lossless(tiny_models, cost_root, one_thread):
     dec = SpeculativeDecoder(target, drafter, "auto", ngram=True)
     out = dec.generate([Request(tuple(p), 40) for p in prompts])
     assert [r.token_ids for r in out] == ref
+
+
+def test_fixed_block_with_ngram_is_lossless_and_skips_draft_passes(tiny_models, one_thread):
+    """At a fixed block size, rows whose context ends in a recurring 2-gram verify prompt lookup's continuation (no
+    draft pass for them), the others draft; greedy and seeded sampling give the same tokens as without it."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    target, drafter = tiny_models["llama"]
+    prompts = [[7, 8, 9, 10] * 6, [3, 4, 5, 3, 4, 5, 3, 4], [11, 12, 13]]
+    ref = greedy_reference(target, prompts, 40)
+    calls = []
+
+    class Counting(SpeculativeDecoder):
+        def propose(self, bonus, dcache, rows, committed, num_drafts=None):
+            calls.append(len(bonus))
+            return super().propose(bonus, dcache, rows, committed, num_drafts)
+
+    dec = Counting(target, drafter, 8, ngram=True)
+    out = dec.generate([Request(tuple(p), 40) for p in prompts])
+    assert [r.token_ids for r in out] == ref
+    assert all(max(r.acceptance_lengths) <= 8 for r in out)
+    row_steps = sum(len(r.acceptance_lengths) for r in out)
+    assert sum(r.lookup_steps for r in out) > 0 and sum(calls) == row_steps - sum(r.lookup_steps for r in out)
+    sampled = [Request(tuple(p), 24, sampling=SamplingParams(0.8, 0, 1.0, 5)) for p in prompts]
+    plain = SpeculativeDecoder(target, drafter, 8).generate(sampled)
+    assert [r.token_ids for r in dec.generate(sampled)] == [r.token_ids for r in plain]

@@ -92,6 +92,8 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
         assert ev["decode"][ds]["lossless"]
         assert ev["replay"][ds]["tau"] == ev["decode"][ds]["tau"]
         assert ev["replay"][ds]["steps"] == ev["decode"][ds]["steps"]
+        assert ev["replay"][ds]["ngram_tau"] == ev["decode"][ds]["ngram_tau"]  # prompt lookup where 2-grams recur
+        assert ev["replay"][ds]["ngram_steps"] == ev["decode"][ds]["ngram_steps"]
     rep = json.loads(_curve(work, tiny_smol, "report", "--out", str(tmp_path / "rep"), "--limit", "2",
                             "--max-new-tokens", "8").splitlines()[-1])
     assert rep["points"] == 1

@@ -13,18 +13,19 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
-         "--block-size", "auto,8", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
+         "--block-size", "auto,8,8+ngram", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
          "--drafter", smollm2["drafter"], "--json", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert out.read_text() == run.stdout
-    assert [x["block_size"] for x in lines] == ["auto", 8]
-    assert lines[0]["ar_tokens_per_second"] == lines[1]["ar_tokens_per_second"]  # one AR run for both
+    assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram"]
+    assert len({x["ar_tokens_per_second"] for x in lines}) == 1  # one AR run for all
+    assert "lookup_steps" in lines[2] and "lookup_steps" not in lines[1]
     for x in lines:
         assert x["lossless"] and x["mismatched_prompts"] == [] and x["num_prompts"] == 2
         hist = {int(k): n for k, n in x["acceptance_histogram"].items()}
-        longest = x.get("max_block_size", x["block_size"])
+        longest = x["max_block_size"] if "max_block_size" in x else int(str(x["block_size"]).removesuffix("+ngram"))
         assert sorted(hist) == list(range(1, longest + 1))
         steps = sum(hist.values())
         assert abs(sum(k * n for k, n in hist.items()) / steps - x["mean_acceptance_length"]) < 1e-3
@@ -38,8 +39,9 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
 
 
 def test_bad_block_size_exits_2(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--block-size", "16,x"], capture_output=True, text=True)
-    assert run.returncode == 2 and "--block-size '16,x'" in run.stderr and "e.g. auto,16,8" in run.stderr
+    for bad in ("16,x", "1+ngram", "16,16"):
+        run = subprocess.run([sys.executable, str(SCRIPT), "--block-size", bad], capture_output=True, text=True)
+        assert run.returncode == 2 and f"--block-size '{bad}'" in run.stderr and "e.g. auto,16,16+ngram" in run.stderr
 
 
 def test_allow_mismatch_reports_identity_without_failing(smollm2):

@@ -37,8 +37,24 @@ def test_make_repo_renders_every_model_without_placeholders(tiny_dirs, tmp_path)
     assert 'string_value: "1"' in (out / "baseline_bls" / "config.pbtxt").read_text()  # block size 1
     assert (out / "dflash_bls" / "1" / "model.py").is_file()
     assert json.loads((out / "manifest.json").read_text())["repo_config"]["block_size"] == 8
+    for model in ("dflash_bls", "dflash", "baseline"):  # prompt lookup is off unless asked for
+        assert 'key: "ngram" value: { string_value: "off" }' in (out / model / "config.pbtxt").read_text()
     with pytest.raises(ArtifactError, match="already exists; pass --force"):
         make_repo(RepoConfig(str(t), str(d)), out)
+
+
+def test_make_repo_ngram_reaches_the_dflash_loops_only(tiny_dirs, tmp_path, capsys):
+    t, d = tiny_dirs["llama"]
+    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "repo"),
+                 "--block-size", "8", "--max-seq-len", "256", "--ngram"]) == 0
+    for model, want in (("dflash_bls", "on"), ("dflash", "on"), ("baseline_bls", "off"), ("baseline", "off")):
+        text = (tmp_path / "repo" / model / "config.pbtxt").read_text()
+        assert f'key: "ngram" value: {{ string_value: "{want}" }}' in text, model
+    capsys.readouterr()
+    assert main(["make-repo", "--backend", "trtllm-pytorch", "--checkpoint", str(t), "--drafter", str(d),
+                 "--out", str(tmp_path / "r2"), "--ngram"]) == 2
+    assert "--ngram=True: runs in the BLS loop over step models" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists()
 
 
 def test_make_repo_auto_writes_the_loop_policy(tiny_dirs, tmp_path, monkeypatch):
@@ -107,8 +123,10 @@ class OracleSteps(LocalSteps):
         super().__init__(*a)
         self.ref, self.prompt_len = ref, prompt_len
         self.gen = torch.Generator().manual_seed(seed)
+        self.drafts = 0
 
     async def draft(self, seq_id, k, v, bonus, block_size):
+        self.drafts += 1
         real = await super().draft(seq_id, k, v, bonus, block_size)
         row = self.verifier.slots.rows[seq_id]
         emitted = int(self.verifier.cache.lengths[row]) - self.prompt_len + 1
@@ -119,10 +137,10 @@ class OracleSteps(LocalSteps):
         return out
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16, "auto", "auto+ngram"])
+@pytest.mark.parametrize("block_size", [1, 4, 16, "16+ngram", "auto", "auto+ngram"])
 def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
     target, drafter = tiny_models["qwen3"]
-    prompt = [9, 8, 7, 6, 5, 4]
+    prompt = [9, 8, 7, 9, 8, 7, 9, 8] if "ngram" in str(block_size) else [9, 8, 7, 6, 5, 4]  # the first repeats
     ref = list(greedy_reference(target, [prompt], 40)[0])
     verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16)
     steps = OracleSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["qwen3"][0],
@@ -135,17 +153,23 @@ def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
     req = GenerateRequest(tuple(prompt), 40, SamplingParams(), ((ref[30],),) if block_size == 4 else (), True)
     policy = AdaptivePolicy(CostModel([1e-3 * (1 + n / 64) for n in GRID], [5e-4 * (1 + n / 64) for n in GRID]), 16,
                             [0.6] * 15, ngram=block_size == "auto+ngram") if "auto" in str(block_size) else None
-    reason = asyncio.run(run_generation(steps, req, "auto" if policy else block_size, 7, on_update, policy=policy))
+    fixed = int(str(block_size).removesuffix("+ngram")) if not policy else None
+    reason = asyncio.run(run_generation(steps, req, "auto" if policy else fixed, 7, on_update, policy=policy,
+                                        ngram=block_size == "16+ngram"))
     expect = ref[: ref.index(ref[30])] if block_size == 4 else ref
     assert updates[-1].final and updates[-1].tokens == expect
     assert reason == ("stop" if block_size == 4 else "length")
     taus = [t for u in updates for t in u.acceptance_lengths]
-    longest = 16 if policy else block_size
+    longest = 16 if policy else fixed
     assert all(1 <= t <= longest for t in taus) and (block_size == 1 or max(taus) > 1)
     ks = [k for u in updates for k in u.draft_lengths]
     assert len(ks) == len(taus) and all(t <= k + 1 for k, t in zip(ks, taus))
     if policy:
         assert len(set(ks)) > 1 and policy.telemetry.steps == len(ks)
+    if block_size == "16+ngram":  # the tiny model repeats itself: some steps verify prompt lookup's continuation
+        assert 0 < steps.drafts < len(taus)
+    elif block_size in (4, 16):
+        assert steps.drafts == len(taus)
     assert [u.prev_len for u in updates[1:]] == [len(u.tokens) for u in updates[:-1]]
     assert not verifier.slots.rows and not steps.drafter.slots.rows  # state freed
 

@@ -87,3 +87,32 @@ def test_prompt_lookup_replay_by_hand():
     # 5 1); the 2-gram's draft 3 4 gets 3 accepted, then the bonus 9 ends the output: one step of 2
     assert prompt_lookup_taus([1, 2, 3, 4, 2, 5, 1, 2, 3, 9], 7, 3) == [2]
     assert prompt_lookup_taus([7, 8, 9, 10], 2, 16) == [1]  # nothing recurs: no draft, τ = 1 per step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thread, block_size):
+    """On the real pair, ``replay_taus`` reproduces the decoder's steps at the drafter's block size and at a smaller
+    one (whose non-causal block differs from a truncated 16-token one), plain and in ``ngram`` mode (prompt lookup's
+    continuation of a recurring 2- or 3-gram instead of the drafter's block); every walk is lossless."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.train.audit import replay_taus
+
+    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    reqs = [Request(tuple(encode_prompt(tok, q.text, q.chat)), 48, stop_token_ids=stops)
+            for q in load_prompts("humaneval", 2)[1:] + load_prompts("mtbench", 1)]
+    greedy = SpeculativeDecoder(target, None, 1).generate(reqs)
+    plain = SpeculativeDecoder(target, drafter, block_size).generate(reqs)
+    looked = SpeculativeDecoder(target, drafter, block_size, ngram=True).generate(reqs)
+    assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 48 tokens
+    for req, ref, a, b in zip(reqs, greedy, plain, looked):
+        assert a.token_ids == ref.token_ids == b.token_ids
+        ids = list(req.prompt_ids) + list(ref.token_ids)
+        taus, ngram_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True, block_size=block_size)
+        assert taus == list(a.acceptance_lengths) and ngram_taus == list(b.acceptance_lengths)
+        assert max(taus) <= block_size and max(ngram_taus) <= block_size

@@ -19,6 +19,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, drafter_required: bool 
                              "as many drafts as pay off on this device; default: the drafter's; 1 = autoregressive)")
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
+    parser.add_argument("--ngram", action="store_true",
+                        help="also verify prompt lookup's proposals (the tokens that followed an earlier occurrence of the "
+                             "context's last 2-3 tokens) instead of the drafter's block where the context repeats "
+                             "itself; under auto where they are expected to yield more. Lossless either way")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="compute dtype (default float32: fastest on CPUs without bf16 units)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -55,6 +59,9 @@ def resolve_block_size(args, drafter) -> int | str:
                 "add --block-size auto or drop --max-block-size")
         require(max_block >= 2, "--max-block-size", max_block, "must be >= 2")
     if args.block_size is not None:
+        require(not getattr(args, "ngram", False) or args.block_size != 1, "--ngram", True,
+                "needs a block size > 1 (prompt lookup's proposals are verified in the drafter's blocks)",
+                "drop --ngram or pass --block-size 16 or auto")
         return args.block_size
     require(drafter is not None, "--drafter", None, "is required unless --block-size 1", "pass --drafter DIR")
     return drafter.spec.block_size

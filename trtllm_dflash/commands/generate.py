@@ -40,7 +40,8 @@ def main(args: argparse.Namespace) -> int:
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
 
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
-    decoder = make_decoder(target, drafter, resolve_block_size(args, drafter), args.drafter, args.max_block_size)
+    decoder = make_decoder(target, drafter, resolve_block_size(args, drafter), args.drafter, args.max_block_size,
+                           ngram=args.ngram)
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []
@@ -72,10 +73,12 @@ def main(args: argparse.Namespace) -> int:
                     "finish_reason": res.finish_reason,
                     "block_size": decoder.block_size_label,
                     **({"draft_lengths": list(res.draft_lengths)} if decoder.adaptive else {}),
+                    **({"ngram": True, "lookup_steps": res.lookup_steps} if decoder.ngram else {}),
                 }), flush=True)
             else:
                 print(detok.flush() if stream else text, flush=True)
                 print(f"[{res.num_new_tokens} tokens, {res.tokens_per_second:.1f} tok/s, mean acceptance length "
-                      f"τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size_label}]",
+                      f"τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size_label}"
+                      f"{f', {res.lookup_steps} prompt-lookup steps' if decoder.ngram else ''}]",
                       file=sys.stderr)
     return 0

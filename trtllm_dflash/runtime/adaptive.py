@@ -290,11 +290,14 @@ class SeqState:
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
 
-def ngram_continuation(context: Sequence[int], max_len: int, max_n: int = 3) -> list[int]:
+LOOKUP_MIN_N = 2  # the decoder's prompt lookup proposes the continuation of a recurring 2- or 3-gram, not a 1-gram
+
+
+def ngram_continuation(context: Sequence[int], max_len: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
-    (n = max_n down to 1), at most ``max_len`` of them; [] if no suffix recurs."""
+    (n = max_n down to min_n), at most ``max_len`` of them; [] if no such suffix recurs."""
     size = len(context)
-    for n in range(min(max_n, size - 1), 0, -1):
+    for n in range(min(max_n, size - 1), max(min_n, 1) - 1, -1):
         tail = list(context[size - n:])
         for start in range(size - n - 1, -1, -1):
             if context[start] == tail[0] and list(context[start:start + n]) == tail:

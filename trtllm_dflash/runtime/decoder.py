@@ -34,7 +34,7 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.adaptive import AdaptivePolicy, SeqState, ngram_continuation
+from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 
 AUTO = "auto"
@@ -57,6 +57,7 @@ class GenerationResult:
     ttft_ms: float  # prefill + first token
     total_ms: float  # until this sequence finished
     draft_lengths: tuple[int, ...] = ()  # k (drafts verified) per step; set under block size "auto"
+    lookup_steps: int = 0  # steps that verified a prompt-lookup continuation instead of the drafter's block (ngram)
 
     @property
     def num_new_tokens(self) -> int:
@@ -84,6 +85,7 @@ class _Seq:
     finish_reason: str | None = None
     total_ms: float = 0.0
     policy: SeqState | None = None
+    lookup_steps: int = 0
 
     def emit(self, new: list[int]) -> list[int]:
         """Append new tokens up to a stop token or the length limit; return what was actually kept."""
@@ -135,7 +137,12 @@ class SpeculativeDecoder:
 
         ``block_size="auto"``: adaptive k per row and step, up to ``max_block_size`` − 1 drafts (default: the
         drafter's block size), deciding with ``policy`` (default: ``calibrated_policy`` with the acceptance
-        ``prior``; ``ngram``: also verify prompt-lookup continuations where they are expected to yield more)."""
+        ``prior``; ``ngram``: also verify prompt-lookup continuations where they are expected to yield more).
+
+        ``ngram`` at a fixed block size: a row whose context ends in a 2- or 3-gram that occurred earlier verifies the
+        B − 1 tokens that followed it (``adaptive.ngram_continuation``, at least ``LOOKUP_MIN_N`` tokens matched)
+        instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
+        verify step does not care where a proposal came from."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -168,7 +175,9 @@ class SpeculativeDecoder:
                 from trtllm_dflash.plugin.kv_inject import InjectWeights
 
                 self.inject_weights = InjectWeights.from_drafter(drafter)
+        self.ngram = ngram and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
+        self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
 
     @property
     def block_size_label(self) -> int | str:
@@ -231,9 +240,10 @@ class SpeculativeDecoder:
         first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
                                [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
-        # ``auto`` injects lazily: the taps of committed tokens wait here until their row next drafts, then go
-        # through the drafter's K/V projection in one call (same K/V as eager injection; k = 0 steps pay nothing).
-        pending = _PendingTaps(n) if (dcache is not None and self.adaptive) else None
+        # ``auto`` and ``ngram`` inject lazily: the taps of committed tokens wait here until their row next drafts,
+        # then go through the drafter's K/V projection in one call (same K/V as eager injection; k = 0 steps and
+        # prompt-lookup steps pay nothing).
+        pending = _PendingTaps(n) if (dcache is not None and (self.adaptive or self.ngram)) else None
         if pending is not None:
             pending.add(range(n), taps, prompt_lens.tolist())
         elif dcache is not None:
@@ -255,14 +265,17 @@ class SpeculativeDecoder:
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
             lookups = None
-            if policy is not None and policy.ngram:
-                lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1)
-                           for i in active]
+            if self.ngram and dcache is not None:
+                lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
+                                              min_n=LOOKUP_MIN_N) for i in active]
             if policy is not None:
                 ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
                 drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
+                looked = [j for j, i in enumerate(active) if seqs[i].policy.source == "ngram" and ks[j]]
             else:
-                ks, drafting = [bsz - 1] * b, list(range(b))
+                ks = [bsz - 1] * b
+                looked = [j for j in range(b) if lookups and lookups[j]]
+                drafting = [j for j in range(b) if not (lookups and lookups[j])]
             kmax = max(ks) if dcache is not None else 0
             if pending is not None and kmax > 0 and drafting:
                 self._flush(pending, [active[j] for j in drafting], dcache)
@@ -276,9 +289,10 @@ class SpeculativeDecoder:
                     sel = torch.tensor(drafting, device=dev)
                     drows = sel if rows is None else rows[sel]
                     drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
-                for j, i in enumerate(active):
-                    if seqs[i].policy.source == "ngram" and ks[j]:
-                        drafts[j, : ks[j]] = torch.tensor(lookups[j][: ks[j]], device=dev)
+                for j in looked:
+                    proposal = lookups[j][: ks[j]]
+                    drafts[j, : len(proposal)] = torch.tensor(proposal, device=dev)
+                    seqs[active[j]].lookup_steps += 1
             else:
                 drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
             sync()
@@ -320,6 +334,7 @@ class SpeculativeDecoder:
                 token_ids=tuple(s.tokens),
                 acceptance_lengths=tuple(s.taus),
                 draft_lengths=tuple(s.policy.chosen) if s.policy is not None else (),
+                lookup_steps=s.lookup_steps,
                 finish_reason=s.finish_reason or "length",
                 ttft_ms=ttft_ms,
                 total_ms=s.total_ms,
@@ -328,7 +343,14 @@ class SpeculativeDecoder:
         ]
 
     def _flush(self, pending: _PendingTaps, rows: list[int], dcache) -> None:
-        """Inject the pending taps of ``rows`` (cache rows about to draft) in one call."""
+        """Inject the pending taps of ``rows`` (cache rows about to draft) in one call; row by row where padding to
+        the longest row's pending count would run past a shorter row's cache capacity (a row that verified prompt
+        lookup's proposals for many steps while another drafted every step)."""
+        longest = max(len(c) and sum(t.shape[0] for t in c) for c in (pending.chunks[r] for r in rows))
+        if len(rows) > 1 and int(dcache.lengths[rows].max()) + longest > dcache.max_len:
+            for row in rows:
+                self._flush(pending, [row], dcache)
+            return
         taps, num = pending.take(rows)
         if taps is not None:
             dev = dcache.lengths.device

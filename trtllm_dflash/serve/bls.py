@@ -244,6 +244,7 @@ class LoopModel:
         self.pb = pb_utils
         self.block_size = params["block_size"] if params["block_size"] == "auto" else int(params["block_size"])
         self.policy = load_policy(params["adaptive"]) if self.block_size == "auto" else None
+        self.ngram = params.get("ngram", "off") == "on"  # a repository rendered before prompt lookup: off
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
@@ -308,7 +309,8 @@ class LoopModel:
         try:
             gen = self.frontend.parse(pb, request) if self.frontend is not None else parse_request(pb, request)
             await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
-                                 on_update, is_cancelled=cancelled, policy=self.policy)
+                                 on_update, is_cancelled=cancelled, policy=self.policy,
+                                 ngram=self.ngram)
         except Cancelled:
             pass
         except Exception as exc:  # the client gets the message; the server keeps serving

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import AdaptivePolicy, ngram_continuation
+from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
@@ -80,10 +80,13 @@ async def run_generation(
     on_update: Callable[[Update], Awaitable[None]],
     is_cancelled: Callable[[], bool] = lambda: False,
     policy: AdaptivePolicy | None = None,
+    ngram: bool = False,
 ) -> str:
     """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled").
 
     ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
+    ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
+    continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
@@ -128,10 +131,12 @@ async def run_generation(
                 p.finish_reason = "cancelled"
                 break
             t0 = time.perf_counter()
-            lookup = ngram_continuation(req.input_ids + tuple(p.tokens), policy.max_k) if adaptive and policy.ngram \
-                else []
+            context = req.input_ids + tuple(p.tokens)
+            use_lookup = policy.ngram if adaptive else ngram and want_taps
+            lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
+                                        min_n=LOOKUP_MIN_N) if use_lookup else []
             n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
-            if adaptive and state.source == "ngram":
+            if lookup and (not adaptive or state.source == "ngram"):
                 drafts = lookup[:n]
             elif want_taps and n > 0:
                 k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)

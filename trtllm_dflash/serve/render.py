@@ -25,8 +25,9 @@ MODEL_PY_FROM = {"entry": "dflash_bls"}
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
-# the loop's block size (an int or "auto"), its policy file, its step coalescer (on / off) and the step models' batch
-LOOP_KEYS = ("loop_block_size", "adaptive", "coalesce", "max_batch_size")
+# the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), its step coalescer (on / off)
+# and the step models' batch
+LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "coalesce", "max_batch_size")
 ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
@@ -92,6 +93,7 @@ class RepoConfig:
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`
     checkpoint_dir: str = ""  # trtllm-pytorch: modelopt unified-HF checkpoint or the plain HF target
     max_block_size: int | None = None  # block_size "auto": the longest block (default: the drafter's)
+    ngram: bool = False  # dflash also verifies prompt-lookup continuations (runtime.decoder's ``ngram``)
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
 
     @property
@@ -125,6 +127,9 @@ class RepoConfig:
         require(not self.adaptive or self.backend == "torch", "--block-size", self.block_size,
                 f"'auto' runs in the BLS loop over the torch step models, not with --backend {self.backend}",
                 "use --backend torch or a fixed --block-size")
+        require(not self.ngram or self.backend != "trtllm-pytorch", "--ngram", True,
+                "runs in the BLS loop over step models, not in TRT-LLM's own speculative decoding (--backend "
+                "trtllm-pytorch)", "use --backend torch or trtllm-engine, or drop --ngram")
         require(self.adaptive or isinstance(self.block_size, int), "--block-size", self.block_size,
                 "must be an integer or 'auto'")
         require(2 <= self.block(drafter) <= drafter.block_size,
@@ -147,6 +152,7 @@ class RepoConfig:
 
     def values(self, drafter, adaptive_file: str = "") -> dict[str, dict[str, object]]:
         tap_layers, block = drafter.target_layer_ids, self.block(drafter)
+        ngram = "on" if self.ngram else "off"
         common = {
             "max_batch_size": self.max_batch_size, "instances": self.instances,
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),
@@ -158,11 +164,13 @@ class RepoConfig:
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
         per_model = {
-            "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file},
-            "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": ""},
+            "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file,
+                           "ngram": ngram},
+            "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": "", "ngram": "off"},
             "dflash": {"name": "dflash", "loop_block_size": self.block_size, "adaptive": adaptive_file,
-                       "bridge_model": "dflash_llmapi"},
-            "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "bridge_model": "baseline_llmapi"},
+                       "ngram": ngram, "bridge_model": "dflash_llmapi"},
+            "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "ngram": "off",
+                         "bridge_model": "baseline_llmapi"},
             "tensorrt_llm_dflash": {"name": "tensorrt_llm_dflash"},
             "tensorrt_llm_baseline": {"name": "tensorrt_llm_baseline"},
             "dflash_llmapi": {"name": "dflash_llmapi", "llm_model": "tensorrt_llm_dflash",
@@ -223,7 +231,7 @@ def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
     decoder = SpeculativeDecoder(target, drafter_model, block)
     policy = calibrated_policy(decoder, max_rows=1)
     return {"max_block_size": block, "prior": prior_from_training_log(cfg.drafter_dir, block - 1),
-            "cost": policy.cost.to_json()}
+            "cost": policy.cost.to_json(), "ngram": cfg.ngram}
 
 
 def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: Path = TEMPLATES) -> Path:

@@ -18,12 +18,14 @@ drafter actually gets, so the two can be read side by side.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
+from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.train.data import Sample, generate_with_taps
 from trtllm_dflash.train.objective import collate, drafter_blocks
@@ -56,66 +58,94 @@ def training_drafts(target: TargetModel, drafter: DrafterModel, sample: Sample, 
     return torch.cat(out) if out else torch.empty(0, drafter.spec.block_size - 1, dtype=torch.long)
 
 
-def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3) -> list[int]:
-    """Acceptance lengths of prompt-lookup decoding replayed over a known greedy output ``ids`` (prompt + response).
-
-    As the decoder: the prefill emits the first response token, then each step drafts B − 1 tokens and accepts their
-    longest prefix that equals the output, plus the target's bonus token. The draft is the B − 1 tokens that followed
-    the most recent earlier occurrence of the longest suffix n-gram (n = max_ngram .. 1) of the sequence so far;
-    no occurrence, no draft (τ = 1). A free heuristic: a trained drafter has to beat it."""
-    taus, c, end = [], prompt_len + 1, len(ids)
-    while c < end:
-        draft: list[int] = []
-        for n in range(min(max_ngram, c - 1), 0, -1):
-            suffix = ids[c - n : c]
-            for j in range(c - n - 1, -1, -1):
-                if ids[j : j + n] == suffix:
-                    draft = ids[j + n : min(j + n + block_size - 1, c)]
-                    break
-            if draft:
-                break
-        acc = 0
-        while acc < len(draft) and c + acc < end and draft[acc] == ids[c + acc]:
-            acc += 1
+def walk(accepted: Sequence[int], prompt_len: int, length: int) -> list[int]:
+    """The decoder's greedy walk over a known output of ``length`` tokens: the prefill emits the first response
+    token, then each step, anchored at the bonus token's position a, accepts ``accepted[a − prompt_len]`` drafts (cut
+    at the output's end) plus the target's bonus token. Returns the acceptance length (τ) of every step."""
+    taus, c = [], prompt_len + 1
+    while c < length:
+        acc = min(int(accepted[c - 1 - prompt_len]), length - c)
         taus.append(acc + 1)
         c += acc + 1
     return taus
 
 
+def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
+                      min_ngram: int = 1) -> list[tuple[int, int]]:
+    """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,
+    drafts proposed). The draft is ``runtime.adaptive.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
+    it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft."""
+    out = []
+    for a in range(prompt_len, len(ids) - 1):
+        draft = ngram_continuation(ids[: a + 1], block_size - 1, max_ngram, min_ngram)
+        acc = 0
+        while acc < len(draft) and a + 1 + acc < len(ids) and draft[acc] == ids[a + 1 + acc]:
+            acc += 1
+        out.append((acc, len(draft)))
+    return out
+
+
+def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3) -> list[int]:
+    """Acceptance lengths of prompt-lookup decoding replayed over a known greedy output ``ids`` (prompt + response):
+    the longest suffix n-gram (n = max_ngram .. 1) of the sequence so far, its most recent earlier occurrence, and the
+    B − 1 tokens that followed it as the draft; no occurrence, no draft (τ = 1). A free heuristic: a trained drafter
+    has to beat it."""
+    return walk([acc for acc, _ in lookup_acceptance(ids, prompt_len, block_size, max_ngram)], prompt_len, len(ids))
+
+
 @torch.no_grad()
-def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
-                chunk: int = 64) -> list[int]:
-    """Acceptance lengths of greedy DFlash decoding replayed over a known greedy output ``ids`` (prompt + response):
-    one teacher-forced target forward for the taps, the training path's blocks at every response anchor (which the
-    audit proves equal to the decoder's drafts), then the decoder's walk with ``prompt_lookup_taus``' convention.
-    The LM head runs slot by slot and only for blocks whose earlier slots all matched (a draft after the first miss
-    is never accepted), so most blocks cost one slot of the head instead of B − 1."""
-    s, bs = len(ids), drafter.spec.block_size
-    if s - 1 <= prompt_len:
-        return []
+def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
+                       chunk: int = 64, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's block of ``block_size`` (default: its own) at every response anchor a of a known greedy output
+    ``ids`` (prompt + response): how many of its drafts equal the output (longest prefix) and the probability the
+    drafter gives its first draft. One
+    teacher-forced target forward for the taps, then the training path's blocks (which the audit proves equal to the
+    decoder's drafts). The LM head runs slot by slot and only for blocks whose earlier slots all matched (a draft
+    after the first miss is never accepted), so most blocks cost one slot of the head instead of B − 1."""
+    s, bs = len(ids), block_size or drafter.spec.block_size
+    anchors = torch.arange(prompt_len, s - 1)
+    accepted = torch.zeros(len(anchors), dtype=torch.long)
+    confidence = torch.zeros(len(anchors))
+    if len(anchors) == 0:
+        return accepted, confidence
     x = torch.tensor(ids)
     _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
     sample = Sample(x, taps[0].cpu(), prompt_len)
-    anchors = torch.arange(prompt_len, s - 1)
-    accepted = torch.zeros(len(anchors), dtype=torch.long)
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
-        hidden = drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype))
+        hidden = drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype),
+                                block_size=bs)
         alive = torch.arange(len(a))  # blocks whose slots 1 .. k − 1 all matched
         for k in range(1, bs):
             pos = a[alive] + k
             alive = alive[pos < s]
             if len(alive) == 0:
                 break
-            guess = target.lm_head(hidden[alive, k].to(target.dtype)).argmax(-1).cpu()
-            alive = alive[guess == x[a[alive] + k]]
+            logits = target.lm_head(hidden[alive, k].to(target.dtype)).float().cpu()
+            if k == 1:
+                confidence[i + alive] = logits.softmax(-1).amax(-1)
+            alive = alive[logits.argmax(-1) == x[a[alive] + k]]
             accepted[i + alive] += 1
-    taus, c = [], prompt_len + 1
-    while c < s:
-        acc = min(int(accepted[c - 1 - prompt_len]), s - c)
-        taus.append(acc + 1)
-        c += acc + 1
-    return taus
+    return accepted, confidence
+
+
+def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
+                chunk: int = 64, ngram: bool = False, block_size: int | None = None
+                ) -> list[int] | tuple[list[int], list[int]]:
+    """Acceptance lengths of greedy DFlash decoding at ``block_size`` (default: the drafter's) replayed over a known
+    greedy output ``ids`` (prompt + response): ``drafter_acceptance`` at every anchor, then the decoder's ``walk``.
+    With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
+    ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs)."""
+    if len(ids) - 1 <= prompt_len:
+        return ([], []) if ngram else []
+    bs = block_size or drafter.spec.block_size
+    accepted = drafter_acceptance(target, drafter, ids, prompt_len, chunk, bs)[0].tolist()
+    taus = walk(accepted, prompt_len, len(ids))
+    if not ngram:
+        return taus
+    lookup = lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N)
+    mixed = [acc if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
+    return taus, walk(mixed, prompt_len, len(ids))
 
 
 def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix

@@ -170,10 +170,11 @@ def drafter_blocks(
     embed,  # target embedding: ids [..] -> [.., H]
     batch: Batch,
     packed: bool = True,  # False: the per-block context copy (the reference formulation, kept for benchmarks)
+    block_size: int | None = None,  # B (default: the drafter's): blocks of [ids[p], MASK × (B − 1)], as decoding at B
 ) -> torch.Tensor:  # [n·A, B, H] final-normed drafter hidden states of every block
     spec = drafter.spec
     n, s = batch.ids.shape
-    a, bs = batch.anchors.shape[1], spec.block_size
+    a, bs = batch.anchors.shape[1], block_size or spec.block_size
     ctx_len = int(batch.anchors.max()) if n else 0  # keys beyond the last anchor are never visible
     ctx_len = max(ctx_len, 1)
     owner = torch.arange(n, device=batch.ids.device).repeat_interleave(a)  # [b]: sequence of each block

@@ -406,7 +406,7 @@ def cmd_eval(args) -> None:
 
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.train.audit import prompt_lookup_taus, replay_taus
+    from trtllm_dflash.train.audit import output_taus, prompt_lookup_taus, replay_taus
 
     _, target, tok, stops = load_target(args)
     drafters = [Path(d) for d in args.drafters] if args.drafters else sorted((Path(args.work) / "drafters").iterdir())
@@ -438,8 +438,10 @@ def cmd_eval(args) -> None:
                     continue
                 reqs = [Request(tuple(r["prompt_ids"]), args.max_new_tokens, stop_token_ids=stops) for r in part]
                 for r, out, out_ng in zip(part, decs[0].generate(reqs), decs[1].generate(reqs)):
-                    taus += out.acceptance_lengths
-                    ng += out_ng.acceptance_lengths
+                    # drafts the verify accepted past the output's end (after the stop token or the length limit)
+                    # are not output: counted as the replay counts them (train.audit.output_taus)
+                    taus += output_taus(out.acceptance_lengths, len(r["token_ids"]))
+                    ng += output_taus(out_ng.acceptance_lengths, len(r["token_ids"]))
                     if list(out.token_ids) != r["token_ids"] or list(out_ng.token_ids) != r["token_ids"]:
                         mismatched.append(r["id"])
             res[ds] = {"tau": round(sum(taus) / len(taus), 4), "prompt_lookup_tau": round(sum(pl) / len(pl), 4),

@@ -99,7 +99,7 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
-    from trtllm_dflash.train.audit import replay_taus
+    from trtllm_dflash.train.audit import output_taus, replay_taus
 
     target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
     tok = load_tokenizer(smollm2["target"])
@@ -114,5 +114,17 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
         assert a.token_ids == ref.token_ids == b.token_ids
         ids = list(req.prompt_ids) + list(ref.token_ids)
         taus, ngram_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True, block_size=block_size)
-        assert taus == list(a.acceptance_lengths) and ngram_taus == list(b.acceptance_lengths)
+        assert taus == output_taus(a.acceptance_lengths, len(a.token_ids))
+        assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
         assert max(taus) <= block_size and max(ngram_taus) <= block_size
+
+
+def test_output_taus_drop_what_the_verify_accepted_past_the_end():
+    from trtllm_dflash.train.audit import output_taus, walk
+
+    # 9 new tokens: the prefill's, then steps of 3 and 4 reach token 8; the last step accepted 5 drafts past it
+    assert output_taus([3, 4, 6], 9) == [3, 4, 2]
+    assert output_taus([3, 4, 2, 1], 9) == [3, 4, 2]  # a last step that only emitted the stop token: not counted
+    assert output_taus([5], 1) == [] and output_taus([], 4) == []
+    # the same walk as the replay's over a known output of prompt 2 + 9 tokens
+    assert walk([2, 9, 9, 3, 9, 9, 9, 9, 9, 9], 2, 11) == output_taus([3, 4, 6], 9)

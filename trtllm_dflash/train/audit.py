@@ -70,6 +70,20 @@ def walk(accepted: Sequence[int], prompt_len: int, length: int) -> list[int]:
     return taus
 
 
+def output_taus(acceptance_lengths: Sequence[int], num_tokens: int) -> list[int]:
+    """A decoder's acceptance lengths restricted to its output of ``num_tokens`` new tokens (stop token excluded), as
+    ``walk`` counts them: the step that reaches the output's end counts the tokens up to it plus one (the bonus: the
+    stop token or the first token past the length limit), not drafts the verify accepted beyond it, and a last step
+    that only emitted the stop token is not counted. What ``replay_taus`` reproduces exactly."""
+    out, left = [], num_tokens - 1  # the prefill emitted the first token
+    for t in acceptance_lengths:
+        if left <= 0:
+            break
+        out.append(min(t, left + 1))
+        left -= out[-1]
+    return out
+
+
 def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
                       min_ngram: int = 1) -> list[tuple[int, int]]:
     """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,

@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
+    p.add_argument("--ngram", action="store_true",
+                   help="dflash also verifies prompt lookup's proposals where the context repeats (make-repo --ngram)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the paired c=1 comparison")
     p.add_argument("--io-nice", type=int, default=19, help="make-repo --io-nice (CPU: the I/O side's niceness)")
     p.add_argument("--json", action="store_true")
@@ -75,7 +77,7 @@ def run_point(url, model, prompts, max_tokens, concurrency):
     return tokens[0] / (time.perf_counter() - t0), time.perf_counter() - t0
 
 
-def in_process_decoders(target_dir, drafter_dir, block_size):
+def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False):
     """The in-process reference: ``dflash`` and ``baseline`` decoders over one loaded pair, and ``encode(text, n)`` ->
     the ``Request`` fields the ensembles use too (chat template, greedy, the target's stop tokens)."""
     from trtllm_dflash.checkpoints import load_pair
@@ -91,7 +93,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size):
     def encode(text, max_tokens):
         return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
-    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir),
+    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir, ngram=ngram),
             "baseline": SpeculativeDecoder(target, None, 1)}, encode
 
 
@@ -221,15 +223,16 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     texts = [p.text for p in load_prompts(args.dataset, args.prompts)]
 
-    decoders, encode = in_process_decoders(args.target, args.drafter, block)
+    decoders, encode = in_process_decoders(args.target, args.drafter, block, args.ngram)
     decoders = {m: decoders[m] for m in args.models.split(",")}
 
     results = {"dataset": args.dataset, "prompts": len(texts), "max_tokens": args.max_tokens, "block_size": block,
+               "ngram": args.ngram,
                "rounds": args.rounds, "torch_threads": args.torch_threads, "io_nice": args.io_nice,
                "in_process_tokens_per_second": {},
                "triton": {}, "paired_c1": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024,
+        repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024, ngram=args.ngram,
                                     max_sequences=max(conc) + 2, torch_threads=args.torch_threads,
                                     io_nice=args.io_nice),
                          Path(tmp) / "repo")

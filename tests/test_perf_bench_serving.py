@@ -33,3 +33,20 @@ def test_paired_c1_is_lossless_and_consistent(smollm2):
 def test_bad_models_exits_2():
     run = subprocess.run([sys.executable, str(SCRIPT), "--models", "dflash,nope"], capture_output=True, text=True)
     assert run.returncode == 2 and "--models 'dflash,nope'" in run.stderr and "e.g. dflash,baseline" in run.stderr
+
+
+def test_ngram_repository_verifies_prompt_lookup_through_triton(smollm2):
+    """make-repo --ngram reaches the dflash loop inside the real server: fewer draft calls than verify steps, and the
+    same tokens as in-process decoding."""
+    prompts = 2
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--prompts", str(prompts), "--max-tokens", "48", "--concurrency", "1",
+         "--models", "dflash", "--block-size", "16", "--ngram", "--target", smollm2["target"], "--drafter",
+         smollm2["drafter"], "--json"],
+        capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["ngram"] is True and out["paired_c1"]["dflash"]["identical_tokens"] is True
+    server = out["server_time_c1"]["dflash"]
+    steps = server["target_verify"]["executions"] - prompts  # one prefill per prompt
+    assert 0 < server["drafter"]["executions"] < steps

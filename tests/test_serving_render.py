@@ -44,12 +44,16 @@ def test_make_repo_renders_every_model_without_placeholders(tiny_dirs, tmp_path)
 
 
 def test_make_repo_ngram_reaches_the_dflash_loops_only(tiny_dirs, tmp_path, capsys):
+    """make-repo turns prompt lookup on by default (--no-ngram: off) in the dflash loops only; TRT-LLM's own
+    speculative decoding (trtllm-pytorch) gets it off by default and refuses an explicit --ngram."""
     t, d = tiny_dirs["llama"]
-    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "repo"),
-                 "--block-size", "8", "--max-seq-len", "256", "--ngram"]) == 0
-    for model, want in (("dflash_bls", "on"), ("dflash", "on"), ("baseline_bls", "off"), ("baseline", "off")):
-        text = (tmp_path / "repo" / model / "config.pbtxt").read_text()
-        assert f'key: "ngram" value: {{ string_value: "{want}" }}' in text, model
+    for flags, dflash in (([], "on"), (["--no-ngram"], "off")):
+        out = tmp_path / f"repo{len(flags)}"
+        assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(out), "--block-size", "8",
+                     "--max-seq-len", "256", *flags]) == 0
+        for model, want in (("dflash_bls", dflash), ("dflash", dflash), ("baseline_bls", "off"), ("baseline", "off")):
+            text = (out / model / "config.pbtxt").read_text()
+            assert f'key: "ngram" value: {{ string_value: "{want}" }}' in text, (flags, model)
     capsys.readouterr()
     assert main(["make-repo", "--backend", "trtllm-pytorch", "--checkpoint", str(t), "--drafter", str(d),
                  "--out", str(tmp_path / "r2"), "--ngram"]) == 2

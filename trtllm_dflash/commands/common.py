@@ -19,10 +19,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, drafter_required: bool 
                              "as many drafts as pay off on this device; default: the drafter's; 1 = autoregressive)")
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
-    parser.add_argument("--ngram", action="store_true",
-                        help="also verify prompt lookup's proposals (the tokens that followed an earlier occurrence of the "
-                             "context's last 2-3 tokens) instead of the drafter's block where the context repeats "
-                             "itself; under auto where they are expected to yield more. Lossless either way")
+    add_ngram_argument(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="compute dtype (default float32: fastest on CPUs without bf16 units)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -35,6 +32,22 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed, per prompt (default 0)")
+
+
+def add_ngram_argument(parser: argparse.ArgumentParser, where: str = "") -> None:
+    parser.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
+                        help="verify prompt lookup's proposal (the tokens that followed an earlier occurrence of the "
+                             "context's last 2-3 tokens) instead of the drafter's block where the context repeats "
+                             "itself; under auto where it is expected to yield more. Lossless either way. Default: on "
+                             f"wherever it applies (a block size > 1{where}); --no-ngram turns it off")
+
+
+def resolve_ngram(flag: bool | None, block_size: int | str, backend: str = "torch") -> bool:
+    """--ngram / --no-ngram / neither: on by default wherever prompt lookup applies (a block size > 1, a backend whose
+    steps our loop drives); an explicit --ngram where it does not is refused by the block-size and repository checks."""
+    if flag is None:
+        return block_size != 1 and backend != "trtllm-pytorch"
+    return flag
 
 
 def block_size_arg(text: str) -> int | str:
@@ -59,7 +72,7 @@ def resolve_block_size(args, drafter) -> int | str:
                 "add --block-size auto or drop --max-block-size")
         require(max_block >= 2, "--max-block-size", max_block, "must be >= 2")
     if args.block_size is not None:
-        require(not getattr(args, "ngram", False) or args.block_size != 1, "--ngram", True,
+        require(getattr(args, "ngram", None) is not True or args.block_size != 1, "--ngram", True,
                 "needs a block size > 1 (prompt lookup's proposals are verified in the drafter's blocks)",
                 "drop --ngram or pass --block-size 16 or auto")
         return args.block_size

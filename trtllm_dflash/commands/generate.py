@@ -7,7 +7,7 @@ import json
 import sys
 
 from trtllm_dflash.commands.common import (DTYPES, add_model_arguments, add_sampling_arguments, make_decoder,
-                                           resolve_block_size)
+                                           resolve_block_size, resolve_ngram)
 from trtllm_dflash.errors import ConfigError, require
 
 
@@ -40,8 +40,9 @@ def main(args: argparse.Namespace) -> int:
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
 
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
-    decoder = make_decoder(target, drafter, resolve_block_size(args, drafter), args.drafter, args.max_block_size,
-                           ngram=args.ngram)
+    block = resolve_block_size(args, drafter)
+    decoder = make_decoder(target, drafter, block, args.drafter, args.max_block_size,
+                           ngram=resolve_ngram(args.ngram, block))
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []

@@ -10,7 +10,7 @@ import threading
 
 
 def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
-    from trtllm_dflash.commands.common import block_size_arg
+    from trtllm_dflash.commands.common import add_ngram_argument, block_size_arg
     from trtllm_dflash.serve.render import BACKENDS, RepoConfig
 
     d = RepoConfig("", "")
@@ -30,10 +30,7 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                              "drafts pay off; default: the drafter's)")
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
-    parser.add_argument("--ngram", action="store_true",
-                        help="also verify prompt lookup's proposals (the tokens that followed an earlier occurrence of the "
-                             "context's last 2-3 tokens) instead of the drafter's block where the context repeats "
-                             "itself; under auto where they are expected to yield more. torch and trtllm-engine backends")
+    add_ngram_argument(parser, ", a torch or trtllm-engine backend")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
     parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
     parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
@@ -59,6 +56,7 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_repo_main(args: argparse.Namespace) -> int:
+    from trtllm_dflash.commands.common import resolve_ngram
     from trtllm_dflash.serve.render import RepoConfig, make_repo
     from trtllm_dflash.specs import DrafterSpec
 
@@ -72,7 +70,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
                      coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
-                     io_nice=args.io_nice, ngram=args.ngram)
+                     io_nice=args.io_nice, ngram=resolve_ngram(args.ngram, block, args.backend))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0

@@ -88,10 +88,9 @@ def _through_triton(args, assets, block, ngram) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
-
-    assets = prepare_demo_assets()
     from trtllm_dflash.commands.common import resolve_ngram
 
+    assets = prepare_demo_assets()
     block = args.block_size
     ngram = resolve_ngram(args.ngram, block)
     print(f"target  {assets['target']}\ndrafter {assets['drafter']}"

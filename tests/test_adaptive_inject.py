@@ -117,3 +117,16 @@ def test_serving_loop_injects_only_when_drafting_and_never_loses_context(tiny_di
     assert all(ctx == committed for ctx, committed in steps.lengths), steps.lengths
     starts = [s for s, _ in steps.injected]  # consecutive runs: each injection starts where the last one ended
     assert starts[0] == 0 and all(s + n == nxt for (s, n), nxt in zip(steps.injected, starts[1:]))
+
+
+def test_batched_injection_of_a_padded_row_near_the_rotary_limit(tiny_models):
+    """Coalesced kv_inject: a row with one pending token near the end of the rotary table, padded to a row with many
+    (a sequence that verified prompt lookup for a while), gets the same K/V as injected alone; no index error."""
+    _, drafter = tiny_models["qwen3"]
+    inj = KVInjector(drafter)
+    limit = drafter.rotary.max_positions
+    taps = torch.randn(2, 40, drafter.fc.in_features)
+    k, v = inj.rows(taps, torch.tensor([limit - 1, 0]))
+    k1, v1 = inj(taps[0, :1], limit - 1)
+    torch.testing.assert_close(k[0, :, :1], k1)
+    torch.testing.assert_close(v[0, :, :1], v1)

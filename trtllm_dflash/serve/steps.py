@@ -159,6 +159,9 @@ class KVInjector:
         """taps [n, T, K·H] of n sequences, row j at positions starts[j].. -> K, V [n, num_layers, T, kv, head_dim]
         (one forward; every token's K/V depends on that token alone, so padded rows cost only their padding)."""
         positions = starts.to(taps.device)[:, None] + torch.arange(taps.shape[1], device=taps.device)[None]
+        # a short row padded to a long one (a sequence that verified prompt lookup for many steps) may run past the
+        # rotary table there; those K/V are padding, discarded by the caller
+        positions = positions.clamp(max=self.drafter.rotary.max_positions - 1)
         with torch.inference_mode():
             k, v = self.drafter.context_kv(taps, positions)
         return k.transpose(0, 1), v.transpose(0, 1)

@@ -117,7 +117,7 @@ def smollm2_decode(smollm2):
 
 
 class OracleDecoder(SpeculativeDecoder):
-    """Drafts = the known greedy continuation, each token corrupted with probability ``corrupt``.
+    """Drafts = the known greedy continuation, each token corrupted (made wrong) with probability ``corrupt``.
 
     The real drafter still runs (so KV injection and block attention are exercised); only its proposal is replaced.
     Row r of the cache is request r; a row with ``committed`` target tokens has emitted committed − prompt_len + 1.
@@ -141,7 +141,9 @@ class OracleDecoder(SpeculativeDecoder):
                 ref = self.continuations[r]
                 tok = ref[emitted + k] if emitted + k < len(ref) else self.rng.randrange(vocab)
                 corrupt = 1.0 if r in self.corrupt_rows else self.corrupt
-                out[j, k] = self.rng.randrange(vocab) if self.rng.random() < corrupt else tok
+                if self.rng.random() < corrupt:  # a corrupted draft is wrong: any token but the right one
+                    tok = (tok + 1 + self.rng.randrange(vocab - 1)) % vocab
+                out[j, k] = tok
         return out
 
 

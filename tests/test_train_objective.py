@@ -188,3 +188,18 @@ def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
     w = torch.exp(-(torch.arange(1, 4, dtype=torch.float64) - 1) / 2.0).expand(3, 3)
     assert abs(losses[1] - float((ce * w).sum() / w.sum())) < 1e-6
     assert abs(losses[0.5] - (losses[0] + losses[1]) / 2) < 1e-6
+
+
+def test_a_time_box_advances_the_lr_schedule_with_the_clock():
+    from trtllm_dflash.train.trainer import lr_at, scheduled_step
+
+    # no deadline: the step alone
+    assert scheduled_step(10, 0, 1000, t0=0.0, deadline=None, now=5.0) == 10
+    # half the box gone after 10 of 1000 steps: the schedule is half-way, and at the deadline on its last step
+    assert scheduled_step(10, 0, 1000, t0=0.0, deadline=100.0, now=50.0) == 500
+    assert scheduled_step(10, 0, 1000, t0=0.0, deadline=100.0, now=150.0) == 999
+    # steps ahead of the clock keep their place; a resumed run spreads the steps left over its own box
+    assert scheduled_step(800, 0, 1000, t0=0.0, deadline=100.0, now=50.0) == 800
+    assert scheduled_step(600, 600, 1000, t0=0.0, deadline=100.0, now=50.0) == 800
+    # so a run cut short by its box still ends at the bottom of the cosine (10 % of the peak)
+    assert lr_at(scheduled_step(10, 0, 1000, 0.0, 100.0, 100.0), 1000, 1.0, 0.02) < 0.11

@@ -81,6 +81,16 @@ def lr_at(step: int, total: int, peak: float, warmup: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def scheduled_step(step: int, start: int, total: int, t0: float, deadline: float | None, now: float) -> int:
+    """Where the learning-rate schedule stands. With a time box (``deadline``) it also advances with the clock from
+    ``t0``, so a run the box stops before ``total`` steps still warms up and decays fully instead of stopping at a
+    high rate (a GPU lease ends training at its deadline; how many steps fit is unknown until it runs)."""
+    if deadline is None or deadline <= t0:
+        return step
+    frac = min(1.0, max(0.0, (now - t0) / (deadline - t0)))
+    return min(total - 1, max(step, start + round((total - start) * frac)))
+
+
 def split(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sample]]:
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = min(NUM_HELD_OUT, len(samples) // 10)
@@ -271,13 +281,13 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     autocast = (torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
                 else contextlib.nullcontext())
     window: list = []
-    t_last = time.perf_counter()
+    t_last, t_box = time.perf_counter(), time.monotonic()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
     for step in bar:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         picked = tapped([train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)])
         anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
-        lr = lr_at(step, steps, cfg.lr, cfg.warmup)
+        lr = lr_at(scheduled_step(step, start, steps, t_box, deadline, time.monotonic()), steps, cfg.lr, cfg.warmup)
         for group in opt.param_groups:
             group["lr"] = lr
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)

@@ -21,13 +21,13 @@ home=${DFLASH_GPU_HOME:-/tmp/dflash-gpu}
 shipped=trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash
 : "${OUT:?set OUT (the device tool sets it)}"
 py=${PYTHON:-python3} device=${LEASE_DEVICE:-cuda}  # the CPU rehearsal sets both
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # perf scripts' subprocesses import trtllm_dflash from the tree
 rm -rf /tmp/sess1 /tmp/sess2
 mkdir -p /tmp/sess1 /tmp/sess2
 bash build_scripts/gpu_train_drafter.sh start "$@"
 echo "lease: job started at $((SECONDS - t0)) s"
 OMP_NUM_THREADS=4 timeout -s INT 150 "$py" perf/gpu_session.py --device "$device" --out /tmp/sess1 --prompts .gpu/prompts \
-    --target "$home/target" --drafter "$shipped" --steps env,kernel_tests,parity --budget-s 110 --commit "$commit"
+    --target "$home/target" --drafter "$shipped" --steps "${LEASE_CHECKS:-env,kernel_tests,parity}" --budget-s 110 --commit "$commit"
 echo "lease: correctness steps done at $((SECONDS - t0)) s"
 wait_s=$(($(left) - 170))
 bash build_scripts/gpu_train_drafter.sh poll --wait $((wait_s > 5 ? wait_s : 5)) --out "$OUT/p"

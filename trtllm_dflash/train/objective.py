@@ -72,8 +72,9 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
         taps[i, : len(x.ids)] = x.taps.to(dtype)
         anc[i, : len(a)] = a
         valid[i, : len(a)] = True
-    if tap_scale is not None:
-        taps = taps * tap_scale.to(dtype)
+    taps = taps.to(device)
+    if tap_scale is not None:  # the scale lives on the training device (a GPU run's taps are built on the host)
+        taps = taps * tap_scale.to(device, dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
     labels = None
     if any(x.labels is not None for x in samples):

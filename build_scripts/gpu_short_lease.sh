@@ -7,9 +7,13 @@
 #
 #   bash build_scripts/gpu_short_lease.sh SECONDS COMMIT -- START_FLAGS...     (device tool: carry also .gpu)
 #
-# SECONDS: what this command may use (leave the device call's timeout_s some 30 s above it). Returns under $OUT:
-# p/ (the job's checkpoint and status.json, 7 files: `gpu_train_drafter.sh merge --parts` takes it) and
-# session.tgz (both gpu_session runs: gpu_session.json and its log each).
+# SECONDS: what this command may use (give the device call's timeout_s some 25 s more). Do not write anything else
+# under $OUT: this returns exactly the 8 files the device tool gives back, p/ (the job's checkpoint, config.json,
+# training_config.json and status.json: `gpu_train_drafter.sh merge --parts` takes it) and session.tgz (this
+# script's log and both gpu_session runs). LEASE_CHECKS: the correctness steps (default env,kernel_tests,parity);
+# LEASE_TIMED: the timed steps (default dflash_vs_ar,bench_kernels,bench_gpu); LEASE_BLOCK_SIZES, LEASE_LIMIT:
+# dflash_vs_ar's --block-sizes (16,8,16+ngram) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
+# (.gpu/prompts, from its --export-prompts); PYTHON, LEASE_DEVICE: the CPU rehearsal's.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 budget=$1 commit=$2
@@ -20,14 +24,16 @@ left() { echo $((budget - (SECONDS - t0))); }
 home=${DFLASH_GPU_HOME:-/tmp/dflash-gpu}
 shipped=trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash
 : "${OUT:?set OUT (the device tool sets it)}"
-py=${PYTHON:-python3} device=${LEASE_DEVICE:-cuda}  # the CPU rehearsal sets both
+py=${PYTHON:-python3} device=${LEASE_DEVICE:-cuda} prompts=${LEASE_PROMPTS:-.gpu/prompts}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # perf scripts' subprocesses import trtllm_dflash from the tree
-rm -rf /tmp/sess1 /tmp/sess2
-mkdir -p /tmp/sess1 /tmp/sess2
+logs=$(mktemp -d)/lease
+mkdir -p "$logs"
+exec > >(tee "$logs/lease.log") 2>&1
 bash build_scripts/gpu_train_drafter.sh start "$@"
 echo "lease: job started at $((SECONDS - t0)) s"
-OMP_NUM_THREADS=4 timeout -s INT 150 "$py" perf/gpu_session.py --device "$device" --out /tmp/sess1 --prompts .gpu/prompts \
-    --target "$home/target" --drafter "$shipped" --steps "${LEASE_CHECKS:-env,kernel_tests,parity}" --budget-s 110 --commit "$commit"
+OMP_NUM_THREADS=4 timeout -s INT 150 "$py" perf/gpu_session.py --device "$device" --out "$logs/checks" \
+    --prompts "$prompts" --target "$home/target" --drafter "$shipped" \
+    --steps "${LEASE_CHECKS:-env,kernel_tests,parity}" --budget-s 110 --commit "$commit"
 echo "lease: correctness steps done at $((SECONDS - t0)) s"
 wait_s=$(($(left) - 170))
 bash build_scripts/gpu_train_drafter.sh poll --wait $((wait_s > 5 ? wait_s : 5)) --out "$OUT/p"
@@ -40,9 +46,10 @@ drafter=$home/drafter
 rem=$(($(left) - 20))
 echo "lease: timed steps with $drafter, $rem s left"
 if ((rem > 40)); then
-    timeout -s INT "$rem" "$py" perf/gpu_session.py --device "$device" --out /tmp/sess2 --prompts .gpu/prompts --target "$home/target" \
-        --drafter "$drafter" --steps dflash_vs_ar,bench_kernels,bench_gpu --limit 8 --budget-s $((rem - 75)) \
+    timeout -s INT "$rem" "$py" perf/gpu_session.py --device "$device" --out "$logs/timed" --prompts "$prompts" \
+        --target "$home/target" --drafter "$drafter" --steps "${LEASE_TIMED:-dflash_vs_ar,bench_kernels,bench_gpu}" \
+        --block-sizes "${LEASE_BLOCK_SIZES:-16,8,16+ngram}" --limit "${LEASE_LIMIT:-8}" --budget-s $((rem - 75)) \
         --commit "$commit"
 fi
-tar czf "$OUT/session.tgz" -C /tmp sess1 sess2
-echo "lease: done at $((SECONDS - t0)) s"
+echo "lease: done at $((SECONDS - t0)) s; returning $(find "$OUT" -type f | wc -l) files + session.tgz"
+tar czf "$OUT/session.tgz" -C "$(dirname "$logs")" lease

@@ -84,8 +84,10 @@ def export_prompts(folder: Path) -> dict:
 def run(cmd: list[str], log, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                         timeout=timeout)
+    # the perf scripts import trtllm_dflash from this tree (the GPU machine runs it uninstalled)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path, **(env or {})}, capture_output=True,
+                         text=True, timeout=timeout)
     log.write(out.stdout + out.stderr + f"[exit {out.returncode}]\n")
     log.flush()
     return out
@@ -203,8 +205,8 @@ def step_dflash_vs_ar(args, log) -> dict:
     datasets = {n: Path(args.prompts) / f"{n}.jsonl" for n in ("humaneval", "mtbench")}
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     results = []
-    for name, path in datasets.items():
-        for batch in (1, 8):
+    for batch in (1, 8):  # batch 1 on both datasets first: it is the goal's number
+        for name, path in datasets.items():
             cmd = [sys.executable, "perf/bench_runtime.py", "--dataset", str(path), "--limit", str(args.limit),
                    "--max-new-tokens", str(args.max_new_tokens), "--block-size", args.block_sizes,
                    "--batch-size", str(batch), "--target", str(tdir), "--drafter", str(ddir),
@@ -216,6 +218,7 @@ def step_dflash_vs_ar(args, log) -> dict:
             out = run(cmd, log, 300)
             results.append({"dataset": name, "batch_size": batch, "exit": out.returncode,
                             "results": json_lines(out.stdout)})
+            args.checkpoint({"runs": results, "partial": True})  # kept if the lease ends before the next run
     return {"runs": results}
 
 
@@ -246,8 +249,14 @@ def main(argv=None) -> int:
     args.scratch = tempfile.mkdtemp(prefix="gpu-session-")
     t0 = time.monotonic()
     report: dict = {"steps": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    def write_report() -> None:
+        tmp = out_dir / ".gpu_session.json.tmp"
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, out_dir / "gpu_session.json")
+
     with open(out_dir / "gpu_session.log", "a") as log:
         for name in args.steps:
+            args.checkpoint = lambda partial, name=name: (report["steps"].__setitem__(name, partial), write_report())
             elapsed = time.monotonic() - t0
             if elapsed > args.budget_s:
                 report["steps"][name] = {"skipped": f"budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)"}
@@ -260,9 +269,7 @@ def main(argv=None) -> int:
             result["seconds"] = round(time.monotonic() - s0, 1)
             report["steps"][name] = result
             print(f"gpu_session: {name}: {json.dumps(result)[:400]}", file=sys.stderr, flush=True)
-            tmp = out_dir / ".gpu_session.json.tmp"
-            tmp.write_text(json.dumps(report, indent=1))
-            os.replace(tmp, out_dir / "gpu_session.json")
+            write_report()
     failed = [n for n, r in report["steps"].items() if not succeeded(r)]
     print(json.dumps({"failed_steps": failed, "out": str(out_dir / "gpu_session.json")}))
     return 1 if failed else 0

@@ -201,3 +201,45 @@ def test_pack_plans_the_fewest_commands_within_the_transfer_cap(tmp_path, monkey
     (resume / f"{gp.STATE_PREFIX}-00002-of-00002.safetensors").unlink()
     with pytest.raises(gp.ArtifactError, match="missing"):
         gp.pack(source, tmp_path / "carry", None, pool, None, [], resume=resume, repo=tmp_path)
+
+
+@pytest.mark.slow
+def test_short_lease_command_rehearsal(tiny_target_with_tokenizer, tmp_path):
+    """build_scripts/gpu_short_lease.sh, the one command a short lease's last call runs, end to end on the CPU: the job
+    trains and evaluates beside the correctness steps, the timed steps run after it, and $OUT holds exactly what the
+    device tool gives back (at most 8 files)."""
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Name river number {i}.", "chat": True}) + "\n"
+                            for i in range(12)))
+    carry, prompts, out = tmp_path / "carry", tmp_path / "prompts", tmp_path / "out"
+    r = _script("pack", "--source", tiny_target_with_tokenizer, "--carry", carry, "--part-mib", "4",
+                "--prompts", pool, "--eval-prompts", "humaneval", "--num-prompts", "10")
+    assert r.returncode == 0, r.stderr
+    export = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_session.py"), "--export-prompts", str(prompts)],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    run_flags = [f for f in RUN if f not in ("--speed-limit", "0")]
+    env = dict(os.environ, PYTHON=sys.executable, LEASE_DEVICE="cpu", DFLASH_GPU_HOME=str(tmp_path / "home"),
+               OUT=str(out), LEASE_PROMPTS=str(prompts), LEASE_CHECKS="env,kernel_tests", LEASE_TIMED="dflash_vs_ar",
+               LEASE_BLOCK_SIZES="4", LEASE_LIMIT="1")
+    lease = subprocess.run(["bash", str(ROOT / "build_scripts" / "gpu_short_lease.sh"), "330", "rehearsal", "--",
+                            "--carry", str(carry), *run_flags, "--speed-limit", "1", "--steps", "100000",
+                            "--train-seconds", "8", "--eval-limit", "2"],
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert lease.returncode == 0, lease.stdout[-3000:] + lease.stderr[-3000:]
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert len(files) <= gp.OUT_MAX_FILES and "session.tgz" in files, files
+    assert {"p/config.json", "p/training_config.json", "p/status.json"} <= set(files)
+    status = json.loads((out / "p" / "status.json").read_text())
+    assert status["phase"] == "done" and status["eval"]["speed_b1"][0]["lossless"], status.get("job_log_tail")
+    import tarfile
+
+    with tarfile.open(out / "session.tgz") as tar:
+        names = set(tar.getnames())
+        assert {"lease/lease.log", "lease/checks/gpu_session.json", "lease/timed/gpu_session.json"} <= names, names
+        checks = json.load(tar.extractfile("lease/checks/gpu_session.json"))["steps"]
+        timed = json.load(tar.extractfile("lease/timed/gpu_session.json"))["steps"]
+    assert checks["env"]["commit"] == "rehearsal" and checks["kernel_tests"]["exit"] == 0
+    runs = timed["dflash_vs_ar"]["runs"]
+    assert [r["exit"] for r in runs] == [0, 0, 0, 0] and all(line["lossless"] for r in runs for line in r["results"])
+    assert "job still running" not in lease.stdout

@@ -203,3 +203,15 @@ def test_a_time_box_advances_the_lr_schedule_with_the_clock():
     assert scheduled_step(600, 600, 1000, t0=0.0, deadline=100.0, now=50.0) == 800
     # so a run cut short by its box still ends at the bottom of the cosine (10 % of the peak)
     assert lr_at(scheduled_step(10, 0, 1000, 0.0, 100.0, 100.0), 1000, 1.0, 0.02) < 0.11
+
+
+def test_collate_scales_host_taps_on_the_training_device():
+    """Taps live on the host (from disk or from ``with_taps``) while the tap scale lives on the training device: the
+    first GPU run failed at its first step on exactly that. The meta device stands in for a GPU here."""
+    samples = [Sample(torch.arange(12), torch.randn(12, 6), prompt_len=3),
+               Sample(torch.arange(9), torch.randn(9, 6), prompt_len=2)]
+    anchors = [torch.tensor([3, 7]), torch.tensor([2])]
+    batch = collate(samples, anchors, "meta", tap_scale=torch.full((6,), 0.5, device="meta"))
+    assert batch.taps.device.type == "meta" and batch.ids.device.type == "meta"
+    ref = collate(samples, anchors, "cpu", tap_scale=torch.full((6,), 0.5))
+    assert torch.equal(ref.taps[0, :12], samples[0].taps * 0.5)

@@ -109,6 +109,9 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     merged = tmp_path / "merged"
     assert gp.main(["merge", "--parts", str(out), "--out", str(merged)]) == 0
     _, d_merged = load_pair(tiny_target_with_tokenizer, merged)
+    for name in ("training_config.json", "training_log.json"):  # the GPU machine's paths, marked as its own
+        text = (merged / name).read_text()
+        assert '"/' not in text and '"gpu-machine:/' in text, name
     _, d_home = load_pair(tiny_target_with_tokenizer, home / "drafter")
     for k, v in d_home.state_dict().items():
         torch.testing.assert_close(d_merged.state_dict()[k], v, rtol=1e-2, atol=1e-3)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -531,12 +532,18 @@ def merge(parts: Path, out: Path) -> Path:
         write_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()}, tmp / "model.safetensors")
         for name in ("config.json", "training_config.json"):
             if (parts / name).is_file():
-                shutil.copyfile(parts / name, tmp / name)
+                (tmp / name).write_text(gpu_portable((parts / name).read_text()))
         if status.get("train_log"):
-            _write_json(tmp / "training_log.json", status["train_log"])
+            (tmp / "training_log.json").write_text(gpu_portable(json.dumps(status["train_log"], indent=1)) + "\n")
         if status.get("eval"):
-            _write_json(tmp / "gpu_eval.json", status["eval"])
+            (tmp / "gpu_eval.json").write_text(gpu_portable(json.dumps(status["eval"], indent=1)) + "\n")
     return out
+
+
+def gpu_portable(text: str) -> str:
+    """Provenance written on the GPU machine names its paths (``/tmp/dflash-gpu/target``): marked as that machine's
+    (``gpu-machine:/tmp/...``) so no shipped file holds a path that reads as one on the user's machine."""
+    return re.sub(r'"(/[^"]*)"', r'"gpu-machine:\1"', text)
 
 
 # ---------------------------------------------------------------- run (GPU, background)

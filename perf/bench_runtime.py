@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="torch device of both models, e.g. cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
                    help="weights and activations (default float32)")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="untimed: every decoder first decodes the first batch for this many tokens, so CUDA's lazy "
+                        "start-up and the kernels' JIT compilation stay out of the timings (0: none)")
     p.add_argument("--allow-mismatch", action="store_true",
                    help="exit 0 even when DFlash's outputs differ from autoregressive decoding (still reported as "
                         "\"lossless\": false): in bfloat16/float16 a multi-token verify rounds differently from "
@@ -116,6 +119,13 @@ def main(argv=None) -> int:
     lookups: collections.Counter = collections.Counter()
     mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    if args.warmup_tokens > 0 and batches:
+        warm = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.warmup_tokens, stop_token_ids=stops)
+                for p in batches[0]]
+        for dec in decoders.values():
+            dec.generate(warm)
+            if dec.adaptive:  # its report covers the measured prompts only
+                dec.policy.telemetry = type(dec.policy.telemetry)()
     bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
                file=sys.stderr, disable=None)
     for bi, batch in enumerate(batches):

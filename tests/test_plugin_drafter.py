@@ -125,6 +125,6 @@ def test_flat_kv_inject_equals_context_kv(pairs):
             c = drafter.hidden_norm(drafter.fc(taps[lo: lo + n]))[None]  # [1, n, H]
             pos = torch.arange(s, s + n)[None]
             for li, layer in enumerate(drafter.layers):
-                k, v = layer.self_attn.context_kv(c, drafter.rotary, pos)  # [1, n, n_kv, hd]
+                k, v = layer.self_attn.context_kv(c, drafter.rotary.at(pos))  # [1, n, n_kv, hd]
                 torch.testing.assert_close(cache.k[li, r, s: s + n], k[0], **TOL)
                 torch.testing.assert_close(cache.v[li, r, s: s + n], v[0], **TOL)

@@ -71,8 +71,9 @@ class FP8KVCache(KVCache):
 
     scale: float = 1.0
 
-    def write(self, layer, rows, positions, k, v):
-        super().write(layer, rows, positions, quant.fp8_fake_quant(k, self.scale), quant.fp8_fake_quant(v, self.scale))
+    def write(self, layer, rows, positions, k, v, row_idx=None):
+        super().write(layer, rows, positions, quant.fp8_fake_quant(k, self.scale), quant.fp8_fake_quant(v, self.scale),
+                      row_idx)
 
 
 def _input_hook(fake_quant, scale):

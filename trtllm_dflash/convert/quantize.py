@@ -175,9 +175,9 @@ def calibrate(model: TargetModel, calib: list[torch.Tensor], modelopt_config: st
             cache = m.new_cache(1, ids.shape[0])
             write = cache.write
 
-            def recording_write(layer, rows, positions, k, v, write=write):
+            def recording_write(layer, rows, positions, k, v, row_idx=None, write=write):
                 kv_amax[layer] = max(kv_amax[layer], float(k.abs().max()), float(v.abs().max()))
-                write(layer, rows, positions, k, v)
+                write(layer, rows, positions, k, v, row_idx)
 
             cache.write = recording_write
             _, tapped = m(ids[None], cache, tap_layers=tap_layers)

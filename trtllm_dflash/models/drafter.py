@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, Rotary, attention
+from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
 
@@ -38,20 +38,21 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
-    def block_qkv(self, h: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
+    def block_qkv(self, h: torch.Tensor, rope: RopeAt):
         """h: normed block hidden [b, B, hidden] -> Q (q_norm, RoPE) [b, B, heads, d], K (k_norm, RoPE), V
-        [b, B, kv_heads, d] at ``positions`` [b, B]."""
+        [b, B, kv_heads, d] at the block's positions (``rope = rotary.at(positions)``, [b, B])."""
         b, bs, _ = h.shape
         q = self.q_norm(self.q_proj(h).view(b, bs, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(h).view(b, bs, self.num_kv_heads, self.head_dim))
         v = self.v_proj(h).view(b, bs, self.num_kv_heads, self.head_dim)
-        return rotary.apply(q, positions), rotary.apply(k, positions), v
+        return rope.apply(q), rope.apply(k), v
 
-    def context_kv(self, c: torch.Tensor, rotary: Rotary, positions: torch.Tensor):
-        """c: context features [b, T, hidden] -> K (normed, rotated), V: [b, T, num_kv_heads, head_dim]."""
+    def context_kv(self, c: torch.Tensor, rope: RopeAt):
+        """c: context features [b, T, hidden] -> K (normed, rotated at ``rope``'s positions [b, T]), V: [b, T,
+        num_kv_heads, head_dim]."""
         b, t, _ = c.shape
         k = self.k_norm(self.k_proj(c).view(b, t, self.num_kv_heads, self.head_dim))
-        return rotary.apply(k, positions), self.v_proj(c).view(b, t, self.num_kv_heads, self.head_dim)
+        return rope.apply(k), self.v_proj(c).view(b, t, self.num_kv_heads, self.head_dim)
 
 
 class DrafterLayer(nn.Module):
@@ -104,7 +105,8 @@ class DrafterModel(nn.Module):
         """KV injection, the stateless half: C = hidden_norm(fc(taps)); per layer K = RoPE(k_norm(k_proj(C))),
         V = v_proj(C). (The Triton ``kv_inject`` model is exactly this.)"""
         c = self.hidden_norm(self.fc(taps.to(self.dtype)))  # [b, T, hidden]
-        ks, vs = zip(*(layer.self_attn.context_kv(c, self.rotary, positions) for layer in self.layers))
+        rope = self.rotary.at(positions)
+        ks, vs = zip(*(layer.self_attn.context_kv(c, rope) for layer in self.layers))
         return torch.stack(ks), torch.stack(vs)
 
     def append_context(
@@ -117,8 +119,9 @@ class DrafterModel(nn.Module):
     ) -> None:
         """KV injection, the stateful half: write the context K/V at the rows' next positions and commit them."""
         positions = cache.step_positions(rows, k.shape[2])  # [b, T]
+        row_idx = cache.row_index(rows)
         for i in range(self.spec.num_hidden_layers):
-            cache.write(i, rows, positions, k[i], v[i])
+            cache.write(i, rows, positions, k[i], v[i], row_idx)
         cache.commit(rows, num_tokens)
 
     def inject(self, taps: torch.Tensor, num_tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor | None = None):
@@ -139,6 +142,7 @@ class DrafterModel(nn.Module):
         q_pos = positions[:, :, None]  # [b, B, 1]
         in_range = key_pos <= positions[:, -1:, None]  # [b, 1, kv_len]: committed context + this block
         x = block_embeds.to(self.dtype)
+        rope, row_idx = self.rotary.at(positions), cache.row_index(rows)
         for i, layer in enumerate(self.layers):
             allowed = in_range.expand(b, bs, kv_len)
             if self.spec.layer_causal[i]:
@@ -146,8 +150,8 @@ class DrafterModel(nn.Module):
             if self.spec.sliding_window is not None and self.spec.layer_types[i] is LayerType.SLIDING:
                 allowed = allowed & (q_pos - key_pos < self.spec.sliding_window)
             attn = layer.self_attn
-            q, k, v = attn.block_qkv(layer.input_layernorm(x), self.rotary, positions)
-            cache.write(i, rows, positions, k, v)  # scratch: past ctx_len, never committed
+            q, k, v = attn.block_qkv(layer.input_layernorm(x), rope)
+            cache.write(i, rows, positions, k, v, row_idx)  # scratch: past ctx_len, never committed
             k_all, v_all = cache.read(i, rows, kv_len)
             x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

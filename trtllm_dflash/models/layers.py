@@ -81,11 +81,29 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [b, S, heads, head_dim]; positions: [b, S] absolute token positions."""
-        cos = self.cos[positions].unsqueeze(2)  # [b, S, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(2)
+        return self.at(positions).apply(x)
+
+    def at(self, positions: torch.Tensor) -> "RopeAt":
+        """The tables gathered once for ``positions`` [b, S], for every layer of a forward to apply."""
+        half = self.cos.shape[-1] // 2
+        sin = self.sin[positions].unsqueeze(2)  # [b, S, 1, head_dim]
+        # rotate_half's negation folded into the table: (-x2)·s == x2·(-s) exactly, so results are bit-identical
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return RopeAt(self.cos[positions].unsqueeze(2), sin)
+
+
+@dataclass
+class RopeAt:
+    """RoPE tables at one step's positions: ``cos`` and ``sin`` with rotate_half's sign folded in, [b, S, 1, head_dim].
+    A 30-layer forward gathers them once instead of 60 times (on a GPU each gather, negation and concatenation is a
+    kernel launch, and batch-1 decoding is bound by launches)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # x: [b, S, heads, head_dim]
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * self.cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * self.sin
 
 
 @dataclass
@@ -124,9 +142,15 @@ class KVCache:
             )
         return pos
 
-    def write(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [b, S, num_kv_heads, head_dim] written at ``positions`` [b, S] of the selected rows."""
-        row_idx = (torch.arange(self.num_rows, device=k.device) if rows is None else rows)[:, None]  # [b, 1]
+    def row_index(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """[b, 1] cache rows for ``write`` (computed once per forward by the callers that write every layer)."""
+        return (torch.arange(self.num_rows, device=self.lengths.device) if rows is None else rows)[:, None]
+
+    def write(self, layer: int, rows: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              row_idx: torch.Tensor | None = None):
+        """k, v: [b, S, num_kv_heads, head_dim] written at ``positions`` [b, S] of the selected rows (``row_idx``:
+        ``row_index(rows)``, when the caller has it)."""
+        row_idx = self.row_index(rows) if row_idx is None else row_idx
         self.k[layer][row_idx, positions] = k.to(self.k.dtype)
         self.v[layer][row_idx, positions] = v.to(self.v.dtype)
 
@@ -157,6 +181,7 @@ def attention(
     k: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
     v: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
     allowed: torch.Tensor,  # [b, S, L] bool: query may see key
+    blocked: torch.Tensor | None = None,  # ~allowed, when the caller computed it once for several layers
 ) -> torch.Tensor:  # [b, S, num_heads * head_dim]
     """Masked GQA attention, written out: for the few query rows of a decode/verify/draft step this is several times
     faster on CPU than SDPA's fused kernel with an explicit mask. Query head h reads KV head h // (heads / kv_heads),
@@ -166,8 +191,9 @@ def attention(
     g = h // kv
     qg = q.reshape(b, kv, g * s, d)  # [b, kv, g·S, d]: rows ordered (group member, query)
     scores = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)) * d**-0.5  # [b, kv, g·S, L]
-    mask = allowed[:, None, None].expand(b, kv, g, s, allowed.shape[-1]).reshape(b, kv, g * s, -1)
-    scores = widen(scores).masked_fill(~mask, float("-inf"))
+    blocked = ~allowed if blocked is None else blocked
+    mask = blocked[:, None, None].expand(b, kv, g, s, blocked.shape[-1]).reshape(b, kv, g * s, -1)
+    scores = widen(scores).masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v.to(q.dtype))  # [b, kv, g·S, d]
     return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)

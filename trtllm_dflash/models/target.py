@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, Rotary, attention
+from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -32,17 +32,17 @@ class TargetAttention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
-    def forward(self, x, rotary: Rotary, positions, cache: KVCache, layer: int, rows, allowed, kv_len):
+    def forward(self, x, rope: RopeAt, positions, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len):
         b, s, _ = x.shape  # x: [b, S, hidden]
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, positions), rotary.apply(k, positions)
-        cache.write(layer, rows, positions, k, v)
+        q, k = rope.apply(q), rope.apply(k)
+        cache.write(layer, rows, positions, k, v, row_idx)
         k_all, v_all = cache.read(layer, rows, kv_len)  # [b, num_kv_heads, kv_len, head_dim]
-        return self.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+        return self.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed, blocked))
 
 
 class TargetLayer(nn.Module):
@@ -126,11 +126,14 @@ class TargetModel(nn.Module):
         kv_len = int(positions[:, -1].max()) + 1
         key_pos = torch.arange(kv_len, device=input_ids.device)
         allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, S, kv_len]: causal over cache + step
+        # what every layer shares, computed once: RoPE tables, cache rows, the mask's complement
+        step = (self.rotary.at(positions), positions, cache)
+        shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len)
         x = self.embed(input_ids)
         wanted = {layer: i for i, layer in enumerate(tap_layers)}
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, self.rotary, positions, cache, i, rows, allowed, kv_len)
+            x = layer(x, *step, i, *shared)
             if i in wanted:
                 taps[wanted[i]] = x
         tapped = torch.cat(taps, dim=-1) if tap_layers else None  # type: ignore[arg-type]

@@ -63,9 +63,10 @@ def draft(
     ctx_lens = cache.lengths[row_ids]  # [b]
     batch = RaggedBatch.from_lengths([bs] * b, device=block_embeds.device)
     x = block_embeds.to(drafter.dtype)
+    rope = drafter.rotary.at(positions)
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
-        q, k, v = attn.block_qkv(layer.input_layernorm(x), drafter.rotary, positions)
+        q, k, v = attn.block_qkv(layer.input_layernorm(x), rope)
         sliding = spec.sliding_window is not None and spec.layer_types[i] is LayerType.SLIDING
         o = dispatch.block_attention(
             q.reshape(b * bs, attn.num_heads, attn.head_dim),

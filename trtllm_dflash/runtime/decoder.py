@@ -252,7 +252,10 @@ class SpeculativeDecoder:
         ttft_ms = (time.perf_counter() - t0) * 1e3
         self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
 
-        policy, sync = self.policy, _sync(dev)
+        # the step's device syncs only serve the adaptive policy's timings; without a policy the one sync a step
+        # needs is reading the accepted lengths back (acc.tolist()), and the host queues the next step's work
+        policy = self.policy
+        sync = _sync(dev) if policy is not None else (lambda: None)
         if policy is not None:
             for s in seqs:
                 s.policy = policy.new_sequence()

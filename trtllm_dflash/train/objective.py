@@ -188,16 +188,17 @@ def drafter_blocks(
     block = torch.full((b, bs), spec.mask_token_id, dtype=torch.long, device=c.device)
     block[:, 0] = batch.ids.gather(1, batch.anchors).reshape(-1)  # [b, B] = [ids[p], MASK × (B − 1)]
     x = embed(block).to(drafter.dtype)  # [b, B, H]
+    ctx_rope, rope = drafter.rotary.at(ctx_positions), drafter.rotary.at(positions)
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         sliding = spec.layer_types[i] is LayerType.SLIDING
         allowed = block_visibility(anchors, ctx_len, bs, spec.layer_causal[i], spec.sliding_window if sliding else None)
-        ck, cv = attn.context_kv(c, drafter.rotary, ctx_positions)  # [n, ctx_len, kv, d] each
+        ck, cv = attn.context_kv(c, ctx_rope)  # [n, ctx_len, kv, d] each
         h = layer.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).view(b, bs, attn.num_heads, attn.head_dim))
         k = attn.k_norm(attn.k_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim))
         v = attn.v_proj(h).view(b, bs, attn.num_kv_heads, attn.head_dim)
-        q, k = drafter.rotary.apply(q, positions), drafter.rotary.apply(k, positions)
+        q, k = rope.apply(q), rope.apply(k)
         if packed:
             x = x + attn.o_proj(packed_block_attention(q, k, v, ck, cv, allowed))
         else:

@@ -73,8 +73,12 @@ def test_training_sample_and_inference_step_agree(smollm2, one_thread):
         audits.append(a)
     s = summarize(audits)
     assert s["lossless"] and 0.0 < s["position1_accuracy"] <= 1.0
-    # the two readings of acceptance tell the same story (all-anchor expectation vs the decoder's own steps)
-    assert abs(s["expected_tau_all_anchors"] - s["inference_tau"]) < 0.5, s
+    # the two readings of acceptance tell roughly the same story (the all-anchor mean vs the decoder's own steps):
+    # only roughly, since the all-anchor mean also counts the anchors inside long accepted runs that the decoder jumps
+    # over, so it runs ahead when acceptance is uneven (session-22 drafter on these two prompts: 2.27 vs 1.62; the
+    # exact check is the one above, at the decoder's own anchors)
+    ratio = s["expected_tau_all_anchors"] / s["inference_tau"]
+    assert s["inference_tau"] >= 1.0 and 0.8 < ratio < 1.6, s
 
 
 def test_prompt_lookup_replay_by_hand():
@@ -113,10 +117,14 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     for req, ref, a, b in zip(reqs, greedy, plain, looked):
         assert a.token_ids == ref.token_ids == b.token_ids
         ids = list(req.prompt_ids) + list(ref.token_ids)
-        taus, ngram_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True, block_size=block_size)
+        taus, ngram_taus, tree_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True,
+                                                  block_size=block_size, tree=True)
         assert taus == output_taus(a.acceptance_lengths, len(a.token_ids))
         assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
-        assert max(taus) <= block_size and max(ngram_taus) <= block_size
+        assert max(taus) <= block_size and max(ngram_taus) <= block_size and max(tree_taus) <= block_size
+        # every walk covers the same output; the two-branch one's first step takes the longer of the two branches
+        assert sum(tree_taus) == sum(ngram_taus) == sum(taus)
+        assert tree_taus[0] == max(taus[0], ngram_taus[0])
 
 
 def test_output_taus_drop_what_the_verify_accepted_past_the_end():

@@ -144,12 +144,15 @@ def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int
 
 
 def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
-                chunk: int = 64, ngram: bool = False, block_size: int | None = None
-                ) -> list[int] | tuple[list[int], list[int]]:
+                chunk: int = 64, ngram: bool = False, block_size: int | None = None, tree: bool = False
+                ) -> list[int] | tuple[list[int], ...]:
     """Acceptance lengths of greedy DFlash decoding at ``block_size`` (default: the drafter's) replayed over a known
     greedy output ``ids`` (prompt + response): ``drafter_acceptance`` at every anchor, then the decoder's ``walk``.
     With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
-    ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs)."""
+    ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs). With ``tree`` as well,
+    those of a two-branch verify that is not built (the drafter's block and the lookup continuation verified side by
+    side in one step, the longer accepted prefix kept; the drafter's alone where no n-gram recurs): the τ such a
+    verify would reach, (drafter τs, ngram τs, tree τs)."""
     if len(ids) - 1 <= prompt_len:
         return ([], []) if ngram else []
     bs = block_size or drafter.spec.block_size
@@ -159,7 +162,10 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
         return taus
     lookup = lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N)
     mixed = [acc if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
-    return taus, walk(mixed, prompt_len, len(ids))
+    if not tree:
+        return taus, walk(mixed, prompt_len, len(ids))
+    both = [max(acc, accepted[a]) if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
+    return taus, walk(mixed, prompt_len, len(ids)), walk(both, prompt_len, len(ids))
 
 
 def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix

@@ -7,8 +7,8 @@ token, for a model whose weights stream in well under 0.1 ms), measured where no
 
 A tiny random target with SmolLM2's depth (30 layers, hidden 64: compute is negligible, so time per step is the
 framework's per-operator cost, as on a GPU at batch 1) and a 3-layer drafter; one prompt, greedy. For each decoder
-(``ar``, B = 16, B = 16 with prompt lookup) it reports decode steps, host milliseconds per step (median of
-``--repeats``), and per step the operators issued in total and without view/reshape operators (those launch no
+(``ar``, B = 16, B = 16 with prompt lookup) it reports decode steps, milliseconds per step (median of ``--repeats``;
+``--device cuda`` times the same on a GPU, where it measures what a launch costs there), and per step the operators issued in total and without view/reshape operators (those launch no
 kernel on a GPU), split by phase: target forward, drafter forward + head (draft), KV injection, acceptance
 (verify_samples) and the decoder's own loop. Operator counts do not depend on the machine; milliseconds do."""
 
@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cuda: the same counts and the real per-step time on a GPU")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -79,12 +80,13 @@ def main(argv=None) -> int:
         tspec = TargetSpec.load(tdir)
         spec = drafter_spec_for(tspec, num_layers=3, block_size=16, mask_token_id=16)
         write_drafter(ddir, spec, tspec, random_drafter_state(spec, 0))
-        target, drafter = load_pair(tdir, ddir)
+        target, drafter = load_pair(tdir, ddir, device=args.device)
     target.forward = labelled(target.forward, "target")
     saved = dec_mod.verify_samples, dec_mod.draft_block
     dec_mod.verify_samples, dec_mod.draft_block = labelled(saved[0], "accept"), labelled(saved[1], "draft")
     reqs = [Request(tuple(range(20, 60)), args.tokens)]
     out = {"layers": args.layers, "hidden": args.hidden, "tokens": args.tokens, "threads": args.threads,
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "decoders": {}}
     try:
         for name, dec in (("ar", SpeculativeDecoder(target, None, 1)), ("16", SpeculativeDecoder(target, drafter, 16)),
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                dec.generate(reqs)
+                dec.generate(reqs)  # ends in a host read of the last tokens, so the device has finished
                 times.append((time.perf_counter() - t0) * 1e3 / steps)
             with Count() as c:
                 dec.generate(reqs)

@@ -18,6 +18,8 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
+- ``overhead``: ``perf/bench_overhead.py --device``: per-step time and kernel-launching operators of AR and DFlash
+  on a tiny 30-layer pair (all overhead, no compute: what batch-1 decoding of a small model is bound by on a GPU).
 - ``bench_kernels``, ``bench_gpu`` (bf16 and fp8): ``perf/bench_kernels.py`` and ``perf/bench_gpu.py`` on Qwen3-8B
   shapes (CUDA only; recorded as skipped on the CPU).
 - ``dflash_vs_ar``: ``perf/bench_runtime.py --device`` on the prompt files, batch 1 and 8, block sizes
@@ -51,12 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=24, help="prompts per dataset for dflash_vs_ar")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-sizes", default="16,8,16+ngram", help="comma list for bench_runtime --block-size")
-    p.add_argument("--steps", default="env,kernel_tests,parity,bench_kernels,bench_gpu,dflash_vs_ar")
+    p.add_argument("--steps", default="env,kernel_tests,parity,overhead,bench_kernels,bench_gpu,dflash_vs_ar")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     p.add_argument("--commit", default=None)
     p.add_argument("--export-prompts", metavar="DIR", help="write the prompt files here and exit")
     args = p.parse_args(argv)
-    known = {"env", "kernel_tests", "parity", "bench_kernels", "bench_gpu", "dflash_vs_ar"}
+    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar"}
     args.steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in args.steps if s not in known]
     if bad:
@@ -233,7 +235,14 @@ def succeeded(result) -> bool:
     return True
 
 
-STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity,
+def step_overhead(args, log) -> dict:
+    """perf/bench_overhead.py on the device: per-step time of AR and DFlash on a tiny 30-layer pair, whose cost is all
+    framework and launch overhead, beside the operator counts that the CPU measures too."""
+    out = run([sys.executable, "perf/bench_overhead.py", "--device", args.device], log, 300)
+    return {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
+
+
+STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity, "overhead": step_overhead,
          "bench_kernels": step_bench("perf/bench_kernels.py", []), "bench_gpu": step_bench_gpu,
          "dflash_vs_ar": step_dflash_vs_ar}
 

@@ -12,8 +12,9 @@ the block size, so it is decoded once per batch) and prints one JSON line per bl
 (``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
 of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
 continuation instead of the drafter's block, and ``16+ngram`` does so at a fixed block size wherever the context ends
-in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps). Every batch runs all decoders back to back (in reversed order on odd
-batches), so the ratios are paired even on a shared machine.
+in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps); ``16+tree`` verifies both side by side
+(``runtime.tree``: greedy only; ``lookup_steps`` then counts the row-steps that kept the lookup's branch). Every batch
+runs all decoders back to back (in reversed order on odd batches), so the ratios are paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
 depend on the batch): the way to get τ and losslessness over a whole dataset on a slow machine. Its tokens/s and
@@ -37,16 +38,19 @@ import time
 
 AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
 NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
+TREE = "+tree"  # suffix: verify the drafter's block and the lookup continuation together (runtime.tree; greedy)
 
 
 def block_label(text: str) -> int | str:
-    """One --block-size item: "auto", "auto+ngram", an integer >= 2 (as int) or "N+ngram"; ValueError otherwise."""
+    """One --block-size item: "auto", "auto+ngram", an integer >= 2 (as int), "N+ngram" or "N+tree"; ValueError
+    otherwise."""
     base = text.removesuffix(NGRAM)
     if base == "auto":
         return text
+    base = base.removesuffix(TREE)
     if int(base) < 2:
         raise ValueError(text)
-    return text if text.endswith(NGRAM) else int(base)
+    return text if text.endswith((NGRAM, TREE)) else int(base)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.block_sizes = blocks
     except ValueError:
         p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, each optionally with "
-                "'+ngram', or a comma list of distinct ones, e.g. auto,16,16+ngram")
+                "'+ngram' (an integer also with '+tree'), or a comma list of distinct ones, e.g. auto,16,16+ngram")
     return args
 
 
@@ -108,9 +112,10 @@ def main(argv=None) -> int:
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
     decoders = {"ar": SpeculativeDecoder(target, None, 1)}
-    decoders.update({b: make_decoder(target, drafter, "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM)),
+    decoders.update({b: make_decoder(target, drafter,
+                                     "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
                                      args.drafter, args.max_block_size if b in AUTOS else None,
-                                     ngram=str(b).endswith(NGRAM))
+                                     ngram=str(b).endswith(NGRAM), tree=str(b).endswith(TREE))
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 

@@ -98,7 +98,8 @@ def test_prompt_lookup_replay_by_hand():
 def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thread, block_size):
     """On the real pair, ``replay_taus`` reproduces the decoder's steps at the drafter's block size and at a smaller
     one (whose non-causal block differs from a truncated 16-token one), plain and in ``ngram`` mode (prompt lookup's
-    continuation of a recurring 2- or 3-gram instead of the drafter's block); every walk is lossless."""
+    continuation of a recurring 2- or 3-gram instead of the drafter's block), and the two-branch verify's steps
+    (runtime.tree: both proposals in one step); every walk is lossless."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
@@ -113,9 +114,10 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     greedy = SpeculativeDecoder(target, None, 1).generate(reqs)
     plain = SpeculativeDecoder(target, drafter, block_size).generate(reqs)
     looked = SpeculativeDecoder(target, drafter, block_size, ngram=True).generate(reqs)
+    both = SpeculativeDecoder(target, drafter, block_size, tree=True).generate(reqs)  # runtime.tree
     assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 48 tokens
-    for req, ref, a, b in zip(reqs, greedy, plain, looked):
-        assert a.token_ids == ref.token_ids == b.token_ids
+    for req, ref, a, b, c in zip(reqs, greedy, plain, looked, both):
+        assert a.token_ids == ref.token_ids == b.token_ids == c.token_ids
         ids = list(req.prompt_ids) + list(ref.token_ids)
         taus, ngram_taus, tree_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True,
                                                   block_size=block_size, tree=True)
@@ -123,6 +125,7 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
         assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
         assert max(taus) <= block_size and max(ngram_taus) <= block_size and max(tree_taus) <= block_size
         # every walk covers the same output; the two-branch one's first step takes the longer of the two branches
+        assert tree_taus == output_taus(c.acceptance_lengths, len(c.token_ids))  # the two-branch decoder's own steps
         assert sum(tree_taus) == sum(ngram_taus) == sum(taus)
         assert tree_taus[0] == max(taus[0], ngram_taus[0])
 

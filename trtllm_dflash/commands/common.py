@@ -81,7 +81,7 @@ def resolve_block_size(args, drafter) -> int | str:
 
 
 def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
-                 ngram: bool = False):
+                 ngram: bool = False, tree: bool = False):
     """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
     ``ngram``, prompt-lookup proposals too)."""
     from trtllm_dflash.runtime.adaptive import prior_from_training_log
@@ -90,4 +90,5 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
     prior = None
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
-    return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram)
+    return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
+                              tree=tree)

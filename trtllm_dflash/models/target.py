@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
@@ -32,7 +33,7 @@ class TargetAttention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
-    def forward(self, x, rope: RopeAt, positions, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len):
+    def forward(self, x, rope: RopeAt, slots, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len):
         b, s, _ = x.shape  # x: [b, S, hidden]
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
@@ -40,7 +41,7 @@ class TargetAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)
-        cache.write(layer, rows, positions, k, v, row_idx)
+        cache.write(layer, rows, slots, k, v, row_idx)  # slots: the tokens' positions, but in a runtime.tree step
         k_all, v_all = cache.read(layer, rows, kv_len)  # [b, num_kv_heads, kv_len, head_dim]
         return self.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed, blocked))
 
@@ -116,18 +117,27 @@ class TargetModel(nn.Module):
         cache: KVCache,
         rows: torch.Tensor | None = None,  # [b] cache rows of the batch; None = all rows in order
         tap_layers: tuple[int, ...] = (),
+        layout=None,  # runtime.tree.StepLayout: positions, cache slots and mask of a step that is not one run
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [b, S, hidden], taps [b, S, len(tap_layers) * hidden] or None).
 
-        Writes K/V for the S tokens into ``cache`` without committing them (see layers.KVCache).
+        Writes K/V for the S tokens into ``cache`` without committing them (see layers.KVCache): by default at the
+        rows' next S slots, causally; with ``layout`` where and as it says.
         """
         b, s = input_ids.shape
-        positions = cache.step_positions(rows, s)  # [b, S]
-        kv_len = int(positions[:, -1].max()) + 1
-        key_pos = torch.arange(kv_len, device=input_ids.device)
-        allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, S, kv_len]: causal over cache + step
+        if layout is None:
+            positions = slots = cache.step_positions(rows, s)  # [b, S]
+            kv_len = int(positions[:, -1].max()) + 1
+            key_pos = torch.arange(kv_len, device=input_ids.device)
+            allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, S, kv_len]: causal over cache + step
+        else:
+            positions, slots, allowed = layout.positions, layout.slots, layout.allowed
+            kv_len = allowed.shape[-1]
+            if kv_len > cache.max_len:
+                raise ConfigError("sequence length", kv_len, f"exceeds the cache capacity ({cache.max_len} tokens)",
+                                  "lower max_new_tokens or the prompt length")
         # what every layer shares, computed once: RoPE tables, cache rows, the mask's complement
-        step = (self.rotary.at(positions), positions, cache)
+        step = (self.rotary.at(positions), slots, cache)
         shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len)
         x = self.embed(input_ids)
         wanted = {layer: i for i, layer in enumerate(tap_layers)}

@@ -36,6 +36,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.tree import keep_lookup_branch, two_branch_accept, two_branch_layout
 
 AUTO = "auto"
 
@@ -131,7 +132,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
-                 prior: list[float] | None = None, ngram: bool = False) -> None:
+                 prior: list[float] | None = None, ngram: bool = False, tree: bool = False) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -142,7 +143,11 @@ class SpeculativeDecoder:
         ``ngram`` at a fixed block size: a row whose context ends in a 2- or 3-gram that occurred earlier verifies the
         B − 1 tokens that followed it (``adaptive.ngram_continuation``, at least ``LOOKUP_MIN_N`` tokens matched)
         instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
-        verify step does not care where a proposal came from."""
+        verify step does not care where a proposal came from.
+
+        ``tree`` (implies ``ngram``; a fixed block size, greedy requests): every row drafts, and verifies its block
+        and its lookup continuation side by side in one forward, keeping the longer accepted prefix
+        (``runtime.tree``)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -175,7 +180,12 @@ class SpeculativeDecoder:
                 from trtllm_dflash.plugin.kv_inject import InjectWeights
 
                 self.inject_weights = InjectWeights.from_drafter(drafter)
-        self.ngram = ngram and block_size > 1
+        self.tree = tree
+        if tree:
+            require(not self.adaptive and block_size > 1, "block_size", self.block_size_label if self.adaptive
+                    else block_size, "the two-branch verify needs a fixed block size >= 2 and a drafter",
+                    "use e.g. --block-size 16+tree")
+        self.ngram = (ngram or tree) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
 
@@ -226,7 +236,11 @@ class SpeculativeDecoder:
             _Seq(r, None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)) for r in requests
         ]
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests], device=dev)  # [n]
-        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + bsz
+        if self.tree:
+            require(all(r.sampling.greedy for r in requests), "temperature", "> 0",
+                    "the two-branch verify (tree) is greedy only", "use a plain or +ngram block size to sample")
+        # room for the verify's scratch slots past the committed tokens: one block, two under ``tree``
+        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + bsz * (2 if self.tree else 1)
         tcache = self.target.new_cache(n, max_len)
         dcache = self.drafter.new_cache(n, max_len) if self.taps else None
 
@@ -271,44 +285,47 @@ class SpeculativeDecoder:
             if self.ngram and dcache is not None:
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
-            if policy is not None:
-                ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
-                drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
-                looked = [j for j, i in enumerate(active) if seqs[i].policy.source == "ngram" and ks[j]]
+            if self.tree:  # runtime.tree: the drafter's block and the lookup continuation in one verify
+                samples, acc, taps = self._tree_verify(cur, rows, active, lookups, tcache, dcache, pending, seqs)
             else:
-                ks = [bsz - 1] * b
-                looked = [j for j in range(b) if lookups and lookups[j]]
-                drafting = [j for j in range(b) if not (lookups and lookups[j])]
-            kmax = max(ks) if dcache is not None else 0
-            if pending is not None and kmax > 0 and drafting:
-                self._flush(pending, [active[j] for j in drafting], dcache)
-            if kmax > 0 and len(drafting) == b:
-                committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
-                drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
-            elif kmax > 0:  # only some rows draft; the others verify their n-gram or padding that never matches
-                drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
-                if drafting:
+                if policy is not None:
+                    ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
+                    drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
+                    looked = [j for j, i in enumerate(active) if seqs[i].policy.source == "ngram" and ks[j]]
+                else:
+                    ks = [bsz - 1] * b
+                    looked = [j for j in range(b) if lookups and lookups[j]]
+                    drafting = [j for j in range(b) if not (lookups and lookups[j])]
+                kmax = max(ks) if dcache is not None else 0
+                if pending is not None and kmax > 0 and drafting:
+                    self._flush(pending, [active[j] for j in drafting], dcache)
+                if kmax > 0 and len(drafting) == b:
                     committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
-                    sel = torch.tensor(drafting, device=dev)
-                    drows = sel if rows is None else rows[sel]
-                    drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
-                for j in looked:
-                    proposal = lookups[j][: ks[j]]
-                    drafts[j, : len(proposal)] = torch.tensor(proposal, device=dev)
-                    seqs[active[j]].lookup_steps += 1
-            else:
-                drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
-            sync()
-            t_draft = time.perf_counter()
-            verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
-            positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
-            hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
-            samples, acc = verify_samples(
-                self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
-                [seqs[i].generator for i in active], positions,
-            )  # [b, K + 1] (valid up to each row's bonus), [b]
-            sync()
-            t_verify = time.perf_counter()
+                    drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
+                elif kmax > 0:  # only some rows draft; the others verify their n-gram or padding that never matches
+                    drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
+                    if drafting:
+                        committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
+                        sel = torch.tensor(drafting, device=dev)
+                        drows = sel if rows is None else rows[sel]
+                        drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
+                    for j in looked:
+                        proposal = lookups[j][: ks[j]]
+                        drafts[j, : len(proposal)] = torch.tensor(proposal, device=dev)
+                        seqs[active[j]].lookup_steps += 1
+                else:
+                    drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
+                sync()
+                t_draft = time.perf_counter()
+                verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
+                positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
+                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
+                samples, acc = verify_samples(
+                    self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
+                    [seqs[i].generator for i in active], positions,
+                )  # [b, K + 1] (valid up to each row's bonus), [b]
+                sync()
+                t_verify = time.perf_counter()
             tcache.commit(rows, acc + 1)
             accepted = acc.tolist()
             if pending is not None:
@@ -359,6 +376,26 @@ class SpeculativeDecoder:
             dev = dcache.lengths.device
             self._inject(taps, torch.tensor(num, device=dev), dcache,
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
+
+    def _tree_verify(self, cur, rows, active, lookups, tcache, dcache, pending, seqs):
+        """One two-branch step: every row drafts, then verifies ``[x, drafts, lookup]`` under
+        ``tree.two_branch_layout``; returns the kept branch's samples [b, K + 1], accepted lengths [b] and taps."""
+        k, dev = self.block_size - 1, cur.device
+        if pending is not None:
+            self._flush(pending, active, dcache)
+        committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
+        drafts = self.propose(cur, dcache, rows, committed, k)  # [b, K]
+        look = torch.full_like(drafts, -1)  # −1: no continuation there (never matches)
+        for j, cont in enumerate(lookups):
+            if cont:
+                look[j, : len(cont[:k])] = torch.tensor(cont[:k], device=dev)
+        ids = torch.cat([cur[:, None], drafts.clamp(min=0), look.clamp(min=0)], dim=1)  # [b, 2K + 1]
+        hidden, taps = self.target(ids, tcache, rows, tap_layers=self.taps, layout=two_branch_layout(committed, k))
+        samples, acc, from_lookup, taken = two_branch_accept(self.target.logits(hidden).argmax(-1), drafts, look)
+        keep_lookup_branch(tcache, rows, committed, k, acc, from_lookup)
+        for j in from_lookup.nonzero()[:, 0].tolist():
+            seqs[active[j]].lookup_steps += 1
+        return samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
 
     def propose(
         self,

@@ -101,7 +101,8 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     assert returned["train_log"]["records"][-1]["step"] == 6 and set(returned["timings"]) >= {"regen", "taps", "train"}
     tau = returned["eval"]["tau"][0]
     assert tau["lossless"] and tau["num_prompts"] == 2 and tau["block_size"] == 4
-    assert [(x["block_size"], x["lossless"]) for x in returned["eval"]["tau"][1:]] == [("4+ngram", True)]
+    assert [(x["block_size"], x["lossless"]) for x in returned["eval"]["tau"][1:]] == [("4+ngram", True),
+                                                                                      ("4+tree", True)]
 
     # returned files -> a drafter the runtime loads, identical to what the machine exported
     from trtllm_dflash.checkpoints import load_pair

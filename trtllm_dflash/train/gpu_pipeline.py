@@ -634,19 +634,20 @@ def _train_config(home: Path, a: dict):
 
 
 def evaluate(home: Path, a: dict) -> dict:
-    """τ over the evaluation prompts (B = block size and 8, and the block size with prompt lookup where the context
-    repeats (``N+ngram``), batched: τ does not depend on the batch) and the batch-1 DFlash (plain and ``N+ngram``) vs
-    autoregressive tokens/s on the first ``speed_limit`` of them, through perf/bench_runtime.py."""
+    """τ over the evaluation prompts (B = block size and 8, the block size with prompt lookup where the context repeats
+    (``N+ngram``) and with both verified side by side (``N+tree``), batched: τ does not depend on the batch) and the
+    batch-1 DFlash (plain, ``N+ngram`` and ``N+tree``) vs autoregressive tokens/s on the first ``speed_limit`` of them,
+    through perf/bench_runtime.py."""
     bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "perf" / "bench_runtime.py")]
     common = ["--dataset", str(home / "eval.jsonl"), "--target", str(home / "target"), "--drafter",
               str(home / "drafter"), "--device", a["device"], "--max-new-tokens", str(a["eval_max_new_tokens"]),
               "--json"]
     res = {}
-    b, ngram = str(a["block_size"]), f"{a['block_size']}+ngram"
+    b, ngram, tree = str(a["block_size"]), f"{a['block_size']}+ngram", f"{a['block_size']}+tree"
     blocks = ",".join(dict.fromkeys([b, "8"] if a["block_size"] > 8 else [b]))
     runs = {"tau": ["--limit", str(a["eval_limit"]), "--batch-size", str(a["eval_batch_size"]), "--block-size",
-                    f"{blocks},{ngram}"],
-            "speed_b1": ["--limit", str(a["speed_limit"]), "--batch-size", "1", "--block-size", f"{b},{ngram}"]}
+                    f"{blocks},{ngram},{tree}"],
+            "speed_b1": ["--limit", str(a["speed_limit"]), "--batch-size", "1", "--block-size", f"{b},{ngram},{tree}"]}
     for name, extra in runs.items():
         if name == "speed_b1" and a["speed_limit"] == 0:
             continue

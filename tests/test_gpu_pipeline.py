@@ -226,7 +226,7 @@ def test_short_lease_command_rehearsal(tiny_target_with_tokenizer, tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, LEASE_DEVICE="cpu", DFLASH_GPU_HOME=str(tmp_path / "home"),
                OUT=str(out), LEASE_PROMPTS=str(prompts), LEASE_CHECKS="env,kernel_tests", LEASE_TIMED="dflash_vs_ar",
                LEASE_BLOCK_SIZES="4", LEASE_LIMIT="1")
-    lease = subprocess.run(["bash", str(ROOT / "build_scripts" / "gpu_short_lease.sh"), "330", "rehearsal", "--",
+    lease = subprocess.run(["bash", str(ROOT / "build_scripts" / "gpu_short_lease.sh"), "420", "rehearsal", "--",
                             "--carry", str(carry), *run_flags, "--speed-limit", "1", "--steps", "100000",
                             "--train-seconds", "8", "--eval-limit", "2"],
                            capture_output=True, text=True, env=env, timeout=600)

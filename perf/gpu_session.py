@@ -90,9 +90,14 @@ def run(cmd: list[str], log, timeout: float, env: dict | None = None) -> subproc
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": path, **(env or {})}, capture_output=True,
                          text=True, timeout=timeout)
-    log.write(out.stdout + out.stderr + f"[exit {out.returncode}]\n")
+    log.write(repo_relative(out.stdout + out.stderr) + f"[exit {out.returncode}]\n")
     log.flush()
     return out
+
+
+def repo_relative(text: str) -> str:
+    """Output with this checkout's path dropped (tracebacks), so a returned log names files as the repository does."""
+    return text.replace(f"{ROOT}{os.sep}", "")
 
 
 def json_lines(text: str) -> list:
@@ -265,7 +270,11 @@ def main(argv=None) -> int:
 
     with open(out_dir / "gpu_session.log", "a") as log:
         for name in args.steps:
-            args.checkpoint = lambda partial, name=name: (report["steps"].__setitem__(name, partial), write_report())
+            def checkpoint(partial: dict, name: str = name) -> None:  # a step's results so far, kept if it is cut off
+                report["steps"][name] = partial
+                write_report()
+
+            args.checkpoint = checkpoint
             elapsed = time.monotonic() - t0
             if elapsed > args.budget_s:
                 report["steps"][name] = {"skipped": f"budget spent ({elapsed:.0f} s > {args.budget_s:.0f} s)"}

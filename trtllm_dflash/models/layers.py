@@ -135,12 +135,15 @@ class KVCache:
         """Absolute positions [b, num_new] of the next ``num_new`` tokens of each selected row."""
         lengths = self.lengths if rows is None else self.lengths[rows]
         pos = lengths[:, None] + torch.arange(num_new, device=lengths.device)  # [b, num_new]
-        if num_new and int(pos.max()) >= self.max_len:
-            raise ConfigError(
-                "sequence length", int(pos.max()) + 1, f"exceeds the cache capacity ({self.max_len} tokens)",
-                "lower max_new_tokens or the prompt length",
-            )
+        if num_new:
+            self.require_capacity(int(pos.max()) + 1)
         return pos
+
+    def require_capacity(self, num_slots: int) -> None:
+        """A step that uses the first ``num_slots`` slots of a row must fit the cache."""
+        if num_slots > self.max_len:
+            raise ConfigError("sequence length", num_slots, f"exceeds the cache capacity ({self.max_len} tokens)",
+                              "lower max_new_tokens or the prompt length")
 
     def row_index(self, rows: torch.Tensor | None) -> torch.Tensor:
         """[b, 1] cache rows for ``write`` (computed once per forward by the callers that write every layer)."""

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
@@ -133,9 +132,7 @@ class TargetModel(nn.Module):
         else:
             positions, slots, allowed = layout.positions, layout.slots, layout.allowed
             kv_len = allowed.shape[-1]
-            if kv_len > cache.max_len:
-                raise ConfigError("sequence length", kv_len, f"exceeds the cache capacity ({cache.max_len} tokens)",
-                                  "lower max_new_tokens or the prompt length")
+            cache.require_capacity(kv_len)
         # what every layer shares, computed once: RoPE tables, cache rows, the mask's complement
         step = (self.rotary.at(positions), slots, cache)
         shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len)

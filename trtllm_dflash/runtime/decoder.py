@@ -182,8 +182,8 @@ class SpeculativeDecoder:
                 self.inject_weights = InjectWeights.from_drafter(drafter)
         self.tree = tree
         if tree:
-            require(not self.adaptive and block_size > 1, "block_size", self.block_size_label if self.adaptive
-                    else block_size, "the two-branch verify needs a fixed block size >= 2 and a drafter",
+            require(not self.adaptive and block_size > 1, "block_size", self.block_size_label,
+                    "the two-branch verify needs a fixed block size >= 2 and a drafter",
                     "use e.g. --block-size 16+tree")
         self.ngram = (ngram or tree) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None

@@ -150,9 +150,9 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     greedy output ``ids`` (prompt + response): ``drafter_acceptance`` at every anchor, then the decoder's ``walk``.
     With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
     ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs). With ``tree`` as well,
-    those of a two-branch verify that is not built (the drafter's block and the lookup continuation verified side by
-    side in one step, the longer accepted prefix kept; the drafter's alone where no n-gram recurs): the τ such a
-    verify would reach, (drafter τs, ngram τs, tree τs)."""
+    those of the two-branch verify (``runtime.tree``: the drafter's block and the lookup continuation verified side by
+    side in one step, the longer accepted prefix kept; the drafter's alone where no n-gram recurs): (drafter τs, ngram
+    τs, tree τs)."""
     if len(ids) - 1 <= prompt_len:
         return ([], []) if ngram else []
     bs = block_size or drafter.spec.block_size

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MiB = 2**20
 OUT_MAX_FILES, OUT_MAX_BYTES = 8, 16 * MiB
 STATE_PREFIX = "drafter-fp32"
+REPO = Path(__file__).resolve().parents[2]  # the repository root (the GPU machine runs from the source tree)
 RUN_DEFAULTS = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
@@ -495,6 +496,7 @@ def emit(home: Path, out: Path) -> list[Path]:
                 shutil.copyfile(home / "drafter" / name, out / name)
                 written.append(out / name)
     tail = (home / "job.log").read_bytes()[-6000:].decode(errors="replace") if (home / "job.log").is_file() else ""
+    tail = tail.replace(f"{REPO}{os.sep}", "")  # tracebacks name repository files
     _write_json(out / "status.json", status | {"job_log_tail": tail})
     written.append(out / "status.json")
     check_out(out)
@@ -638,7 +640,7 @@ def evaluate(home: Path, a: dict) -> dict:
     (``N+ngram``) and with both verified side by side (``N+tree``), batched: τ does not depend on the batch) and the
     batch-1 DFlash (plain, ``N+ngram`` and ``N+tree``) vs autoregressive tokens/s on the first ``speed_limit`` of them,
     through perf/bench_runtime.py."""
-    bench = [sys.executable, str(Path(__file__).resolve().parents[2] / "perf" / "bench_runtime.py")]
+    bench = [sys.executable, str(REPO / "perf" / "bench_runtime.py")]
     common = ["--dataset", str(home / "eval.jsonl"), "--target", str(home / "target"), "--drafter",
               str(home / "drafter"), "--device", a["device"], "--max-new-tokens", str(a["eval_max_new_tokens"]),
               "--json"]

@@ -7,10 +7,10 @@ token, for a model whose weights stream in well under 0.1 ms), measured where no
 
 A tiny random target with SmolLM2's depth (30 layers, hidden 64: compute is negligible, so time per step is the
 framework's per-operator cost, as on a GPU at batch 1) and a 3-layer drafter; one prompt, greedy. For each decoder
-(``ar``, B = 16, B = 16 with prompt lookup) it reports decode steps, milliseconds per step (median of ``--repeats``;
+(``ar``, B = 16, B = 16 with prompt lookup, the tree verify) it reports decode steps, milliseconds per step (median of ``--repeats``;
 ``--device cuda`` times the same on a GPU, where it measures what a launch costs there), and per step the operators issued in total and without view/reshape operators (those launch no
 kernel on a GPU), split by phase: target forward, drafter forward + head (draft), KV injection, acceptance
-(verify_samples) and the decoder's own loop. Operator counts do not depend on the machine; milliseconds do."""
+(verify_samples; the tree's acceptance and K/V move) and the decoder's own loop. Operator counts do not depend on the machine; milliseconds do."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
                                            write_tiny_target)
     from trtllm_dflash.runtime import decoder as dec_mod
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.tree import TreeShape
     from trtllm_dflash.specs import TargetSpec
 
     torch.set_num_threads(args.threads)
@@ -82,15 +83,17 @@ def main(argv=None) -> int:
         write_drafter(ddir, spec, tspec, random_drafter_state(spec, 0))
         target, drafter = load_pair(tdir, ddir, device=args.device)
     target.forward = labelled(target.forward, "target")
-    saved = dec_mod.verify_samples, dec_mod.draft_block
+    saved = dec_mod.verify_samples, dec_mod.draft_block, dec_mod.commit_path, TreeShape.verify
     dec_mod.verify_samples, dec_mod.draft_block = labelled(saved[0], "accept"), labelled(saved[1], "draft")
+    dec_mod.commit_path, TreeShape.verify = labelled(saved[2], "accept"), labelled(saved[3], "accept")
     reqs = [Request(tuple(range(20, 60)), args.tokens)]
     out = {"layers": args.layers, "hidden": args.hidden, "tokens": args.tokens, "threads": args.threads,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "decoders": {}}
     try:
         for name, dec in (("ar", SpeculativeDecoder(target, None, 1)), ("16", SpeculativeDecoder(target, drafter, 16)),
-                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True))):
+                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True)),
+                          ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True))):
             dec._inject = labelled(dec._inject, "inject")
             res = dec.generate(reqs)[0]  # warm-up
             steps = len(res.acceptance_lengths) or res.num_new_tokens
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
                 "launching_ops_by_phase": {k: round(v / steps, 1) for k, v in sorted(c.launches.items())},
             }
     finally:
-        dec_mod.verify_samples, dec_mod.draft_block = saved
+        dec_mod.verify_samples, dec_mod.draft_block, dec_mod.commit_path, TreeShape.verify = saved
     ar = out["decoders"]["ar"]
     for d in out["decoders"].values():
         d["step_cost_vs_ar"] = {"ms": round(d["ms_per_step"] / ar["ms_per_step"], 3),

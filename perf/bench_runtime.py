@@ -12,8 +12,9 @@ the block size, so it is decoded once per batch) and prints one JSON line per bl
 (``--block-size auto,16,8,4``): its line says ``"block_size": "auto"`` and adds the policy's telemetry (distribution
 of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
 continuation instead of the drafter's block, and ``16+ngram`` does so at a fixed block size wherever the context ends
-in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps); ``16+tree`` verifies both side by side
-(``runtime.tree``: greedy only; ``lookup_steps`` then counts the row-steps that kept the lookup's branch). Every batch
+in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps); ``16+tree`` verifies the drafter's block, its
+runner-up tokens at the first slots and the lookup continuation side by side (``runtime.tree``: greedy only;
+``lookup_steps`` then counts the row-steps that kept the lookup's branch). Every batch
 runs all decoders back to back (in reversed order on odd batches), so the ratios are paired even on a shared machine.
 
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
@@ -38,7 +39,7 @@ import time
 
 AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
 NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
-TREE = "+tree"  # suffix: verify the drafter's block and the lookup continuation together (runtime.tree; greedy)
+TREE = "+tree"  # suffix: tree verify, the drafter's block, alternates and lookup together (runtime.tree; greedy)
 
 
 def block_label(text: str) -> int | str:

@@ -446,7 +446,7 @@ def cmd_eval(args) -> None:
                         mismatched.append(r["id"])
             res[ds] = {"tau": round(sum(taus) / len(taus), 4), "prompt_lookup_tau": round(sum(pl) / len(pl), 4),
                        "steps": len(taus), "ngram_tau": round(sum(ng) / len(ng), 4), "ngram_steps": len(ng),
-                       # the two-branch verify (runtime.tree: drafter block + lookup continuation in one step)
+                       # the tree verify (runtime.tree: the drafter's block, its alternates, the lookup continuation)
                        **({"tree_tau": round(sum(both) / len(both), 4), "tree_steps": len(both)} if both else {}),
                        **({"lossless": not mismatched, "mismatched": mismatched} if decs else {})}
         write_json(out_path, res)

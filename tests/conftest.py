@@ -130,21 +130,30 @@ class OracleDecoder(SpeculativeDecoder):
         self.corrupt, self.rng = corrupt, random.Random(seed)
         self.corrupt_rows: set[int] = set()  # rows whose drafts are always corrupted
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None):
-        real = super().propose(bonus, dcache, rows, committed, num_drafts)
-        out = real.clone()
+    def propose(self, bonus, dcache, rows, committed, num_drafts=None, top=1):
+        """With ``top`` > 1 (tree verify), [b, K, top]: a corrupted first choice has the right token at a random
+        runner-up rank half the time; the other ranks are wrong tokens."""
+        real = super().propose(bonus, dcache, rows, committed, num_drafts, top)
+        out = real.clone() if top > 1 else real.clone()[..., None]
         row_ids = range(bonus.shape[0]) if rows is None else rows.tolist()
         vocab = self.target.spec.vocab_size
+
+        def wrong(tok):  # any token but the right one
+            return (tok + 1 + self.rng.randrange(vocab - 1)) % vocab
+
         for j, r in enumerate(row_ids):
             emitted = int(committed[j]) - self.prompt_lens[r] + 1
             for k in range(real.shape[1]):
                 ref = self.continuations[r]
-                tok = ref[emitted + k] if emitted + k < len(ref) else self.rng.randrange(vocab)
+                truth = ref[emitted + k] if emitted + k < len(ref) else self.rng.randrange(vocab)
                 corrupt = 1.0 if r in self.corrupt_rows else self.corrupt
-                if self.rng.random() < corrupt:  # a corrupted draft is wrong: any token but the right one
-                    tok = (tok + 1 + self.rng.randrange(vocab - 1)) % vocab
-                out[j, k] = tok
-        return out
+                choices = [truth] + [wrong(truth) for _ in range(top - 1)]
+                if self.rng.random() < corrupt:  # a corrupted draft is wrong
+                    choices[0] = wrong(truth)
+                    if top > 1 and self.rng.random() < 0.5:
+                        choices[self.rng.randrange(1, top)] = truth
+                out[j, k] = torch.tensor(choices)
+        return out if top > 1 else out[..., 0]
 
 
 def greedy_reference(target, prompts, max_new_tokens, stop=()):

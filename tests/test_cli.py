@@ -34,9 +34,10 @@ def test_generate_json_on_the_real_model(smollm2, tmp_path):
         assert x["mean_acceptance_length"] >= 1
 
 
-def test_generate_ngram_gives_the_autoregressive_tokens(smollm2):
+def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     """--ngram on the real pair: prompt lookup's proposals are verified where the code repeats itself, and the output
-    is the --block-size 1 output."""
+    is the --block-size 1 output; so is --tree's (the drafter's block, its alternates and the lookup chain at once),
+    in fewer steps."""
     prompt = "Write a Python function that returns the sum of a list, then the same for the product."
     common = ["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompt", prompt,
               "--chat", "--max-new-tokens", "48", "--json"]
@@ -45,6 +46,10 @@ def test_generate_ngram_gives_the_autoregressive_tokens(smollm2):
     a, b = json.loads(ar.stdout.splitlines()[-1]), json.loads(looked.stdout.splitlines()[-1])
     assert a["token_ids"] == b["token_ids"] and b["ngram"] is True
     assert 0 < b["lookup_steps"] < len(b["acceptance_lengths"]) <= len(a["acceptance_lengths"])
+    tree = run_cli([*common, "--block-size", "16", "--tree"])
+    assert tree.returncode == 0, tree.stderr
+    c = json.loads(tree.stdout.splitlines()[-1])
+    assert c["token_ids"] == a["token_ids"] and len(c["acceptance_lengths"]) <= len(b["acceptance_lengths"])
 
 
 def test_demo_assets_is_idempotent_json(smollm2):
@@ -63,6 +68,8 @@ def test_demo_assets_is_idempotent_json(smollm2):
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature=-0.5: must be >= 0"),
         (["--prompt", "hi", "--max-block-size", "8"], "--max-block-size=8: only applies to --block-size auto"),
         (["--prompt", "hi", "--block-size", "1", "--ngram"], "--ngram=True: needs a block size > 1"),
+        (["--prompt", "hi", "--block-size", "auto", "--tree"], "the tree verify needs a fixed block size >= 2"),
+        (["--prompt", "hi", "--tree", "--temperature", "0.7"], "the tree verify is greedy only"),
         (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
          "max_block_size=32: must be <= the drafter's trained block_size (16)"),
     ],

@@ -98,8 +98,9 @@ def test_prompt_lookup_replay_by_hand():
 def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thread, block_size):
     """On the real pair, ``replay_taus`` reproduces the decoder's steps at the drafter's block size and at a smaller
     one (whose non-causal block differs from a truncated 16-token one), plain and in ``ngram`` mode (prompt lookup's
-    continuation of a recurring 2- or 3-gram instead of the drafter's block), and the two-branch verify's steps
-    (runtime.tree: both proposals in one step); every walk is lossless."""
+    continuation of a recurring 2- or 3-gram instead of the drafter's block), and the tree verify's steps
+    (runtime.tree: the drafter's block, its alternates and the lookup continuation in one step); every walk is
+    lossless."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
@@ -124,10 +125,10 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
         assert taus == output_taus(a.acceptance_lengths, len(a.token_ids))
         assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
         assert max(taus) <= block_size and max(ngram_taus) <= block_size and max(tree_taus) <= block_size
-        # every walk covers the same output; the two-branch one's first step takes the longer of the two branches
-        assert tree_taus == output_taus(c.acceptance_lengths, len(c.token_ids))  # the two-branch decoder's own steps
+        # every walk covers the same output; the tree's first step gets at least the longer of the two proposals
+        assert tree_taus == output_taus(c.acceptance_lengths, len(c.token_ids))  # the tree decoder's own steps
         assert sum(tree_taus) == sum(ngram_taus) == sum(taus)
-        assert tree_taus[0] == max(taus[0], ngram_taus[0])
+        assert tree_taus[0] >= max(taus[0], ngram_taus[0])
 
 
 def test_output_taus_drop_what_the_verify_accepted_past_the_end():

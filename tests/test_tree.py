@@ -1,7 +1,9 @@
-"""The two-branch verify (runtime.tree): layout and acceptance by hand, each branch's forward equal to verifying it
-alone, and decoding lossless on tiny random models with oracle proposals on both branches."""
+"""The tree verify (runtime.tree): layouts and acceptance by hand (the two-branch tree and one with alternates), every
+path's forward equal to verifying that chain alone, and decoding lossless on tiny random models with oracle proposals
+on every branch."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,11 +14,11 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime import decoder as decoder_mod
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.tree import two_branch_accept, two_branch_layout
+from trtllm_dflash.runtime.tree import TreeShape, commit_path
 
 
 def test_layout_keeps_each_branch_out_of_the_others_sight():
-    lay = two_branch_layout(torch.tensor([3, 5]), 2)  # rows with 3 and 5 committed tokens; K = 2
+    lay = TreeShape(2).layout(torch.tensor([3, 5]))  # rows with 3 and 5 committed tokens; K = 2, no alternates
     # step index:        x  d1 d2 l1 l2
     assert lay.positions.tolist() == [[3, 4, 5, 4, 5], [5, 6, 7, 6, 7]]
     assert lay.slots.tolist() == [[3, 4, 5, 6, 7], [5, 6, 7, 8, 9]]
@@ -36,43 +38,76 @@ def test_accept_keeps_the_longer_branch_and_its_bonus():
                           [10, 11, 99, 13, 11, 12, 23]])
     drafts = torch.tensor([[10, 7, 7], [10, 11, 12], [10, 11, 12]])
     lookups = torch.tensor([[10, 21, 22], [10, 20, -1], [10, 11, 7]])
-    samples, acc, from_lookup, taken = two_branch_accept(preds, drafts, lookups)
+    shape = TreeShape(3)
+    samples, acc, taken, best = shape.verify(preds, shape.tokens(torch.tensor([1, 2, 3]), drafts, lookups))
     # row 0: drafts accept 1, lookups 3 -> lookups, tokens 10 21 22 then the bonus after l3 (23)
     # row 1: drafts accept 3 (whole block) -> drafts, bonus after d3 (13); row 2: tie at 2 -> the drafter's branch
-    assert acc.tolist() == [3, 3, 2] and from_lookup.tolist() == [True, False, False]
+    assert acc.tolist() == [3, 3, 2] and shape.tables("cpu")["from_lookup"][best].tolist() == [True, False, False]
     assert samples[0].tolist() == [10, 21, 22, 23] and samples[1].tolist() == [10, 11, 12, 13]
     assert samples[2, :3].tolist() == [10, 11, 99]
-    assert taken.tolist() == [[0, 4, 5, 6], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert taken.tolist() == [[0, 4, 5, 6], [0, 1, 2, 3], [0, 1, 2, 2]]  # a path is padded with its last node
 
 
-def test_each_branch_computes_what_verifying_it_alone_computes(tmp_path):
+def test_alternates_fork_from_the_main_chain():
+    shape = TreeShape(3, alternates=((1, 2), (2, 3)), lookup=False)
+    # nodes: x | d1 d2 d3 (main) | a1 = rank 2 at slot 1, then d2 d3 | b2 = rank 3 at slot 2 (after d1), then d3
+    assert shape.parents == [0, 0, 1, 2, 0, 4, 5, 1, 7] and shape.depths == [0, 1, 2, 3, 1, 2, 3, 2, 3]
+    assert shape.size == 9 and shape.top == 3
+    drafts = torch.tensor([[[11, 31, 41], [12, 32, 42], [13, 33, 43]]])  # [b, K, R]: slot-major, best first
+    tokens = shape.tokens(torch.tensor([9]), drafts, None)
+    assert tokens.tolist() == [[9, 11, 12, 13, 31, 12, 13, 42, 13]]
+    lay = shape.layout(torch.tensor([2]))
+    assert lay.positions.tolist() == [[2, 3, 4, 5, 3, 4, 5, 4, 5]] and lay.slots.tolist() == [list(range(2, 11))]
+    seen = lay.allowed[0, :, 2:].int().tolist()  # the step's own slots (the 2 cached ones are always seen)
+    assert seen[6] == [1, 0, 0, 0, 1, 1, 1, 0, 0]  # a1's d3 sees x, a1, its d2 and itself
+    assert seen[8] == [1, 1, 0, 0, 0, 0, 0, 1, 1]  # b2's d3: x, d1, b2, itself
+    assert lay.allowed[0, :, :2].all()
+    # the target after each node; the drafter's rank-3 choice at slot 2 is right, then d3 is right too
+    preds = torch.tensor([[11, 42, 0, 0, 0, 0, 0, 13, 77]])
+    samples, acc, taken, _ = shape.verify(preds, tokens)
+    assert acc.tolist() == [3] and taken.tolist() == [[0, 1, 7, 8]] and samples.tolist() == [[11, 42, 13, 77]]
+    # the accepted path's K/V move to the committed slots; the main chain's would not move
+    slots = torch.arange(12.0).view(1, 1, 12, 1, 1)  # [layers, rows, slots, heads, dim]: each slot holds its index
+    cache = SimpleNamespace(k=slots.clone(), v=-slots)
+    commit_path(cache, None, torch.tensor([2]), taken, acc)
+    assert cache.k[0, 0, 2:6].flatten().tolist() == [2, 3, 9, 10] and cache.v[0, 0, 5].item() == -10
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4), TreeShape(4, alternates=((1, 2), (2, 2), (1, 3)), alternate_len=2)],
+                         ids=["two-branch", "alternates"])
+def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
     tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4)
     target, _ = load_pair(tdir, ddir, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 256, (2, 9), generator=g)
-    k = 4
-    x, d, look = (torch.randint(3, 256, (2, n), generator=g) for n in (1, k, k))
+    k = shape.k
+    x, look = (torch.randint(3, 256, (2, n), generator=g) for n in (1, k))
+    drafts = torch.randint(3, 256, (2, k, shape.top), generator=g)
 
     def prefilled():
-        cache = target.new_cache(2, 32)
+        cache = target.new_cache(2, 48)
         target(prompts, cache)
         cache.commit(None, torch.tensor([9, 9]))
         return cache
 
     cache = prefilled()
-    both, taps = target(torch.cat([x, d, look], 1), cache, tap_layers=(0, 1),
-                        layout=two_branch_layout(cache.lengths.clone(), k))
-    for branch, cols in ((d, slice(0, k + 1)), (look, [0, *range(k + 1, 2 * k + 1)])):
-        alone, alone_taps = target(torch.cat([x, branch], 1), prefilled(), tap_layers=(0, 1))
-        torch.testing.assert_close(both[:, cols], alone, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(taps[:, cols], alone_taps, rtol=1e-10, atol=1e-10)
+    tokens = shape.tokens(x[:, 0], drafts, look)
+    both, taps = target(tokens, cache, tap_layers=(0, 1), layout=shape.layout(cache.lengths.clone()))
+    leaves = [n for n in range(shape.size) if n not in shape.parents[1:]]
+    assert len(leaves) == 1 + len(shape.alternates) + 1
+    for leaf in leaves:
+        path = shape.paths[leaf][: shape.depths[leaf] + 1]
+        alone, alone_taps = target(tokens[:, path], prefilled(), tap_layers=(0, 1))
+        torch.testing.assert_close(both[:, path], alone, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(taps[:, path], alone_taps, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_two_branch_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_size):
-    """Both branches get oracle proposals (the greedy continuation, each token wrong with probability 0.4, drawn
-    independently), so either branch, or neither, is the longer one; the output must be the target's greedy."""
+def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_size):
+    """Every branch gets oracle proposals (the greedy continuation, each token wrong with probability 0.4, drawn
+    independently; a wrong first choice has the right token among the runner-ups half the time), so any branch, or
+    none, is the longest; the output must be the target's greedy."""
     tdir, ddir = make_tiny_pair(tmp_path_factory.mktemp(f"t{seed}"), "llama" if seed else "qwen3", seed=seed)
     target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
     rng = random.Random(seed)
@@ -87,16 +122,26 @@ def test_two_branch_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, bl
                 return [t if rng.random() > 0.4 else (t + 1) % 256 for t in truth] if rng.random() < 0.7 else []
         raise AssertionError(f"lookup asked for a context that is not a prefix of the greedy output: {context}")
 
+    kept_nodes = []  # the kept path's nodes of every row and step
+
+    def recording_commit(cache, rows, lengths, taken, acc):
+        kept_nodes.extend(taken[j, 1: int(acc[j]) + 1].tolist() for j in range(len(acc)))
+        return commit_path(cache, rows, lengths, taken, acc)
+
     monkeypatch.setattr(decoder_mod, "ngram_continuation", oracle_lookup)
+    monkeypatch.setattr(decoder_mod, "commit_path", recording_commit)
     dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=seed, tree=True)
+    lookup_nodes = {n for n, is_lookup in enumerate(dec.tree.from_lookup) if is_lookup}
     out = dec.generate([Request(tuple(p), 40) for p in prompts])
     assert [r.token_ids for r in out] == ref
     taus = [t for r in out for t in r.acceptance_lengths]
     assert max(taus) <= block_size and sum(r.lookup_steps for r in out) > 0
     assert sum(r.lookup_steps for r in out) < len(taus), "some steps should keep the drafter's branch"
+    alternate_wins = [p for p in kept_nodes if p and max(p) > dec.tree.k and not lookup_nodes & set(p)]
+    assert alternate_wins, "some steps should keep an alternate"
 
 
-def test_two_branch_needs_a_fixed_block_and_greedy_requests(tiny_models):
+def test_tree_needs_a_fixed_block_and_greedy_requests(tiny_models):
     target, drafter = tiny_models["llama"]
     with pytest.raises(ConfigError, match="fixed block size"):
         SpeculativeDecoder(target, drafter, "auto", tree=True)

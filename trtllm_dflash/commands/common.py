@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -83,12 +84,17 @@ def resolve_block_size(args, drafter) -> int | str:
 def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
                  ngram: bool = False, tree: bool = False):
     """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
-    ``ngram``, prompt-lookup proposals too)."""
+    ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with prompt lookup's chain only with
+    ``ngram``."""
     from trtllm_dflash.runtime.adaptive import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
     prior = None
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
+    if tree and not ngram and isinstance(block_size, int) and block_size > 1:
+        from trtllm_dflash.runtime.tree import TreeShape
+
+        tree = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=False)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
                               tree=tree)

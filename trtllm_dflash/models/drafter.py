@@ -165,10 +165,12 @@ def draft_block(
     embed,  # ids [b, B] -> target embeddings [b, B, hidden]
     forward,  # block embeddings [b, B, hidden] -> final-normed drafter hidden states [b, B, hidden]
     head,  # hidden [b, B−1, hidden] -> target logits [b, B−1, vocab]
+    top: int = 1,  # > 1: the ``top`` best tokens of every slot, best first ([b, B−1, top])
 ) -> torch.Tensor:  # [b, B−1] greedy drafts d_1..d_{B−1}
     """One DFlash draft: the block ``[bonus, MASK × (B−1)]`` through the drafter, then greedy through the target's
     head. The callables say where the embedding, the drafter forward (torch or plugin kernels, which cache rows) and
     the head come from; the in-process decoder and the Triton drafter model both draft through this one function."""
     block = torch.full((bonus.shape[0], block_size), mask_token_id, dtype=torch.long, device=bonus.device)
     block[:, 0] = bonus
-    return head(forward(embed(block))[:, 1:]).argmax(-1)
+    logits = head(forward(embed(block))[:, 1:])
+    return logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices

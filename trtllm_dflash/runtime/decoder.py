@@ -36,7 +36,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
-from trtllm_dflash.runtime.tree import keep_lookup_branch, two_branch_accept, two_branch_layout
+from trtllm_dflash.runtime.tree import TreeShape, commit_path
 
 AUTO = "auto"
 
@@ -132,7 +132,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
-                 prior: list[float] | None = None, ngram: bool = False, tree: bool = False) -> None:
+                 prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -145,9 +145,10 @@ class SpeculativeDecoder:
         instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
         verify step does not care where a proposal came from.
 
-        ``tree`` (implies ``ngram``; a fixed block size, greedy requests): every row drafts, and verifies its block
-        and its lookup continuation side by side in one forward, keeping the longer accepted prefix
-        (``runtime.tree``)."""
+        ``tree`` (implies ``ngram``; a fixed block size, greedy requests): every row drafts, and verifies its block,
+        the drafter's runner-up tokens at the first slots and its lookup continuation side by side in one forward,
+        keeping the longest accepted path (``runtime.tree``; True: ``TreeShape.for_block(B − 1)``, or a
+        ``TreeShape``)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -180,11 +181,15 @@ class SpeculativeDecoder:
                 from trtllm_dflash.plugin.kv_inject import InjectWeights
 
                 self.inject_weights = InjectWeights.from_drafter(drafter)
-        self.tree = tree
+        self.tree = None
         if tree:
             require(not self.adaptive and block_size > 1, "block_size", self.block_size_label,
-                    "the two-branch verify needs a fixed block size >= 2 and a drafter",
+                    "the tree verify needs a fixed block size >= 2 and a drafter",
                     "use e.g. --block-size 16+tree")
+            self.tree = TreeShape.for_block(block_size - 1) if tree is True else tree
+            require(self.tree.k == block_size - 1, "tree", self.tree,
+                    f"must have k = block_size − 1 = {block_size - 1}",
+                    "build the TreeShape with the decoder's block size")
         self.ngram = (ngram or tree) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
@@ -238,9 +243,9 @@ class SpeculativeDecoder:
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests], device=dev)  # [n]
         if self.tree:
             require(all(r.sampling.greedy for r in requests), "temperature", "> 0",
-                    "the two-branch verify (tree) is greedy only", "use a plain or +ngram block size to sample")
-        # room for the verify's scratch slots past the committed tokens: one block, two under ``tree``
-        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + bsz * (2 if self.tree else 1)
+                    "the tree verify is greedy only", "use a plain or +ngram block size to sample")
+        # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
+        max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (self.tree.size if self.tree else bsz)
         tcache = self.target.new_cache(n, max_len)
         dcache = self.drafter.new_cache(n, max_len) if self.taps else None
 
@@ -285,7 +290,7 @@ class SpeculativeDecoder:
             if self.ngram and dcache is not None:
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
-            if self.tree:  # runtime.tree: the drafter's block and the lookup continuation in one verify
+            if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup continuation at once
                 samples, acc, taps = self._tree_verify(cur, rows, active, lookups, tcache, dcache, pending, seqs)
             else:
                 if policy is not None:
@@ -378,22 +383,24 @@ class SpeculativeDecoder:
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
     def _tree_verify(self, cur, rows, active, lookups, tcache, dcache, pending, seqs):
-        """One two-branch step: every row drafts, then verifies ``[x, drafts, lookup]`` under
-        ``tree.two_branch_layout``; returns the kept branch's samples [b, K + 1], accepted lengths [b] and taps."""
-        k, dev = self.block_size - 1, cur.device
+        """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under
+        its layout; returns the kept path's samples [b, K + 1], accepted lengths [b] and taps."""
+        shape, dev = self.tree, cur.device
+        k = shape.k
         if pending is not None:
             self._flush(pending, active, dcache)
         committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
-        drafts = self.propose(cur, dcache, rows, committed, k)  # [b, K]
-        look = torch.full_like(drafts, -1)  # −1: no continuation there (never matches)
+        drafts = self.propose(cur, dcache, rows, committed, k, top=shape.top)  # [b, K] or [b, K, R]
+        look = torch.full((cur.shape[0], k), -1, dtype=torch.long, device=dev)  # −1: no continuation (never matches)
         for j, cont in enumerate(lookups):
             if cont:
                 look[j, : len(cont[:k])] = torch.tensor(cont[:k], device=dev)
-        ids = torch.cat([cur[:, None], drafts.clamp(min=0), look.clamp(min=0)], dim=1)  # [b, 2K + 1]
-        hidden, taps = self.target(ids, tcache, rows, tap_layers=self.taps, layout=two_branch_layout(committed, k))
-        samples, acc, from_lookup, taken = two_branch_accept(self.target.logits(hidden).argmax(-1), drafts, look)
-        keep_lookup_branch(tcache, rows, committed, k, acc, from_lookup)
-        for j in from_lookup.nonzero()[:, 0].tolist():
+        tokens = shape.tokens(cur, drafts, look)  # [b, N]
+        hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
+                                   layout=shape.layout(committed))
+        samples, acc, taken, best = shape.verify(self.target.logits(hidden).argmax(-1), tokens)
+        commit_path(tcache, rows, committed, taken, acc)
+        for j in shape.tables(dev)["from_lookup"][best].nonzero()[:, 0].tolist():
             seqs[active[j]].lookup_steps += 1
         return samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
 
@@ -404,7 +411,8 @@ class SpeculativeDecoder:
         rows: torch.Tensor | None,  # [b] cache rows; None = all
         committed: torch.Tensor,  # [b] tokens committed to the target (== drafter context length)
         num_drafts: int | None = None,  # K (default B − 1): the block is [bonus, MASK × K]
-    ) -> torch.Tensor:  # [b, K] drafts d_1..d_K
+        top: int = 1,  # > 1: the drafter's ``top`` best tokens per slot, best first
+    ) -> torch.Tensor:  # [b, K] drafts d_1..d_K ([b, K, top] with top > 1)
         """One DFlash draft: block [bonus, MASK × K] through the drafter, greedy through the target's head.
 
         Tests override this to inject chosen drafts and exercise every accepted length.
@@ -413,7 +421,7 @@ class SpeculativeDecoder:
         k = self.block_size - 1 if num_drafts is None else num_drafts
         return draft_block(bonus, k + 1, self.mask_token_id, self.target.embed,
                            lambda e: self._draft(e, dcache, rows),
-                           lambda h: self.target.logits(h.to(self.target.dtype)))
+                           lambda h: self.target.logits(h.to(self.target.dtype)), top)
 
     @staticmethod
     def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):

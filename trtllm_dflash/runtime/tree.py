@@ -1,26 +1,42 @@
-"""Two-branch verify: the drafter's block and prompt lookup's continuation checked in one target forward.
+"""Tree verify: several proposals for the next tokens checked in one target forward, the longest accepted kept.
 
-``--ngram`` verifies one proposal per step: prompt lookup's continuation where the context ends in a recurring n-gram,
-else the drafter's block. The two are right in different places, so verifying both and keeping the longer accepted
-prefix accepts more per step (replayed on the shipped drafter's greedy outputs, B = 16, 128 tokens: HumanEval τ 2.847
-against ``--ngram``'s 2.640, MT-Bench 1.838 against 1.815; ``learning_curve.py eval``'s ``tree_tau``). The verify
-input of a row with committed length L is
+A DFlash draft gives, at every slot of the block, a distribution over the next token, and prompt lookup sometimes a
+second guess for the whole block. Verifying one chain per step throws the rest away. A tree verify checks, in the same
+forward, the drafter's greedy block (the *main* chain), *alternates* — the drafter's r-th choice at slot j in place of
+its first, followed by the main chain's tokens after j (the drafter predicts every slot of a block at once, so its
+later slots do not depend on which token slot j holds) — and prompt lookup's continuation, and keeps the deepest
+accepted path. Where a verify costs about one decode step whatever its width (a GPU at small batch) that is τ almost
+for free; on a CPU the wider verify costs more than it gains.
 
-    slot      L     L+1 … L+K     L+K+1 … L+2K
-    token     x     d_1 … d_K     l_1   … l_K          x: the last emitted token, d: drafts, l: lookup (−1 padded)
+The tree is static (``TreeShape``): the same nodes for every row and step, only their tokens differ. Node 0 is ``x``,
+the last emitted token; every other node has a parent and a depth, and a row with committed length L writes node n's
+K/V at slot L + n, at RoPE position L + depth(n). A node sees the cache, and of the step's nodes only its ancestors and
+itself: its hidden state is what a verify of its own chain alone computes (up to the summation order of the masked
+attention), so the step is as lossless as a one-chain verify. Greedy only: accepting among several proposals under
+sampling needs a different rule.
+
+With no alternates the tree is the two-branch verify [x, d_1..d_K, l_1..l_K]:
+
+    slot      L     L+1 … L+K     L+K+1 … L+2K         x: the last emitted token, d: drafts, l: lookup (−1 padded)
     position  L     L+1 … L+K     L+1   … L+K          (RoPE)
 
-where d_i sees the cache, x and d_1..d_i, and l_j sees the cache, x and l_1..l_j, never a d: each branch's hidden
-states are what a verify of that branch alone computes (up to the summation order of the masked attention), so the
-step is as lossless as a one-branch verify. Greedy only: the acceptance of two branches under sampling needs a
-different rule. Costs a verify of 2K + 1 tokens and a drafter pass at every step: worth it where a verify costs about
-one decode step whatever its width (a GPU at small batch), not on a CPU."""
+After the verify the accepted path's K/V move to slots L+1 … L+a where they are committed (nothing moves when the
+main chain wins: its nodes are 1..K)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import torch
+
+# The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs (first
+# 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the drafter's 2nd–5th choices at slot 1
+# and its runner-up at slots 2–4, each followed by the main chain for 8 nodes at most (longer ones gained nothing),
+# raise τ over the two-branch tree (main + lookup) by about 0.6 on HumanEval and 0.3 on MT-Bench, for 87 nodes.
+# (slot, rank): rank 2 = the drafter's second choice.
+DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = ((1, 2), (1, 3), (1, 4), (1, 5), (2, 2), (3, 2), (4, 2))
+DEFAULT_ALTERNATE_LEN = 8
 
 
 @dataclass
@@ -33,54 +49,153 @@ class StepLayout:
     allowed: torch.Tensor
 
 
-def two_branch_layout(lengths: torch.Tensor, k: int) -> StepLayout:
-    """The layout of ``[x, d_1..d_K, l_1..l_K]`` for rows with committed ``lengths`` [b] (see the module docstring)."""
-    dev = lengths.device
-    q = torch.arange(2 * k + 1, device=dev)  # [S] index in the step
-    offset = torch.where(q > k, q - k, q)  # [S] position offset from L: 0, 1..K, 1..K
-    positions = lengths[:, None] + offset  # [b, S]
-    slots = lengths[:, None] + q  # [b, S]
-    kv_len = int(lengths.max()) + 2 * k + 1
-    key = torch.arange(kv_len, device=dev)[None, None, :]  # [1, 1, kv]
-    lo = lengths[:, None, None]  # [b, 1, 1]
-    allowed = key <= slots[:, :, None]  # causal over the slots
-    drafts_of_others = (q > k)[None, :, None] & (key > lo) & (key <= lo + k)  # a lookup query must not see d_1..d_K
-    return StepLayout(positions, slots, allowed & ~drafts_of_others)
+@dataclass(frozen=True)
+class TreeShape:
+    """The nodes of a tree verify with ``k`` drafts per chain: x, the main chain, each alternate (slot j, rank r) —
+    a chain forking from the main chain at depth j − 1, at most ``alternate_len`` nodes long — and, with ``lookup``,
+    prompt lookup's chain from x."""
+
+    k: int
+    alternates: tuple[tuple[int, int], ...] = ()
+    lookup: bool = True
+    alternate_len: int | None = None  # None: to depth k
+
+    def __post_init__(self) -> None:
+        for slot, rank in self.alternates:
+            if not (1 <= slot <= self.k and rank >= 2):
+                raise ValueError(f"alternate (slot {slot}, rank {rank}): needs 1 <= slot <= {self.k} and rank >= 2")
+
+    @classmethod
+    def for_block(cls, k: int) -> "TreeShape":
+        """The decoder's tree for ``k`` drafts per chain: ``DEFAULT_ALTERNATES`` (those that fit) and lookup."""
+        fitting = tuple((slot, rank) for slot, rank in DEFAULT_ALTERNATES if slot <= k)
+        return cls(k, fitting, lookup=True, alternate_len=DEFAULT_ALTERNATE_LEN)
+
+    @property
+    def top(self) -> int:
+        """How many of the drafter's choices per slot the tree uses (1: its greedy block only)."""
+        return max((r for _, r in self.alternates), default=1)
+
+    @cached_property
+    def nodes(self) -> list[tuple[int, int, tuple[str, int, int]]]:
+        """(parent, depth, source) per node, parents first; source ("x" | "draft" | "lookup", slot, rank)."""
+        nodes = [(-1, 0, ("x", 0, 0))]
+        nodes += [(i - 1, i, ("draft", i, 1)) for i in range(1, self.k + 1)]  # main chain: node i at depth i
+        cap = self.k if self.alternate_len is None else self.alternate_len
+        for slot, rank in self.alternates:
+            parent = slot - 1  # the main chain's node at depth slot − 1 (x for slot 1)
+            for depth in range(slot, min(self.k, slot + cap - 1) + 1):
+                nodes.append((parent, depth, ("draft", depth, rank if depth == slot else 1)))
+                parent = len(nodes) - 1
+        if self.lookup:
+            parent = 0
+            for depth in range(1, self.k + 1):
+                nodes.append((parent, depth, ("lookup", depth, 0)))
+                parent = len(nodes) - 1
+        return nodes
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def parents(self) -> list[int]:
+        return [max(p, 0) for p, _, _ in self.nodes]
+
+    @cached_property
+    def depths(self) -> list[int]:
+        return [d for _, d, _ in self.nodes]
+
+    @cached_property
+    def columns(self) -> list[int]:
+        """Each node's column in the candidate table ``[x, top-R drafts per slot (slot-major), lookup]``."""
+        r = self.top
+        out = []
+        for _, _, (src, slot, rank) in self.nodes:
+            if src == "x":
+                out.append(0)
+            else:
+                out.append(1 + (slot - 1) * r + rank - 1 if src == "draft" else 1 + self.k * r + slot - 1)
+        return out
+
+    @cached_property
+    def paths(self) -> list[list[int]]:
+        """Per node, the nodes from x down to it (index = depth), padded to k + 1 with the node itself."""
+        out: list[list[int]] = []
+        for n, (p, _, _) in enumerate(self.nodes):
+            path = [0] if n == 0 else out[p][: self.depths[p] + 1] + [n]
+            out.append(path + [n] * (self.k + 1 - len(path)))
+        return out
+
+    @cached_property
+    def from_lookup(self) -> list[bool]:
+        return [src == "lookup" for _, _, (src, _, _) in self.nodes]
+
+    def tokens(self, x: torch.Tensor, drafts: torch.Tensor, lookups: torch.Tensor | None) -> torch.Tensor:
+        """Every node's token [b, N] from x [b], the drafter's choices [b, K, R] (or [b, K] when R = 1) and lookup
+        [b, K] (−1: none there, never matches)."""
+        b = x.shape[0]
+        table = [x[:, None], drafts.reshape(b, -1)]
+        if self.lookup:
+            table.append(lookups if lookups is not None else torch.full((b, self.k), -1, device=x.device))
+        return torch.cat(table, dim=1)[:, self.tables(x.device)["columns"]]
+
+    def tables(self, device) -> dict[str, torch.Tensor]:
+        """The shape's index tables on ``device`` (made once per device: a step reuses them)."""
+        return _tables(self, str(device))
+
+    def layout(self, lengths: torch.Tensor) -> StepLayout:
+        """Positions, slots and mask of the tree for rows with committed ``lengths`` [b] (module docstring)."""
+        t, n = self.tables(lengths.device), self.size
+        positions = lengths[:, None] + t["depths"]  # [b, N]
+        slots = lengths[:, None] + t["nodes"]  # [b, N]
+        kv_len = int(lengths.max()) + n
+        rel = torch.arange(kv_len, device=lengths.device)[None, None, :] - lengths[:, None, None]  # [b, 1, kv]: key−L
+        in_step = t["ancestors"][t["nodes"][None, :, None], rel.clamp(0, n - 1)] & (rel >= 0) & (rel < n)  # [b, N, kv]
+        return StepLayout(positions, slots, (rel < 0) | in_step)
+
+    def accept(self, tokens: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deepest node whose path is all accepted (ties: the lowest index, so the main chain before alternates
+        before lookup) and its depth, each [b]. ``expected`` [b, N]: the token node n must be for its path to go on
+        (greedy verify: the target's token after its parent; a replay: the known output at its depth)."""
+        t, n = self.tables(tokens.device), self.size
+        ok = (tokens == expected) | (t["nodes"] == 0)  # [b, N]; x is always there
+        on_path = ok[:, t["paths"]].all(-1)  # [b, N]: every node from x down to n accepted
+        score = on_path * (t["depths"] * n + (n - 1 - t["nodes"]))
+        best = score.argmax(-1)  # [b]
+        return best, t["depths"][best]
+
+    def verify(self, preds: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+        """Greedy acceptance from the target's token after every node ``preds`` [b, N]. Returns ``samples``
+        [b, K + 1] (the kept path's accepted tokens, then the target's bonus token at index ``acc``), ``acc`` [b],
+        ``taken`` [b, K + 1] (the path's nodes: their taps, and where their K/V are) and ``best`` [b]."""
+        t = self.tables(preds.device)
+        best, acc = self.accept(tokens, preds[:, t["parents"]])
+        taken = t["paths"][best]  # [b, K + 1]
+        return preds.gather(1, taken), acc, taken, best
 
 
-def _prefix(match: torch.Tensor) -> torch.Tensor:  # [b, K] bool -> [b] longest all-true prefix
-    return match.long().cumprod(-1).sum(-1)
+@lru_cache(maxsize=32)
+def _tables(shape: TreeShape, device: str) -> dict[str, torch.Tensor]:
+    n = shape.size
+    anc = [[m in shape.paths[q][: shape.depths[q] + 1] for m in range(n)] for q in range(n)]
+    return {name: torch.tensor(v, device=device) for name, v in (
+        ("nodes", list(range(n))), ("depths", shape.depths), ("parents", shape.parents),
+        ("columns", shape.columns), ("paths", shape.paths), ("from_lookup", shape.from_lookup),
+        ("ancestors", anc),  # [N, N]: key node m is an ancestor of (or is) query node q
+    )}
 
 
-def two_branch_accept(
-    preds: torch.Tensor,  # [b, 2K + 1] the target's greedy token after each slot
-    drafts: torch.Tensor,  # [b, K] d_1..d_K
-    lookups: torch.Tensor,  # [b, K] l_1..l_K, −1 where none (never matches)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each branch's accepted prefix, the longer one kept (the drafter's on a tie). Returns ``samples`` [b, K + 1]
-    (the kept branch's accepted tokens, then the target's bonus token at index ``acc``), ``acc`` [b], ``from_lookup``
-    [b] bool, and ``taken`` [b, K + 1]: the step indices of x and the kept branch's tokens (for its taps)."""
-    k = drafts.shape[1]
-    by_draft = preds[:, : k + 1]  # token after x, d_1, …, d_K
-    by_lookup = torch.cat([preds[:, :1], preds[:, k + 1:]], dim=1)  # token after x, l_1, …, l_K
-    acc_d = _prefix(drafts == by_draft[:, :k])
-    acc_l = _prefix(lookups == by_lookup[:, :k])
-    from_lookup = acc_l > acc_d
-    samples = torch.where(from_lookup[:, None], by_lookup, by_draft)
-    idx = torch.arange(k + 1, device=preds.device)
-    taken = torch.where(from_lookup[:, None], torch.where(idx > 0, idx + k, idx), idx).expand(preds.shape[0], -1)
-    return samples, torch.maximum(acc_d, acc_l), from_lookup, taken
-
-
-def keep_lookup_branch(cache, rows: torch.Tensor | None, lengths: torch.Tensor, k: int, acc: torch.Tensor,
-                       from_lookup: torch.Tensor) -> None:
-    """Rows that kept the lookup branch: move its accepted tokens' K/V (slots L+K+1…) to where they are committed
-    (slots L+1…), in every layer; the drafter's branch needs nothing (it is already there)."""
-    for j in from_lookup.nonzero()[:, 0].tolist():
-        n, start = int(acc[j]), int(lengths[j])
-        if n == 0:
-            continue
+def commit_path(cache, rows: torch.Tensor | None, lengths: torch.Tensor, taken: torch.Tensor,
+                acc: torch.Tensor) -> None:
+    """Move the accepted path's K/V (node slots L + taken) to where they are committed (L + 0 … L + acc), in every
+    layer; a path that is the main chain (nodes 1..K at depths 1..K) is already there."""
+    idx = torch.arange(taken.shape[1], device=taken.device)
+    moved = ((taken != idx) & (idx <= acc[:, None])).any(-1)  # [b]
+    for j in moved.nonzero()[:, 0].tolist():
+        n, start = int(acc[j]) + 1, int(lengths[j])
         r = j if rows is None else int(rows[j])
-        src = slice(start + k + 1, start + k + 1 + n)
-        cache.k[:, r, start + 1: start + 1 + n] = cache.k[:, r, src].clone()
-        cache.v[:, r, start + 1: start + 1 + n] = cache.v[:, r, src].clone()
+        src = start + taken[j, :n]
+        cache.k[:, r, start: start + n] = cache.k[:, r, src]  # advanced indexing reads a copy first
+        cache.v[:, r, start: start + n] = cache.v[:, r, src]

@@ -27,6 +27,7 @@ from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.runtime.tree import TreeShape
 from trtllm_dflash.train.data import Sample, generate_with_taps
 from trtllm_dflash.train.objective import collate, drafter_blocks
 
@@ -38,8 +39,8 @@ class RecordingDecoder(SpeculativeDecoder):
         super().__init__(*args, **kwargs)
         self.steps: list[tuple[int, list[int]]] = []
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None):
-        drafts = super().propose(bonus, dcache, rows, committed, num_drafts)
+    def propose(self, bonus, dcache, rows, committed, num_drafts=None, top=1):
+        drafts = super().propose(bonus, dcache, rows, committed, num_drafts, top)
         assert drafts.shape[0] == 1, "RecordingDecoder records one request at a time"
         self.steps.append((int(committed[0]), drafts[0].tolist()))
         return drafts
@@ -107,6 +108,22 @@ def prompt_lookup_taus(ids: list[int], prompt_len: int, block_size: int, max_ngr
     return walk([acc for acc, _ in lookup_acceptance(ids, prompt_len, block_size, max_ngram)], prompt_len, len(ids))
 
 
+def _blocks(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int, chunk: int, block_size: int):
+    """The drafter's blocks at every response anchor of a known output, ``chunk`` anchors at a time: (anchors [a],
+    final-normed hidden [a, B, H]), after one teacher-forced target forward for the taps."""
+    s = len(ids)
+    anchors = torch.arange(prompt_len, s - 1)
+    if len(anchors) == 0:
+        return
+    x = torch.tensor(ids)
+    _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
+    sample = Sample(x, taps[0].cpu(), prompt_len)
+    for i in range(0, len(anchors), chunk):
+        a = anchors[i : i + chunk]
+        yield a, drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype),
+                                block_size=block_size)
+
+
 @torch.no_grad()
 def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
                        chunk: int = 64, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,18 +134,11 @@ def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int
     decoder's drafts). The LM head runs slot by slot and only for blocks whose earlier slots all matched (a draft
     after the first miss is never accepted), so most blocks cost one slot of the head instead of B − 1."""
     s, bs = len(ids), block_size or drafter.spec.block_size
-    anchors = torch.arange(prompt_len, s - 1)
-    accepted = torch.zeros(len(anchors), dtype=torch.long)
-    confidence = torch.zeros(len(anchors))
-    if len(anchors) == 0:
-        return accepted, confidence
+    accepted = torch.zeros(max(s - 1 - prompt_len, 0), dtype=torch.long)
+    confidence = torch.zeros(len(accepted))
     x = torch.tensor(ids)
-    _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
-    sample = Sample(x, taps[0].cpu(), prompt_len)
-    for i in range(0, len(anchors), chunk):
-        a = anchors[i : i + chunk]
-        hidden = drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype),
-                                block_size=bs)
+    for a, hidden in _blocks(target, drafter, ids, prompt_len, chunk, bs):
+        i = int(a[0]) - prompt_len
         alive = torch.arange(len(a))  # blocks whose slots 1 .. k − 1 all matched
         for k in range(1, bs):
             pos = a[alive] + k
@@ -143,16 +153,39 @@ def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int
     return accepted, confidence
 
 
+@torch.no_grad()
+def drafter_choices(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int, top: int,
+                    block_size: int | None = None, chunk: int = 64) -> torch.Tensor:
+    """The drafter's ``top`` best tokens at every slot of its block at every response anchor of a known output
+    ([A, B − 1, top], best first): what a tree verify chooses its nodes' tokens from. The head runs over every
+    slot."""
+    out = [target.lm_head(hidden[:, 1:].to(target.dtype)).topk(top, dim=-1).indices.cpu()
+           for _, hidden in _blocks(target, drafter, ids, prompt_len, chunk, block_size or drafter.spec.block_size)]
+    k = (block_size or drafter.spec.block_size) - 1
+    return torch.cat(out) if out else torch.zeros(0, k, top, dtype=torch.long)
+
+
+def tree_acceptance(shape: TreeShape, choices: torch.Tensor, ids: list[int], prompt_len: int) -> torch.Tensor:
+    """The depth the drafter's part of a tree verify (``shape``'s main chain and alternates; its lookup chain is
+    ``lookup_acceptance``'s) accepts at every response anchor of a known greedy output [A]: ``TreeShape.accept`` with
+    the output as the tokens the target picks. ``choices``: ``drafter_choices`` with at least ``shape.top``."""
+    drafts_only = TreeShape(shape.k, shape.alternates, lookup=False, alternate_len=shape.alternate_len)
+    anchors = torch.arange(prompt_len, prompt_len + len(choices))
+    x = torch.tensor(ids + [-1] * (shape.k + 1))  # −1 past the end: never matched
+    tokens = drafts_only.tokens(anchors, choices[:, : shape.k, : drafts_only.top], None)  # [A, N]; node 0 not compared
+    return drafts_only.accept(tokens, x[anchors[:, None] + torch.tensor(drafts_only.depths)])[1]
+
+
 def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
-                chunk: int = 64, ngram: bool = False, block_size: int | None = None, tree: bool = False
+                chunk: int = 64, ngram: bool = False, block_size: int | None = None, tree: bool | TreeShape = False
                 ) -> list[int] | tuple[list[int], ...]:
     """Acceptance lengths of greedy DFlash decoding at ``block_size`` (default: the drafter's) replayed over a known
     greedy output ``ids`` (prompt + response): ``drafter_acceptance`` at every anchor, then the decoder's ``walk``.
     With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
     ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs). With ``tree`` as well,
-    those of the two-branch verify (``runtime.tree``: the drafter's block and the lookup continuation verified side by
-    side in one step, the longer accepted prefix kept; the drafter's alone where no n-gram recurs): (drafter τs, ngram
-    τs, tree τs)."""
+    those of the decoder's tree verify (``runtime.tree``, ``TreeShape.for_block``: the drafter's block, its
+    alternates and the lookup continuation verified side by side in one step, the deepest accepted path kept; True,
+    or a ``TreeShape``): (drafter τs, ngram τs, tree τs)."""
     if len(ids) - 1 <= prompt_len:
         return ([], []) if ngram else []
     bs = block_size or drafter.spec.block_size
@@ -164,7 +197,12 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     mixed = [acc if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
     if not tree:
         return taus, walk(mixed, prompt_len, len(ids))
-    both = [max(acc, accepted[a]) if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
+    shape = TreeShape.for_block(bs - 1) if tree is True else tree
+    drafted = accepted if not shape.alternates else \
+        tree_acceptance(shape, drafter_choices(target, drafter, ids, prompt_len, shape.top, bs, chunk), ids,
+                        prompt_len).tolist()
+    both = [max(acc, drafted[a]) if proposed and shape.lookup else drafted[a]
+            for a, (acc, proposed) in enumerate(lookup)]
     return taus, walk(mixed, prompt_len, len(ids)), walk(both, prompt_len, len(ids))
 
 

@@ -637,7 +637,7 @@ def _train_config(home: Path, a: dict):
 
 def evaluate(home: Path, a: dict) -> dict:
     """τ over the evaluation prompts (B = block size and 8, the block size with prompt lookup where the context repeats
-    (``N+ngram``) and with both verified side by side (``N+tree``), batched: τ does not depend on the batch) and the
+    (``N+ngram``) and with the tree verify (``N+tree``), batched: τ does not depend on the batch) and the
     batch-1 DFlash (plain, ``N+ngram`` and ``N+tree``) vs autoregressive tokens/s on the first ``speed_limit`` of them,
     through perf/bench_runtime.py."""
     bench = [sys.executable, str(REPO / "perf" / "bench_runtime.py")]

@@ -421,8 +421,8 @@ def cmd_eval(args) -> None:
         if out_path.is_file() or not (d / "model.safetensors").is_file():
             continue
         drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
-        decs = [SpeculativeDecoder(target, drafter, args.block_size, ngram=ngram) for ngram in (False, True)] \
-            if args.decode else None
+        decs = [SpeculativeDecoder(target, drafter, args.block_size, ngram=ngram) for ngram in (False, True)] + \
+            [SpeculativeDecoder(target, drafter, args.block_size, tree=True)] if args.decode else None
         res = {"drafter": str(d), "block_size": args.block_size, "limit": args.limit,
                "max_new_tokens": args.max_new_tokens, "method": "decode" if args.decode else "replay"}
         for ds, rows in refs.items():
@@ -437,12 +437,12 @@ def cmd_eval(args) -> None:
                         taus, ng, both = taus + t, ng + m, both + tr
                     continue
                 reqs = [Request(tuple(r["prompt_ids"]), args.max_new_tokens, stop_token_ids=stops) for r in part]
-                for r, out, out_ng in zip(part, decs[0].generate(reqs), decs[1].generate(reqs)):
+                for r, *outs in zip(part, *(dec.generate(reqs) for dec in decs)):
                     # drafts the verify accepted past the output's end (after the stop token or the length limit)
                     # are not output: counted as the replay counts them (train.audit.output_taus)
-                    taus += output_taus(out.acceptance_lengths, len(r["token_ids"]))
-                    ng += output_taus(out_ng.acceptance_lengths, len(r["token_ids"]))
-                    if list(out.token_ids) != r["token_ids"] or list(out_ng.token_ids) != r["token_ids"]:
+                    for walks, out in zip((taus, ng, both), outs):
+                        walks += output_taus(out.acceptance_lengths, len(r["token_ids"]))
+                    if any(list(out.token_ids) != r["token_ids"] for out in outs):
                         mismatched.append(r["id"])
             res[ds] = {"tau": round(sum(taus) / len(taus), 4), "prompt_lookup_tau": round(sum(pl) / len(pl), 4),
                        "steps": len(taus), "ngram_tau": round(sum(ng) / len(ng), 4), "ngram_steps": len(ng),

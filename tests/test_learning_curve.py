@@ -94,6 +94,8 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
         assert ev["replay"][ds]["steps"] == ev["decode"][ds]["steps"]
         assert ev["replay"][ds]["ngram_tau"] == ev["decode"][ds]["ngram_tau"]  # prompt lookup where 2-grams recur
         assert ev["replay"][ds]["ngram_steps"] == ev["decode"][ds]["ngram_steps"]
+        assert ev["replay"][ds]["tree_tau"] == ev["decode"][ds]["tree_tau"]  # runtime.tree, alternates and lookup
+        assert ev["replay"][ds]["tree_steps"] == ev["decode"][ds]["tree_steps"]
     rep = json.loads(_curve(work, tiny_smol, "report", "--out", str(tmp_path / "rep"), "--limit", "2",
                             "--max-new-tokens", "8").splitlines()[-1])
     assert rep["points"] == 1

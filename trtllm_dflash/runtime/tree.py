@@ -30,13 +30,13 @@ from functools import cached_property, lru_cache
 
 import torch
 
-# The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs (first
-# 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the drafter's 2nd–5th choices at slot 1
-# and its runner-up at slots 2–4, each followed by the main chain for 8 nodes at most (longer ones gained nothing),
-# raise τ over the two-branch tree (main + lookup) by about 0.6 on HumanEval and 0.3 on MT-Bench, for 87 nodes.
-# (slot, rank): rank 2 = the drafter's second choice.
-DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = ((1, 2), (1, 3), (1, 4), (1, 5), (2, 2), (3, 2), (4, 2))
-DEFAULT_ALTERNATE_LEN = 8
+# The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
+# (``perf/tree_shapes.py``: first 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the
+# drafter's 2nd–8th choices at slot 1 and its runner-up at slots 2–4, each continued by the main chain up to 4 nodes
+# (8 or 15 gained 0.02 τ for 40 more nodes), raise τ over the two-branch tree (main + lookup, 31 nodes) from 2.95 to
+# 3.64 on HumanEval and 1.70 to 2.06 on MT-Bench, for 71 nodes. (slot, rank): rank 2 = the drafter's second choice.
+DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2, 9)) + ((2, 2), (3, 2), (4, 2))
+DEFAULT_ALTERNATE_LEN = 4
 
 
 @dataclass
@@ -193,9 +193,13 @@ def commit_path(cache, rows: torch.Tensor | None, lengths: torch.Tensor, taken: 
     layer; a path that is the main chain (nodes 1..K at depths 1..K) is already there."""
     idx = torch.arange(taken.shape[1], device=taken.device)
     moved = ((taken != idx) & (idx <= acc[:, None])).any(-1)  # [b]
-    for j in moved.nonzero()[:, 0].tolist():
-        n, start = int(acc[j]) + 1, int(lengths[j])
-        r = j if rows is None else int(rows[j])
+    moved_rows = moved.nonzero()[:, 0].tolist()
+    if not moved_rows:
+        return
+    accepted, starts = acc.tolist(), lengths.tolist()  # one device read each, not one per row
+    cache_rows = moved_rows if rows is None else rows[moved_rows].tolist()
+    for j, r in zip(moved_rows, cache_rows):
+        n, start = accepted[j] + 1, starts[j]
         src = start + taken[j, :n]
         cache.k[:, r, start: start + n] = cache.k[:, r, src]  # advanced indexing reads a copy first
         cache.v[:, r, start: start + n] = cache.v[:, r, src]

@@ -10,7 +10,8 @@ nothing where a verify is launch-bound (a GPU at small batch) and in proportion 
     python perf/tree_shapes.py --datasets humaneval,mtbench --limit 40 --out perf/results/tree/shapes-40.json
 
 Greedy outputs are ``perf/learning_curve.py eval``'s cached ones (``--work``), made first if missing. Prints one JSON
-object (and writes it atomically with ``--out``; a PNG of τ against nodes beside it)."""
+object (and writes it atomically with ``--out``; a PNG of τ against nodes beside it, the default tree a black star;
+``--plot FILE.json`` redraws it)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,12 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="for making missing greedy outputs")
     p.add_argument("--out", default=None, help="JSON file (written atomically), PNG beside it")
+    p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of an earlier --out file")
     args = p.parse_args(argv)
+    if args.plot:
+        result = json.loads(Path(args.plot).read_text())
+        plot(result, Path(args.plot).with_suffix(".png"))
+        return result
 
     import torch
     from tqdm import tqdm
@@ -120,8 +126,9 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(result["datasets"]), figsize=(6 * len(result["datasets"]), 4.5), squeeze=False)
     for ax, (ds, rows) in zip(axes[0], result["datasets"].items()):
         for name, r in rows.items():
-            ax.scatter(r["verify_tokens"], r["tau"], s=18 if "nodes" in name else 30,
-                       marker="*" if name.startswith("default") else "o")
+            default = name.startswith("default")
+            ax.scatter(r["verify_tokens"], r["tau"], s=160 if default else 18 if "nodes" in name else 30,
+                       marker="*" if default else "o", color="black" if default else None, zorder=3 if default else 2)
             if "nodes" not in name:
                 ax.annotate(name, (r["verify_tokens"], r["tau"]), fontsize=6, xytext=(3, -3),
                             textcoords="offset points")

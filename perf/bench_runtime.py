@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     decoders.update({b: make_decoder(target, drafter,
                                      "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
                                      args.drafter, args.max_block_size if b in AUTOS else None,
-                                     ngram=str(b).endswith(NGRAM), tree=str(b).endswith(TREE))
+                                     ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE))
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 
@@ -175,6 +175,7 @@ def main(argv=None) -> int:
             "num_new_tokens": tokens[b],
             **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
             **({"lookup_steps": lookups[b]} if dec.ngram and not dec.adaptive else {}),
+            **({"tree_nodes": dec.tree.size, "tree_lookup": dec.tree.lookup} if dec.tree else {}),  # verify width
             "target": os.path.basename(os.path.normpath(args.target)),
             "drafter": os.path.basename(os.path.normpath(args.drafter)),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "

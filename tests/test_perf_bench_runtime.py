@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trtllm_dflash.runtime.tree import TreeShape
+
 SCRIPT = Path(__file__).parents[1] / "perf" / "bench_runtime.py"
 
 
@@ -13,19 +15,20 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
-         "--block-size", "auto,8,8+ngram", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
+         "--block-size", "auto,8,8+ngram,8+tree", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
          "--drafter", smollm2["drafter"], "--json", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert out.read_text() == run.stdout
-    assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram"]
+    assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram", "8+tree"]
     assert len({x["ar_tokens_per_second"] for x in lines}) == 1  # one AR run for all
     assert "lookup_steps" in lines[2] and "lookup_steps" not in lines[1]
+    assert lines[3]["tree_nodes"] == TreeShape.for_block(7).size and lines[3]["tree_lookup"]  # lookup's chain too
     for x in lines:
         assert x["lossless"] and x["mismatched_prompts"] == [] and x["num_prompts"] == 2
         hist = {int(k): n for k, n in x["acceptance_histogram"].items()}
-        longest = x["max_block_size"] if "max_block_size" in x else int(str(x["block_size"]).removesuffix("+ngram"))
+        longest = x.get("max_block_size") or int(str(x["block_size"]).removesuffix("+ngram").removesuffix("+tree"))
         assert sorted(hist) == list(range(1, longest + 1))
         steps = sum(hist.values())
         assert abs(sum(k * n for k, n in hist.items()) / steps - x["mean_acceptance_length"]) < 1e-3

@@ -145,10 +145,10 @@ class SpeculativeDecoder:
         instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
         verify step does not care where a proposal came from.
 
-        ``tree`` (implies ``ngram``; a fixed block size, greedy requests): every row drafts, and verifies its block,
-        the drafter's runner-up tokens at the first slots and its lookup continuation side by side in one forward,
-        keeping the longest accepted path (``runtime.tree``; True: ``TreeShape.for_block(B − 1)``, or a
-        ``TreeShape``)."""
+        ``tree`` (implies ``ngram`` unless its shape has no lookup chain; a fixed block size, greedy requests): every
+        row drafts, and verifies its block, the drafter's runner-up tokens at the first slots and its lookup
+        continuation side by side in one forward, keeping the longest accepted path (``runtime.tree``; True:
+        ``TreeShape.for_block(B − 1)``, or a ``TreeShape``)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
             require(self.tree.k == block_size - 1, "tree", self.tree,
                     f"must have k = block_size − 1 = {block_size - 1}",
                     "build the TreeShape with the decoder's block size")
-        self.ngram = (ngram or tree) and block_size > 1
+        self.ngram = (ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
 
@@ -392,7 +392,7 @@ class SpeculativeDecoder:
         committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
         drafts = self.propose(cur, dcache, rows, committed, k, top=shape.top)  # [b, K] or [b, K, R]
         look = torch.full((cur.shape[0], k), -1, dtype=torch.long, device=dev)  # −1: no continuation (never matches)
-        for j, cont in enumerate(lookups):
+        for j, cont in enumerate(lookups or ()):  # None: a tree without the lookup chain
             if cont:
                 look[j, : len(cont[:k])] = torch.tensor(cont[:k], device=dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]

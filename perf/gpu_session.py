@@ -159,9 +159,9 @@ def step_parity(args, log) -> dict:
     prompts = [tuple(torch.randint(6, 256, (n,), generator=g).tolist()) for n in (5, 11, 17)]
     reqs = [Request(p, 24) for p in prompts]
 
-    def decode(dtype, device, block, kernels=None, pair=(tdir, ddir)):
+    def decode(dtype, device, block, kernels=None, pair=(tdir, ddir), tree=False):
         target, drafter = load_pair(*pair, dtype=dtype, device=device)
-        dec = SpeculativeDecoder(target, drafter if block > 1 else None, block, kernels=kernels)
+        dec = SpeculativeDecoder(target, drafter if block > 1 else None, block, kernels=kernels, tree=tree)
         outs = dec.generate(reqs)
         taus = [t for o in outs for t in o.acceptance_lengths]
         return [o.token_ids for o in outs], (sum(taus) / len(taus) if taus else None), getattr(dec, "kernels", None)
@@ -171,6 +171,7 @@ def step_parity(args, log) -> dict:
     ar32, _, _ = decode(torch.float32, args.device, 1)
     auto32, tau_auto, impl = decode(torch.float32, args.device, 16, Impl.AUTO)
     torch32, tau_torch, _ = decode(torch.float32, args.device, 16, Impl.TORCH)
+    tree64, _, _ = decode(torch.float64, args.device, 16, Impl.TORCH, tree=True)  # runtime.tree's verify on the device
     real = {}
     if args.target and args.drafter and args.prompts:  # the real pair: float32 AR on the CPU vs DFlash on the device
         from trtllm_dflash.datasets import file_prompts
@@ -182,9 +183,12 @@ def step_parity(args, log) -> dict:
         pair = (args.target, args.drafter)
         cpu_ar, _, _ = decode(torch.float32, "cpu", 1, pair=pair)
         dev_df, tau, _ = decode(torch.float32, args.device, 16, Impl.AUTO, pair=pair)
-        real = {"real_float32_device_dflash_equals_cpu_ar": dev_df == cpu_ar, "real_tau": tau}
+        dev_tree, tau_tree, _ = decode(torch.float32, args.device, 16, Impl.AUTO, pair=pair, tree=True)
+        real = {"real_float32_device_dflash_equals_cpu_ar": dev_df == cpu_ar, "real_tau": tau,
+                "real_float32_device_tree_equals_cpu_ar": dev_tree == cpu_ar, "real_tree_tau": tau_tree}
     return {**real,
         "float64_device_equals_cpu": dev64 == cpu64,
+        "float64_device_tree_equals_cpu": tree64 == cpu64,
         "float32_kernels_lossless": auto32 == ar32,
         "float32_torch_lossless": torch32 == ar32,
         "kernels": str(impl), "tau_kernels": tau_auto, "tau_torch": tau_torch,

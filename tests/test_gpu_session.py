@@ -31,6 +31,7 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     parity = report["parity"]
     assert parity["float64_device_equals_cpu"] and parity["float32_kernels_lossless"]
     assert parity["float32_torch_lossless"] and parity["real_float32_device_dflash_equals_cpu_ar"]
+    assert parity["float64_device_tree_equals_cpu"] and parity["real_float32_device_tree_equals_cpu_ar"]
     overhead = report["overhead"]["results"]["decoders"]
     assert report["overhead"]["exit"] == 0 and set(overhead) == {"ar", "16", "16+ngram", "16+tree"}
     assert overhead["16"]["launching_ops_per_step"] > overhead["ar"]["launching_ops_per_step"] > 0

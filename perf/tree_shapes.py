@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N
     from trtllm_dflash.runtime.tree import TreeShape
-    from trtllm_dflash.train.audit import drafter_choices, lookup_acceptance, tree_acceptance, walk
+    from trtllm_dflash.train.audit import drafter_choices, lookup_acceptance, tree_acceptance, walk, with_lookup
 
     _, target, tok, stops = load_target(args)
     drafter = DrafterModel.from_pretrained(args.drafter, dtype=torch.float32, device="cpu")
@@ -98,11 +98,10 @@ def main(argv=None) -> dict:
             main_chain = tree_acceptance(named["drafter"], choices, ids, pl).tolist()
             for name, shape in named.items():
                 if shape == "ngram":
-                    acc = [a if proposed else main_chain[i] for i, (a, proposed) in enumerate(lookup)]
+                    acc = with_lookup(main_chain, lookup)
                 else:
                     drafted = tree_acceptance(shape, choices, ids, pl).tolist()
-                    acc = [max(a, drafted[i]) if proposed and shape.lookup else drafted[i]
-                           for i, (a, proposed) in enumerate(lookup)]
+                    acc = with_lookup(drafted, lookup, keep_longer=True) if shape.lookup else drafted
                 taus[name] += walk(acc, pl, len(ids))
         result["datasets"][ds] = {
             name: {"tau": round(sum(t) / len(t), 4), "steps": len(t),

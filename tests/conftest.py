@@ -134,7 +134,7 @@ class OracleDecoder(SpeculativeDecoder):
         """With ``top`` > 1 (tree verify), [b, K, top]: a corrupted first choice has the right token at a random
         runner-up rank half the time; the other ranks are wrong tokens."""
         real = super().propose(bonus, dcache, rows, committed, num_drafts, top)
-        out = real.clone() if top > 1 else real.clone()[..., None]
+        out = (real if top > 1 else real[..., None]).clone()
         row_ids = range(bonus.shape[0]) if rows is None else rows.tolist()
         vocab = self.target.spec.vocab_size
 

@@ -18,6 +18,7 @@ drafter actually gets, so the two can be read side by side.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -169,11 +170,19 @@ def tree_acceptance(shape: TreeShape, choices: torch.Tensor, ids: list[int], pro
     """The depth the drafter's part of a tree verify (``shape``'s main chain and alternates; its lookup chain is
     ``lookup_acceptance``'s) accepts at every response anchor of a known greedy output [A]: ``TreeShape.accept`` with
     the output as the tokens the target picks. ``choices``: ``drafter_choices`` with at least ``shape.top``."""
-    drafts_only = TreeShape(shape.k, shape.alternates, lookup=False, alternate_len=shape.alternate_len)
+    drafts_only = dataclasses.replace(shape, lookup=False)
     anchors = torch.arange(prompt_len, prompt_len + len(choices))
     x = torch.tensor(ids + [-1] * (shape.k + 1))  # −1 past the end: never matched
     tokens = drafts_only.tokens(anchors, choices[:, : shape.k, : drafts_only.top], None)  # [A, N]; node 0 not compared
     return drafts_only.accept(tokens, x[anchors[:, None] + torch.tensor(drafts_only.depths)])[1]
+
+
+def with_lookup(drafted: Sequence[int], lookup: list[tuple[int, int]], keep_longer: bool = False) -> list[int]:
+    """Per anchor, the drafts a step accepts when prompt lookup's proposal (``lookup_acceptance``) is in play too:
+    ``ngram`` mode verifies the lookup instead of the drafter's block wherever one is proposed; a tree verify with a
+    lookup chain (``keep_longer``) keeps the longer of the two."""
+    return [(max(acc, drafted[a]) if keep_longer else acc) if proposed else drafted[a]
+            for a, (acc, proposed) in enumerate(lookup)]
 
 
 def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
@@ -194,15 +203,14 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     if not ngram:
         return taus
     lookup = lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N)
-    mixed = [acc if proposed else accepted[a] for a, (acc, proposed) in enumerate(lookup)]
+    mixed = with_lookup(accepted, lookup)
     if not tree:
         return taus, walk(mixed, prompt_len, len(ids))
     shape = TreeShape.for_block(bs - 1) if tree is True else tree
     drafted = accepted if not shape.alternates else \
         tree_acceptance(shape, drafter_choices(target, drafter, ids, prompt_len, shape.top, bs, chunk), ids,
                         prompt_len).tolist()
-    both = [max(acc, drafted[a]) if proposed and shape.lookup else drafted[a]
-            for a, (acc, proposed) in enumerate(lookup)]
+    both = with_lookup(drafted, lookup, keep_longer=True) if shape.lookup else drafted
     return taus, walk(mixed, prompt_len, len(ids)), walk(both, prompt_len, len(ids))
 
 

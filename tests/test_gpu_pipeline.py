@@ -98,6 +98,7 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     assert len(files) <= gp.OUT_MAX_FILES and all((out / f).stat().st_size <= gp.OUT_MAX_BYTES for f in files)
     assert {"config.json", "training_config.json", "status.json"} <= set(files)
     returned = json.loads((out / "status.json").read_text())
+    assert str(gp.REPO) not in (out / "status.json").read_text()  # repository paths come back repository-relative
     assert returned["train_log"]["records"][-1]["step"] == 6 and set(returned["timings"]) >= {"regen", "taps", "train"}
     tau = returned["eval"]["tau"][0]
     assert tau["lossless"] and tau["num_prompts"] == 2 and tau["block_size"] == 4
@@ -247,3 +248,12 @@ def test_short_lease_command_rehearsal(tiny_target_with_tokenizer, tmp_path):
     runs = timed["dflash_vs_ar"]["runs"]
     assert [r["exit"] for r in runs] == [0, 0, 0, 0] and all(line["lossless"] for r in runs for line in r["results"])
     assert "job still running" not in lease.stdout
+
+
+def test_repository_paths_come_back_repository_relative():
+    """The job runs from the GPU machine's checkout: a path into it (``--init`` of the shipped drafter) is returned
+    relative to the repository, other absolute paths stay for ``merge`` to mark as the GPU machine's."""
+    text = json.dumps({"init": str(gp.REPO / "trtllm_dflash" / "data" / "drafters" / "d"), "out": "/tmp/x"})
+    assert gp.repo_relative(text) == '{"init": "trtllm_dflash/data/drafters/d", "out": "/tmp/x"}'
+    marked = '{"init": "trtllm_dflash/data/drafters/d", "out": "gpu-machine:/tmp/x"}'
+    assert gp.gpu_portable(gp.repo_relative(text)) == marked

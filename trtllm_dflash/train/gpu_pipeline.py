@@ -65,10 +65,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def repo_relative(text: str) -> str:
+    """Paths into this repository made repository-relative: the GPU machine runs from a checkout whose location means
+    nothing where its files arrive (``--init`` of the shipped drafter in the training log, tracebacks in the log)."""
+    return text.replace(f"{REPO}{os.sep}", "")
 
 
 # ---------------------------------------------------------------- pack (here)
@@ -493,11 +503,10 @@ def emit(home: Path, out: Path) -> list[Path]:
         status["train_log"] = ck["log"]
         for name in ("config.json", "training_config.json"):
             if (home / "drafter" / name).is_file():
-                shutil.copyfile(home / "drafter" / name, out / name)
+                _write_text(out / name, repo_relative((home / "drafter" / name).read_text()))
                 written.append(out / name)
     tail = (home / "job.log").read_bytes()[-6000:].decode(errors="replace") if (home / "job.log").is_file() else ""
-    tail = tail.replace(f"{REPO}{os.sep}", "")  # tracebacks name repository files
-    _write_json(out / "status.json", status | {"job_log_tail": tail})
+    _write_text(out / "status.json", repo_relative(json.dumps(status | {"job_log_tail": tail}, indent=1)) + "\n")
     written.append(out / "status.json")
     check_out(out)
     return written

@@ -16,6 +16,7 @@ object (and writes it atomically with ``--out``; a PNG of τ against nodes besid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ from learning_curve import greedy_reference, load_target, write_json  # noqa: E4
 
 def shapes(k: int) -> dict[str, object]:
     """Named shapes with ``k`` drafts per chain: the drafter alone, prompt lookup inside it (``ngram``, not a tree:
-    one chain chosen per step), the two-branch tree and growing sets of alternates."""
+    one chain chosen per step), the two-branch tree, growing sets of alternates and the default's alternates with
+    1 to 8 lookup chains (``runtime.tree.lookup_chains``)."""
     from trtllm_dflash.runtime.tree import TreeShape
 
     slot1 = ((1, 2), (1, 3))
@@ -45,7 +47,11 @@ def shapes(k: int) -> dict[str, object]:
         alts = tuple((s, r) for s, r in alts if s <= k)
         for cap in (None, 8, 4):
             out[f"{name}{'' if cap is None else f', {cap} nodes'}"] = TreeShape(k, alts, alternate_len=cap)
-    out["default (TreeShape.for_block)"] = TreeShape.for_block(k)
+    default = TreeShape.for_block(k)
+    for chains in (1, 3, 8):  # the default's alternates with other numbers of lookup chains
+        out[f"default alternates, {chains} lookup chain{'s' if chains > 1 else ''}"] = \
+            dataclasses.replace(default, lookup=chains)
+    out["default (TreeShape.for_block)"] = default
     return out
 
 
@@ -95,13 +101,15 @@ def main(argv=None) -> dict:
                 continue
             choices = drafter_choices(target, drafter, ids, pl, top, args.block_size)
             lookup = lookup_acceptance(ids, pl, args.block_size, min_ngram=LOOKUP_MIN_N)
+            chains = {c: lookup_acceptance(ids, pl, args.block_size, tree=TreeShape(k, lookup=c))
+                      for c in {s.lookup for s in named.values() if isinstance(s, TreeShape) and s.lookup}}
             main_chain = tree_acceptance(named["drafter"], choices, ids, pl).tolist()
             for name, shape in named.items():
                 if shape == "ngram":
                     acc = with_lookup(main_chain, lookup)
                 else:
                     drafted = tree_acceptance(shape, choices, ids, pl).tolist()
-                    acc = with_lookup(drafted, lookup, keep_longer=True) if shape.lookup else drafted
+                    acc = with_lookup(drafted, chains[shape.lookup], keep_longer=True) if shape.lookup else drafted
                 taus[name] += walk(acc, pl, len(ids))
         result["datasets"][ds] = {
             name: {"tau": round(sum(t) / len(t), 4), "steps": len(t),
@@ -125,7 +133,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(result["datasets"]), figsize=(6 * len(result["datasets"]), 4.5), squeeze=False)
     for ax, (ds, rows) in zip(axes[0], result["datasets"].items()):
         for name, r in rows.items():
-            default = name.startswith("default")
+            default = name.startswith("default (")
             ax.scatter(r["verify_tokens"], r["tau"], s=160 if default else 18 if "nodes" in name else 30,
                        marker="*" if default else "o", color="black" if default else None, zorder=3 if default else 2)
             if "nodes" not in name:

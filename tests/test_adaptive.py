@@ -331,6 +331,10 @@ def test_ngram_continuation_is_prompt_lookup():
     assert adaptive.ngram_continuation([5, 1, 2, 7, 1, 2], 1) == [7]  # the latest earlier match of the longest tail
     assert adaptive.ngram_continuation([4, 1, 8, 6, 1], 3) == [8, 6, 1]  # falls back to a 1-gram
     assert adaptive.ngram_continuation([1, 2, 3], 5) == []
+    # several proposals, longest tail first: (1 2) recurs once ([9, 9] after it), then (2) twice, but what followed
+    # its earlier occurrence ([9, 9]) is proposed already
+    assert adaptive.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 8, max_n=2, per_n=2) == [[9, 9], [9, 1]]
+    assert adaptive.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 1, max_n=2, per_n=2) == [[9, 9]]
 
 
 def test_policy_verifies_a_good_ngram_without_a_draft_pass():

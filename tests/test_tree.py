@@ -2,6 +2,7 @@
 path's forward equal to verifying that chain alone, and decoding lossless on tiny random models with oracle proposals
 on every branch."""
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime import decoder as decoder_mod
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.tree import TreeShape, commit_path
+from trtllm_dflash.runtime.tree import TreeShape, commit_path, lookup_chains
 
 
 def test_layout_keeps_each_branch_out_of_the_others_sight():
@@ -73,15 +74,46 @@ def test_alternates_fork_from_the_main_chain():
     assert cache.k[0, 0, 2:6].flatten().tolist() == [2, 3, 9, 10] and cache.v[0, 0, 5].item() == -10
 
 
-@pytest.mark.parametrize("shape", [TreeShape(4), TreeShape(4, alternates=((1, 2), (2, 2), (1, 3)), alternate_len=2)],
-                         ids=["two-branch", "alternates"])
+def test_lookup_chains_each_fork_from_x():
+    shape = TreeShape(2, lookup=2)
+    # nodes: x | d1 d2 | first chain l1 l2 | second chain m1 m2
+    assert shape.parents == [0, 0, 1, 0, 3, 0, 5] and shape.depths == [0, 1, 2, 1, 2, 1, 2]
+    drafts, lookups = torch.tensor([[11, 12]]), torch.tensor([[[21, 22], [31, -1]]])  # [b, K], [b, C, K]
+    tokens = shape.tokens(torch.tensor([9]), drafts, lookups)
+    assert tokens.tolist() == [[9, 11, 12, 21, 22, 31, -1]]
+    assert shape.tokens(torch.tensor([9]), drafts, None)[0, 3:].tolist() == [-1] * 4
+    seen = shape.layout(torch.tensor([0])).allowed[0].int().tolist()
+    assert seen[6] == [1, 0, 0, 0, 0, 1, 1] and seen[4] == [1, 0, 0, 1, 1, 0, 0]
+    preds = torch.tensor([[31, 0, 0, 0, 0, 32, 0]])  # the second chain's m1 is right, then the bonus 32
+    samples, acc, taken, best = shape.verify(preds, tokens)
+    assert acc.tolist() == [1] and taken[0, :2].tolist() == [0, 5] and samples[0, :2].tolist() == [31, 32]
+    assert shape.tables("cpu")["from_lookup"][best].tolist() == [True]
+    assert TreeShape(2, lookup=True).lookup == 1 and TreeShape(2, lookup=False).size == 3
+    with pytest.raises(ValueError, match="lookup chains"):
+        TreeShape(2, lookup=-1)
+
+
+def test_lookup_chains_propose_the_continuations_of_several_earlier_occurrences():
+    shape = TreeShape(3, lookup=3)
+    #          0  1  2  3  4  5  6  7  8  9 10 11
+    context = [5, 1, 2, 7, 8, 1, 2, 6, 6, 9, 2, 1, 2]
+    # the last 2-gram (1 2) occurred at 5 and 1 (latest first), then the 1-gram (2) at 10 (its continuation 1 2
+    # is new); the 4- and 3-grams never recur
+    assert lookup_chains(shape, context) == [[6, 6, 9], [7, 8, 1], [1, 2]]
+    assert lookup_chains(dataclasses.replace(shape, lookup=1), context) == [[6, 6, 9]]
+    assert lookup_chains(dataclasses.replace(shape, lookup=0), context) == []
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4), TreeShape(4, alternates=((1, 2), (2, 2), (1, 3)), alternate_len=2),
+                                   TreeShape(4, alternates=((1, 2),), lookup=3)],
+                         ids=["two-branch", "alternates", "lookup-chains"])
 def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
     tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4)
     target, _ = load_pair(tdir, ddir, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 256, (2, 9), generator=g)
     k = shape.k
-    x, look = (torch.randint(3, 256, (2, n), generator=g) for n in (1, k))
+    x, look = torch.randint(3, 256, (2, 1), generator=g), torch.randint(3, 256, (2, shape.lookup, k), generator=g)
     drafts = torch.randint(3, 256, (2, k, shape.top), generator=g)
 
     def prefilled():
@@ -94,7 +126,7 @@ def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
     tokens = shape.tokens(x[:, 0], drafts, look)
     both, taps = target(tokens, cache, tap_layers=(0, 1), layout=shape.layout(cache.lengths.clone()))
     leaves = [n for n in range(shape.size) if n not in shape.parents[1:]]
-    assert len(leaves) == 1 + len(shape.alternates) + 1
+    assert len(leaves) == 1 + len(shape.alternates) + shape.lookup
     for leaf in leaves:
         path = shape.paths[leaf][: shape.depths[leaf] + 1]
         alone, alone_taps = target(tokens[:, path], prefilled(), tap_layers=(0, 1))
@@ -115,11 +147,12 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     ref = greedy_reference(target, prompts, 40)
     by_context = {tuple(p): r for p, r in zip(prompts, ref)}
 
-    def oracle_lookup(context, max_len, **_):
+    def oracle_chains(shape, context):  # each of the shape's lookup chains proposed with probability 0.7
         for p, r in by_context.items():
             if tuple(context[: len(p)]) == p and tuple(context[len(p):]) == tuple(r[: len(context) - len(p)]):
-                truth = list(r[len(context) - len(p): len(context) - len(p) + max_len])
-                return [t if rng.random() > 0.4 else (t + 1) % 256 for t in truth] if rng.random() < 0.7 else []
+                truth = list(r[len(context) - len(p): len(context) - len(p) + shape.k])
+                return [[t if rng.random() > 0.4 else (t + 1) % 256 for t in truth]
+                        for _ in range(shape.lookup) if rng.random() < 0.7]
         raise AssertionError(f"lookup asked for a context that is not a prefix of the greedy output: {context}")
 
     kept_nodes = []  # the kept path's nodes of every row and step
@@ -128,10 +161,12 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
         kept_nodes.extend(taken[j, 1: int(acc[j]) + 1].tolist() for j in range(len(acc)))
         return commit_path(cache, rows, lengths, taken, acc)
 
-    monkeypatch.setattr(decoder_mod, "ngram_continuation", oracle_lookup)
+    monkeypatch.setattr(decoder_mod, "lookup_chains", oracle_chains)
     monkeypatch.setattr(decoder_mod, "commit_path", recording_commit)
-    dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=seed, tree=True)
+    shape = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=3)
+    dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=seed, tree=shape)
     lookup_nodes = {n for n, is_lookup in enumerate(dec.tree.from_lookup) if is_lookup}
+    first_chain = {n for n in lookup_nodes if shape.nodes[n][2][2] == 0}
     out = dec.generate([Request(tuple(p), 40) for p in prompts])
     assert [r.token_ids for r in out] == ref
     taus = [t for r in out for t in r.acceptance_lengths]
@@ -139,6 +174,7 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     assert sum(r.lookup_steps for r in out) < len(taus), "some steps should keep the drafter's branch"
     alternate_wins = [p for p in kept_nodes if p and max(p) > dec.tree.k and not lookup_nodes & set(p)]
     assert alternate_wins, "some steps should keep an alternate"
+    assert [p for p in kept_nodes if set(p) & (lookup_nodes - first_chain)], "some steps should keep a later chain"
 
 
 def test_tree_needs_a_fixed_block_and_greedy_requests(tiny_models):
@@ -154,8 +190,6 @@ def test_tree_needs_a_fixed_block_and_greedy_requests(tiny_models):
 def test_tree_without_lookup_and_a_shape_for_another_block_size(tiny_models):
     """``generate --tree --no-ngram``'s tree (no lookup chain) is lossless and never keeps a lookup path; a shape
     built for another block size is refused."""
-    import dataclasses
-
     from trtllm_dflash.commands.common import make_decoder
 
     target, drafter = tiny_models["llama"]

@@ -299,16 +299,32 @@ class SeqState:
 LOOKUP_MIN_N = 2  # the decoder's prompt lookup proposes the continuation of a recurring 2- or 3-gram, not a 1-gram
 
 
+def ngram_candidates(context: Sequence[int], max_len: int, max_candidates: int, max_n: int = 3, min_n: int = 1,
+                     per_n: int = 1) -> list[list[int]]:
+    """Prompt lookup's proposals, best first: for n = max_n down to min_n, the tokens that followed each of the
+    ``per_n`` latest earlier occurrences of the context's last n tokens (at most ``max_len`` of them), skipping one
+    that an earlier proposal already starts with; at most ``max_candidates``, [] if no such suffix recurs."""
+    size, found = len(context), []
+    for n in range(min(max_n, size - 1), max(min_n, 1) - 1, -1):
+        tail, taken = list(context[size - n:]), 0
+        for start in range(size - n - 1, -1, -1):
+            if context[start] == tail[0] and list(context[start:start + n]) == tail:
+                cont = list(context[start + n:start + n + max_len])  # never empty: start + n < size
+                if not any(f[: len(cont)] == cont for f in found):
+                    found.append(cont)
+                    taken += 1
+                if len(found) == max_candidates:
+                    return found
+                if taken == per_n:
+                    break
+    return found
+
+
 def ngram_continuation(context: Sequence[int], max_len: int, max_n: int = 3, min_n: int = 1) -> list[int]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens
     (n = max_n down to min_n), at most ``max_len`` of them; [] if no such suffix recurs."""
-    size = len(context)
-    for n in range(min(max_n, size - 1), max(min_n, 1) - 1, -1):
-        tail = list(context[size - n:])
-        for start in range(size - n - 1, -1, -1):
-            if context[start] == tail[0] and list(context[start:start + n]) == tail:
-                return list(context[start + n:start + n + max_len])
-    return []
+    found = ngram_candidates(context, max_len, 1, max_n, min_n)
+    return found[0] if found else []
 
 
 @dataclass

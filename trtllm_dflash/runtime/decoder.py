@@ -36,7 +36,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
-from trtllm_dflash.runtime.tree import TreeShape, commit_path
+from trtllm_dflash.runtime.tree import TreeShape, commit_path, lookup_chains
 
 AUTO = "auto"
 
@@ -146,8 +146,8 @@ class SpeculativeDecoder:
         verify step does not care where a proposal came from.
 
         ``tree`` (implies ``ngram`` unless its shape has no lookup chain; a fixed block size, greedy requests): every
-        row drafts, and verifies its block, the drafter's runner-up tokens at the first slots and its lookup
-        continuation side by side in one forward, keeping the longest accepted path (``runtime.tree``; True:
+        row drafts, and verifies its block, the drafter's runner-up tokens at the first slots and prompt lookup's
+        proposals (``runtime.tree.lookup_chains``) side by side in one forward, keeping the longest accepted path (``runtime.tree``; True:
         ``TreeShape.for_block(B − 1)``, or a ``TreeShape``)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
             require(self.tree.k == block_size - 1, "tree", self.tree,
                     f"must have k = block_size − 1 = {block_size - 1}",
                     "build the TreeShape with the decoder's block size")
-        self.ngram = (ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
+        self.ngram = bool(ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
 
@@ -287,7 +287,10 @@ class SpeculativeDecoder:
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
             lookups = None
-            if self.ngram and dcache is not None:
+            if self.tree and self.tree.lookup:  # every lookup chain's proposal (runtime.tree.lookup_chains)
+                lookups = [lookup_chains(self.tree, seqs[i].request.prompt_ids + tuple(seqs[i].tokens))
+                           for i in active]
+            elif self.ngram and dcache is not None:
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
             if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup continuation at once
@@ -391,10 +394,11 @@ class SpeculativeDecoder:
             self._flush(pending, active, dcache)
         committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
         drafts = self.propose(cur, dcache, rows, committed, k, top=shape.top)  # [b, K] or [b, K, R]
-        look = torch.full((cur.shape[0], k), -1, dtype=torch.long, device=dev)  # −1: no continuation (never matches)
-        for j, cont in enumerate(lookups or ()):  # None: a tree without the lookup chain
-            if cont:
-                look[j, : len(cont[:k])] = torch.tensor(cont[:k], device=dev)
+        look = torch.full((cur.shape[0], max(shape.lookup, 1), k), -1, dtype=torch.long)  # −1: none (never matches)
+        for j, chains in enumerate(lookups or ()):  # None: a tree without lookup chains
+            for c, cont in enumerate(chains[: shape.lookup]):
+                look[j, c, : len(cont[:k])] = torch.tensor(cont[:k])
+        look = look.to(dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
                                    layout=shape.layout(committed))

@@ -4,9 +4,10 @@ A DFlash draft gives, at every slot of the block, a distribution over the next t
 second guess for the whole block. Verifying one chain per step throws the rest away. A tree verify checks, in the same
 forward, the drafter's greedy block (the *main* chain), *alternates* — the drafter's r-th choice at slot j in place of
 its first, followed by the main chain's tokens after j (the drafter predicts every slot of a block at once, so its
-later slots do not depend on which token slot j holds) — and prompt lookup's continuation, and keeps the deepest
-accepted path. Where a verify costs about one decode step whatever its width (a GPU at small batch) that is τ almost
-for free; on a CPU the wider verify costs more than it gains.
+later slots do not depend on which token slot j holds) — and prompt lookup's proposals (the continuations of earlier
+occurrences of the context's last tokens, one chain each), and keeps the deepest accepted path. Where a verify
+costs about one decode step whatever its width (a GPU at small batch) that is τ almost for free; on a CPU the wider
+verify costs more than it gains.
 
 The tree is static (``TreeShape``): the same nodes for every row and step, only their tokens differ. Node 0 is ``x``,
 the last emitted token; every other node has a parent and a depth, and a row with committed length L writes node n's
@@ -30,6 +31,8 @@ from functools import cached_property, lru_cache
 
 import torch
 
+from trtllm_dflash.runtime.adaptive import ngram_candidates
+
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
 # (``perf/tree_shapes.py``: first 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the
 # drafter's 2nd–8th choices at slot 1 and its runner-up at slots 2–4, each continued by the main chain up to 4 nodes
@@ -37,6 +40,14 @@ import torch
 # 3.64 on HumanEval and 1.70 to 2.06 on MT-Bench, for 71 nodes. (slot, rank): rank 2 = the drafter's second choice.
 DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2, 9)) + ((2, 2), (3, 2), (4, 2))
 DEFAULT_ALTERNATE_LEN = 4
+# Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest
+# earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``adaptive.ngram_candidates``). Picked
+# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/): with the
+# alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to 1-grams
+# and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36 (86 nodes);
+# three 3.79 / 2.37 (101 nodes), eight (up to 4-grams) 3.80 / 2.37 (176 nodes).
+LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N = 5, 1, 2
+DEFAULT_LOOKUP_CHAINS = 2
 
 
 @dataclass
@@ -52,15 +63,18 @@ class StepLayout:
 @dataclass(frozen=True)
 class TreeShape:
     """The nodes of a tree verify with ``k`` drafts per chain: x, the main chain, each alternate (slot j, rank r) —
-    a chain forking from the main chain at depth j − 1, at most ``alternate_len`` nodes long — and, with ``lookup``,
-    prompt lookup's chain from x."""
+    a chain forking from the main chain at depth j − 1, at most ``alternate_len`` nodes long — and ``lookup`` chains
+    from x for prompt lookup's proposals (``lookup_chains``; True: one, False: none)."""
 
     k: int
     alternates: tuple[tuple[int, int], ...] = ()
-    lookup: bool = True
+    lookup: int = 1
     alternate_len: int | None = None  # None: to depth k
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lookup", int(self.lookup))
+        if self.lookup < 0:
+            raise ValueError(f"lookup = {self.lookup}: the number of lookup chains cannot be negative")
         for slot, rank in self.alternates:
             if not (1 <= slot <= self.k and rank >= 2):
                 raise ValueError(f"alternate (slot {slot}, rank {rank}): needs 1 <= slot <= {self.k} and rank >= 2")
@@ -69,7 +83,7 @@ class TreeShape:
     def for_block(cls, k: int) -> "TreeShape":
         """The decoder's tree for ``k`` drafts per chain: ``DEFAULT_ALTERNATES`` (those that fit) and lookup."""
         fitting = tuple((slot, rank) for slot, rank in DEFAULT_ALTERNATES if slot <= k)
-        return cls(k, fitting, lookup=True, alternate_len=DEFAULT_ALTERNATE_LEN)
+        return cls(k, fitting, lookup=DEFAULT_LOOKUP_CHAINS, alternate_len=DEFAULT_ALTERNATE_LEN)
 
     @property
     def top(self) -> int:
@@ -87,10 +101,10 @@ class TreeShape:
             for depth in range(slot, min(self.k, slot + cap - 1) + 1):
                 nodes.append((parent, depth, ("draft", depth, rank if depth == slot else 1)))
                 parent = len(nodes) - 1
-        if self.lookup:
+        for chain in range(self.lookup):
             parent = 0
             for depth in range(1, self.k + 1):
-                nodes.append((parent, depth, ("lookup", depth, 0)))
+                nodes.append((parent, depth, ("lookup", depth, chain)))
                 parent = len(nodes) - 1
         return nodes
 
@@ -108,14 +122,15 @@ class TreeShape:
 
     @cached_property
     def columns(self) -> list[int]:
-        """Each node's column in the candidate table ``[x, top-R drafts per slot (slot-major), lookup]``."""
-        r = self.top
+        """Each node's column in the candidate table ``[x, top-R drafts per slot (slot-major), lookup chains
+        (chain-major)]``; a lookup node's source is ("lookup", depth, chain)."""
+        r, k = self.top, self.k
         out = []
         for _, _, (src, slot, rank) in self.nodes:
             if src == "x":
                 out.append(0)
             else:
-                out.append(1 + (slot - 1) * r + rank - 1 if src == "draft" else 1 + self.k * r + slot - 1)
+                out.append(1 + (slot - 1) * r + rank - 1 if src == "draft" else 1 + k * r + rank * k + slot - 1)
         return out
 
     @cached_property
@@ -132,12 +147,13 @@ class TreeShape:
         return [src == "lookup" for _, _, (src, _, _) in self.nodes]
 
     def tokens(self, x: torch.Tensor, drafts: torch.Tensor, lookups: torch.Tensor | None) -> torch.Tensor:
-        """Every node's token [b, N] from x [b], the drafter's choices [b, K, R] (or [b, K] when R = 1) and lookup
-        [b, K] (−1: none there, never matches)."""
+        """Every node's token [b, N] from x [b], the drafter's choices [b, K, R] (or [b, K] when R = 1) and the
+        lookup chains' tokens [b, C, K] (or [b, K] when C = 1; −1: none there, never matches; None: none at all)."""
         b = x.shape[0]
         table = [x[:, None], drafts.reshape(b, -1)]
         if self.lookup:
-            table.append(lookups if lookups is not None else torch.full((b, self.k), -1, device=x.device))
+            table.append(lookups.reshape(b, -1) if lookups is not None
+                         else torch.full((b, self.lookup * self.k), -1, device=x.device))
         return torch.cat(table, dim=1)[:, self.tables(x.device)["columns"]]
 
     def tables(self, device) -> dict[str, torch.Tensor]:
@@ -174,6 +190,14 @@ class TreeShape:
         best, acc = self.accept(tokens, preds[:, t["parents"]])
         taken = t["paths"][best]  # [b, K + 1]
         return preds.gather(1, taken), acc, taken, best
+
+
+def lookup_chains(shape: TreeShape, context) -> list[list[int]]:
+    """Prompt lookup's proposals for ``shape``'s lookup chains from the tokens so far (prompt + output), best first:
+    at most ``shape.lookup`` of them, each at most k tokens."""
+    if not shape.lookup:
+        return []
+    return ngram_candidates(context, shape.k, shape.lookup, LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N)
 
 
 @lru_cache(maxsize=32)

@@ -28,7 +28,7 @@ from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-from trtllm_dflash.runtime.tree import TreeShape
+from trtllm_dflash.runtime.tree import TreeShape, lookup_chains
 from trtllm_dflash.train.data import Sample, generate_with_taps
 from trtllm_dflash.train.objective import collate, drafter_blocks
 
@@ -87,17 +87,24 @@ def output_taus(acceptance_lengths: Sequence[int], num_tokens: int) -> list[int]
 
 
 def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
-                      min_ngram: int = 1) -> list[tuple[int, int]]:
+                      min_ngram: int = 1, tree: TreeShape | None = None) -> list[tuple[int, int]]:
     """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,
     drafts proposed). The draft is ``runtime.adaptive.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
-    it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft."""
+    it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft. With ``tree``: the
+    proposals of its lookup chains (``runtime.tree.lookup_chains``, as the tree verify makes them), the longest
+    accepted of them."""
     out = []
     for a in range(prompt_len, len(ids) - 1):
-        draft = ngram_continuation(ids[: a + 1], block_size - 1, max_ngram, min_ngram)
-        acc = 0
-        while acc < len(draft) and a + 1 + acc < len(ids) and draft[acc] == ids[a + 1 + acc]:
-            acc += 1
-        out.append((acc, len(draft)))
+        context = ids[: a + 1]
+        drafts = lookup_chains(tree, context) if tree is not None else \
+            [ngram_continuation(context, block_size - 1, max_ngram, min_ngram)]
+        best = 0
+        for draft in drafts:
+            acc = 0
+            while acc < len(draft) and a + 1 + acc < len(ids) and draft[acc] == ids[a + 1 + acc]:
+                acc += 1
+            best = max(best, acc)
+        out.append((best, max(map(len, drafts), default=0)))
     return out
 
 
@@ -167,7 +174,7 @@ def drafter_choices(target: TargetModel, drafter: DrafterModel, ids: list[int], 
 
 
 def tree_acceptance(shape: TreeShape, choices: torch.Tensor, ids: list[int], prompt_len: int) -> torch.Tensor:
-    """The depth the drafter's part of a tree verify (``shape``'s main chain and alternates; its lookup chain is
+    """The depth the drafter's part of a tree verify (``shape``'s main chain and alternates; its lookup chains are
     ``lookup_acceptance``'s) accepts at every response anchor of a known greedy output [A]: ``TreeShape.accept`` with
     the output as the tokens the target picks. ``choices``: ``drafter_choices`` with at least ``shape.top``."""
     drafts_only = dataclasses.replace(shape, lookup=False)
@@ -179,8 +186,8 @@ def tree_acceptance(shape: TreeShape, choices: torch.Tensor, ids: list[int], pro
 
 def with_lookup(drafted: Sequence[int], lookup: list[tuple[int, int]], keep_longer: bool = False) -> list[int]:
     """Per anchor, the drafts a step accepts when prompt lookup's proposal (``lookup_acceptance``) is in play too:
-    ``ngram`` mode verifies the lookup instead of the drafter's block wherever one is proposed; a tree verify with a
-    lookup chain (``keep_longer``) keeps the longer of the two."""
+    ``ngram`` mode verifies the lookup instead of the drafter's block wherever one is proposed; a tree verify with
+    lookup chains (``keep_longer``) keeps the longer of the two."""
     return [(max(acc, drafted[a]) if keep_longer else acc) if proposed else drafted[a]
             for a, (acc, proposed) in enumerate(lookup)]
 
@@ -193,7 +200,7 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
     ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs). With ``tree`` as well,
     those of the decoder's tree verify (``runtime.tree``, ``TreeShape.for_block``: the drafter's block, its
-    alternates and the lookup continuation verified side by side in one step, the deepest accepted path kept; True,
+    alternates and prompt lookup's proposals verified side by side in one step, the deepest accepted path kept; True,
     or a ``TreeShape``): (drafter τs, ngram τs, tree τs)."""
     if len(ids) - 1 <= prompt_len:
         return ([], []) if ngram else []
@@ -202,15 +209,15 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     taus = walk(accepted, prompt_len, len(ids))
     if not ngram:
         return taus
-    lookup = lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N)
-    mixed = with_lookup(accepted, lookup)
+    mixed = with_lookup(accepted, lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N))
     if not tree:
         return taus, walk(mixed, prompt_len, len(ids))
     shape = TreeShape.for_block(bs - 1) if tree is True else tree
     drafted = accepted if not shape.alternates else \
         tree_acceptance(shape, drafter_choices(target, drafter, ids, prompt_len, shape.top, bs, chunk), ids,
                         prompt_len).tolist()
-    both = with_lookup(drafted, lookup, keep_longer=True) if shape.lookup else drafted
+    both = with_lookup(drafted, lookup_acceptance(ids, prompt_len, bs, tree=shape), keep_longer=True) \
+        if shape.lookup else drafted
     return taus, walk(mixed, prompt_len, len(ids)), walk(both, prompt_len, len(ids))
 
 

@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
+    p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
+                   help="N+tree's retrieval datastore (auto, default: the drafter directory's, if it has one)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device of both models, e.g. cuda (default cpu)")
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
     decoders.update({b: make_decoder(target, drafter,
                                      "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
                                      args.drafter, args.max_block_size if b in AUTOS else None,
-                                     ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE))
+                                     ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE),
+                                     datastore=args.datastore)
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
 
@@ -176,6 +179,7 @@ def main(argv=None) -> int:
             **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
             **({"lookup_steps": lookups[b]} if dec.ngram and not dec.adaptive else {}),
             **({"tree_nodes": dec.tree.size, "tree_lookup": dec.tree.lookup} if dec.tree else {}),  # verify width
+            **({"datastore_tokens": dec.datastore.num_tokens} if dec.tree and dec.datastore else {}),
             "target": os.path.basename(os.path.normpath(args.target)),
             "drafter": os.path.basename(os.path.normpath(args.drafter)),
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "

@@ -406,6 +406,7 @@ def cmd_eval(args) -> None:
 
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.commands.common import resolve_datastore
     from trtllm_dflash.train.audit import output_taus, prompt_lookup_taus, replay_taus
 
     _, target, tok, stops = load_target(args)
@@ -421,26 +422,31 @@ def cmd_eval(args) -> None:
         if out_path.is_file() or not (d / "model.safetensors").is_file():
             continue
         drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
+        store = resolve_datastore(args.datastore, d, tree_lookup=True)  # the drafter directory's, by default
         decs = [SpeculativeDecoder(target, drafter, args.block_size, ngram=ngram) for ngram in (False, True)] + \
-            [SpeculativeDecoder(target, drafter, args.block_size, tree=True)] if args.decode else None
+            [SpeculativeDecoder(target, drafter, args.block_size, tree=True)] + \
+            ([SpeculativeDecoder(target, drafter, args.block_size, tree=True, datastore=store)] if store else []) \
+            if args.decode else None
         res = {"drafter": str(d), "block_size": args.block_size, "limit": args.limit,
-               "max_new_tokens": args.max_new_tokens, "method": "decode" if args.decode else "replay"}
+               "max_new_tokens": args.max_new_tokens, "method": "decode" if args.decode else "replay",
+               **({"datastore_tokens": store.num_tokens} if store else {})}
         for ds, rows in refs.items():
-            taus, ng, pl, mismatched, both = [], [], [], [], []
+            taus, ng, pl, mismatched, both, stored = [], [], [], [], [], []
             for i in range(0, len(rows), args.batch_size):
                 part = rows[i : i + args.batch_size]
                 pl += [t for row_taus in lookup[ds][i : i + args.batch_size] for t in row_taus]
                 if decs is None:  # the decoder's walks replayed on the known greedy output (train.audit.replay_taus)
                     for r in part:
-                        t, m, tr = replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"],
-                                               len(r["prompt_ids"]), ngram=True, block_size=args.block_size, tree=True)
-                        taus, ng, both = taus + t, ng + m, both + tr
+                        t, m, tr, *st = replay_taus(target, drafter, r["prompt_ids"] + r["token_ids"],
+                                                    len(r["prompt_ids"]), ngram=True, block_size=args.block_size,
+                                                    tree=True, datastore=store)
+                        taus, ng, both, stored = taus + t, ng + m, both + tr, stored + (st[0] if st else [])
                     continue
                 reqs = [Request(tuple(r["prompt_ids"]), args.max_new_tokens, stop_token_ids=stops) for r in part]
                 for r, *outs in zip(part, *(dec.generate(reqs) for dec in decs)):
                     # drafts the verify accepted past the output's end (after the stop token or the length limit)
                     # are not output: counted as the replay counts them (train.audit.output_taus)
-                    for walks, out in zip((taus, ng, both), outs):
+                    for walks, out in zip((taus, ng, both, stored), outs):
                         walks += output_taus(out.acceptance_lengths, len(r["token_ids"]))
                     if any(list(out.token_ids) != r["token_ids"] for out in outs):
                         mismatched.append(r["id"])
@@ -448,6 +454,9 @@ def cmd_eval(args) -> None:
                        "steps": len(taus), "ngram_tau": round(sum(ng) / len(ng), 4), "ngram_steps": len(ng),
                        # the tree verify (runtime.tree: the drafter's block, its alternates, the lookup continuation)
                        **({"tree_tau": round(sum(both) / len(both), 4), "tree_steps": len(both)} if both else {}),
+                       # ... with the drafter directory's retrieval datastore proposing too (runtime.datastore)
+                       **({"tree_datastore_tau": round(sum(stored) / len(stored), 4),
+                           "tree_datastore_steps": len(stored)} if stored else {}),
                        **({"lossless": not mismatched, "mismatched": mismatched} if decs else {})}
         write_json(out_path, res)
         print(json.dumps(res))
@@ -667,6 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--batch-size", type=int, default=16)
     q.add_argument("--decode", action="store_true",
                    help="run the real decoder (lossless check) instead of replaying its walk on the greedy outputs")
+    q.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
+                   help="also the tree verify with a retrieval datastore; auto (default): the drafter directory's "
+                        "datastore.safetensors where it has one")
     q = sub.add_parser("report", help="curve.json + curve.png from the evaluations")
     q.add_argument("--out", default="perf/results/drafter-curve")
     q.add_argument("--main", default=None, help="the main run's name, e.g. regen-140000 (default: the largest regen run)")

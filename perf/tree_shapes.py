@@ -9,9 +9,10 @@ nothing where a verify is launch-bound (a GPU at small batch) and in proportion 
 
     python perf/tree_shapes.py --datasets humaneval,mtbench --limit 40 --out perf/results/tree/shapes-40.json
 
-Greedy outputs are ``perf/learning_curve.py eval``'s cached ones (``--work``), made first if missing. Prints one JSON
-object (and writes it atomically with ``--out``; a PNG of τ against nodes beside it, the default tree a black star;
-``--plot FILE.json`` redraws it)."""
+With a retrieval datastore (``--datastore``; by default the drafter directory's ``datastore.safetensors``) the
+default tree with its proposals is replayed too. Greedy outputs are ``perf/learning_curve.py eval``'s cached ones
+(``--work``), made first if missing. Prints one JSON object (and writes it atomically with ``--out``; a PNG of τ
+against nodes beside it, the default trees black stars; ``--plot FILE.json`` redraws it)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main(argv=None) -> dict:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="for making missing greedy outputs")
+    p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
+                   help="also the default tree with a retrieval datastore (auto: the drafter directory's, if any)")
     p.add_argument("--out", default=None, help="JSON file (written atomically), PNG beside it")
     p.add_argument("--plot", default=None, metavar="JSON", help="only redraw the PNG of an earlier --out file")
     args = p.parse_args(argv)
@@ -79,6 +82,7 @@ def main(argv=None) -> dict:
     import torch
     from tqdm import tqdm
 
+    from trtllm_dflash.commands.common import resolve_datastore
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N
     from trtllm_dflash.runtime.tree import TreeShape
@@ -88,8 +92,13 @@ def main(argv=None) -> dict:
     drafter = DrafterModel.from_pretrained(args.drafter, dtype=torch.float32, device="cpu")
     k = args.block_size - 1
     named = shapes(k)
+    store = resolve_datastore(args.datastore, args.drafter, tree_lookup=True)
+    stored = "default + datastore (TreeShape.for_block, datastore=True)"
+    if store is not None:
+        named[stored] = TreeShape.for_block(k, datastore=True)
     top = max(s.top for s in named.values() if isinstance(s, TreeShape))
     result: dict = {"drafter": Path(args.drafter).name, "block_size": args.block_size, "limit": args.limit,
+                    **({"datastore_tokens": store.num_tokens} if store is not None else {}),
                     "max_new_tokens": args.max_new_tokens, "method": "replay (train.audit walks)", "datasets": {}}
     for ds in args.datasets.split(","):
         ref_args = argparse.Namespace(**{**vars(args), "limit": args.references_limit})
@@ -101,15 +110,18 @@ def main(argv=None) -> dict:
                 continue
             choices = drafter_choices(target, drafter, ids, pl, top, args.block_size)
             lookup = lookup_acceptance(ids, pl, args.block_size, min_ngram=LOOKUP_MIN_N)
-            chains = {c: lookup_acceptance(ids, pl, args.block_size, tree=TreeShape(k, lookup=c))
+            chains = {(c, None): lookup_acceptance(ids, pl, args.block_size, tree=TreeShape(k, lookup=c))
                       for c in {s.lookup for s in named.values() if isinstance(s, TreeShape) and s.lookup}}
+            if store is not None:
+                chains[stored] = lookup_acceptance(ids, pl, args.block_size, tree=named[stored], datastore=store)
             main_chain = tree_acceptance(named["drafter"], choices, ids, pl).tolist()
             for name, shape in named.items():
                 if shape == "ngram":
                     acc = with_lookup(main_chain, lookup)
                 else:
                     drafted = tree_acceptance(shape, choices, ids, pl).tolist()
-                    acc = with_lookup(drafted, chains[shape.lookup], keep_longer=True) if shape.lookup else drafted
+                    looked = chains[stored if name == stored else (shape.lookup, None)] if shape.lookup else None
+                    acc = with_lookup(drafted, looked, keep_longer=True) if looked else drafted
                 taus[name] += walk(acc, pl, len(ids))
         result["datasets"][ds] = {
             name: {"tau": round(sum(t) / len(t), 4), "steps": len(t),
@@ -133,7 +145,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(result["datasets"]), figsize=(6 * len(result["datasets"]), 4.5), squeeze=False)
     for ax, (ds, rows) in zip(axes[0], result["datasets"].items()):
         for name, r in rows.items():
-            default = name.startswith("default (")
+            default = name.startswith(("default (", "default + datastore"))
             ax.scatter(r["verify_tokens"], r["tau"], s=160 if default else 18 if "nodes" in name else 30,
                        marker="*" if default else "o", color="black" if default else None, zorder=3 if default else 2)
             if "nodes" not in name:

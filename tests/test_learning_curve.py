@@ -84,6 +84,10 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     assert seen == sorted(seen) and seen[-1] <= by_step[-1]["data_response_tokens"]
 
     last = str(kept[-1])
+    # the drafter directory's retrieval datastore, from the same regen shards: eval adds the tree verify with it
+    from trtllm_dflash.cli import main as cli
+
+    assert cli(["datastore", "--from", str(work / "regen"), "--out", str(Path(last) / "datastore.safetensors")]) == 0
     _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
     _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2",
            "--decode")
@@ -96,6 +100,9 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
         assert ev["replay"][ds]["ngram_steps"] == ev["decode"][ds]["ngram_steps"]
         assert ev["replay"][ds]["tree_tau"] == ev["decode"][ds]["tree_tau"]  # runtime.tree, alternates and lookup
         assert ev["replay"][ds]["tree_steps"] == ev["decode"][ds]["tree_steps"]
+        for key in ("tree_datastore_tau", "tree_datastore_steps"):  # runtime.datastore's proposals as well
+            assert ev["replay"][ds][key] == ev["decode"][ds][key]
+    assert ev["decode"]["datastore_tokens"] > 0
     rep = json.loads(_curve(work, tiny_smol, "report", "--out", str(tmp_path / "rep"), "--limit", "2",
                             "--max-new-tokens", "8").splitlines()[-1])
     assert rep["points"] == 1

@@ -24,7 +24,9 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram", "8+tree"]
     assert len({x["ar_tokens_per_second"] for x in lines}) == 1  # one AR run for all
     assert "lookup_steps" in lines[2] and "lookup_steps" not in lines[1]
-    assert lines[3]["tree_nodes"] == TreeShape.for_block(7).size and lines[3]["tree_lookup"]  # lookup's chain too
+    # the tree with lookup chains, and the shipped drafter directory's datastore proposing in one of them
+    assert lines[3]["tree_nodes"] == TreeShape.for_block(7, datastore=True).size and lines[3]["tree_lookup"] == 3
+    assert lines[3]["datastore_tokens"] > 1_000_000
     for x in lines:
         assert x["lossless"] and x["mismatched_prompts"] == [] and x["num_prompts"] == 2
         hist = {int(k): n for k, n in x["acceptance_histogram"].items()}

@@ -25,6 +25,9 @@ def test_shapes_replayed_on_the_same_outputs(smollm2, tmp_path):
     assert rows["two-branch (drafter + lookup)"]["verify_tokens"] == 31
     assert rows["default (TreeShape.for_block)"]["verify_tokens"] == 86  # 71 + a second lookup chain of 15
     assert rows["default alternates, 1 lookup chain"]["verify_tokens"] == 71
+    # the shipped drafter directory's datastore takes a third lookup chain
+    assert rows["default + datastore (TreeShape.for_block, datastore=True)"]["verify_tokens"] == 101
+    assert res["datastore_tokens"] > 1_000_000
     # every walk covers the same 2 outputs of 24 tokens: after the prefill's token, 23 each, plus the bonus token past
     # the end where a walk's last step reaches it (train.audit.walk)
     emitted = {name: round(r["tau"] * r["steps"]) for name, r in rows.items()}

@@ -4,6 +4,7 @@ step see the same chat template, taps, mask token, LM head and final norm (train
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,10 +100,11 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     """On the real pair, ``replay_taus`` reproduces the decoder's steps at the drafter's block size and at a smaller
     one (whose non-causal block differs from a truncated 16-token one), plain and in ``ngram`` mode (prompt lookup's
     continuation of a recurring 2- or 3-gram instead of the drafter's block), and the tree verify's steps
-    (runtime.tree: the drafter's block, its alternates and the lookup continuation in one step); every walk is
-    lossless."""
+    (runtime.tree: the drafter's block, its alternates and prompt lookup's proposals in one step), also with the
+    shipped retrieval datastore's proposals (runtime.datastore); every walk is lossless."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime.datastore import Datastore
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
     from trtllm_dflash.train.audit import output_taus, replay_taus
@@ -116,12 +118,15 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     plain = SpeculativeDecoder(target, drafter, block_size).generate(reqs)
     looked = SpeculativeDecoder(target, drafter, block_size, ngram=True).generate(reqs)
     both = SpeculativeDecoder(target, drafter, block_size, tree=True).generate(reqs)  # runtime.tree
+    store = Datastore.load(Path(smollm2["drafter"]) / "datastore.safetensors")  # the shipped retrieval datastore
+    stored = SpeculativeDecoder(target, drafter, block_size, tree=True, datastore=store).generate(reqs)
     assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 48 tokens
-    for req, ref, a, b, c in zip(reqs, greedy, plain, looked, both):
-        assert a.token_ids == ref.token_ids == b.token_ids == c.token_ids
+    for req, ref, a, b, c, d in zip(reqs, greedy, plain, looked, both, stored):
+        assert a.token_ids == ref.token_ids == b.token_ids == c.token_ids == d.token_ids
         ids = list(req.prompt_ids) + list(ref.token_ids)
-        taus, ngram_taus, tree_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True,
-                                                  block_size=block_size, tree=True)
+        taus, ngram_taus, tree_taus, stored_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True,
+                                                               block_size=block_size, tree=True, datastore=store)
+        assert stored_taus == output_taus(d.acceptance_lengths, len(d.token_ids))  # with the datastore's chain
         assert taus == output_taus(a.acceptance_lengths, len(a.token_ids))
         assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
         assert max(taus) <= block_size and max(ngram_taus) <= block_size and max(tree_taus) <= block_size

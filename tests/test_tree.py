@@ -147,7 +147,7 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     ref = greedy_reference(target, prompts, 40)
     by_context = {tuple(p): r for p, r in zip(prompts, ref)}
 
-    def oracle_chains(shape, context):  # each of the shape's lookup chains proposed with probability 0.7
+    def oracle_chains(shape, context, datastore=None):  # each of the shape's lookup chains proposed with probability 0.7
         for p, r in by_context.items():
             if tuple(context[: len(p)]) == p and tuple(context[len(p):]) == tuple(r[: len(context) - len(p)]):
                 truth = list(r[len(context) - len(p): len(context) - len(p) + shape.k])

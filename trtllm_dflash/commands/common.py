@@ -81,11 +81,26 @@ def resolve_block_size(args, drafter) -> int | str:
     return drafter.spec.block_size
 
 
+def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
+    """The datastore a decoder proposes from: ``choice`` "auto" — the drafter directory's ``DATASTORE_FILE`` where
+    there is one and the tree verify has lookup chains; "none" or None — no datastore; else a file to load."""
+    from pathlib import Path
+
+    from trtllm_dflash.runtime.datastore import DATASTORE_FILE, Datastore
+
+    if choice in (None, "none"):
+        return None
+    if choice == "auto":
+        path = Path(drafter_dir) / DATASTORE_FILE if drafter_dir is not None else None
+        return Datastore.load(path) if tree_lookup and path is not None and path.is_file() else None
+    return Datastore.load(choice)
+
+
 def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
-                 ngram: bool = False, tree: bool = False):
+                 ngram: bool = False, tree: bool = False, datastore: str | None = "auto"):
     """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
-    ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with prompt lookup's chain only with
-    ``ngram``."""
+    ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with lookup chains only with ``ngram``, and
+    proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter directory's, if it has one)."""
     from trtllm_dflash.runtime.adaptive import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
@@ -96,5 +111,6 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
         from trtllm_dflash.runtime.tree import TreeShape
 
         tree = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=False)
+    store = resolve_datastore(datastore, drafter_dir, tree is True)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
-                              tree=tree)
+                              tree=tree, datastore=store)

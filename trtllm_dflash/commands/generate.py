@@ -20,10 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--tree", action="store_true",
                         help="tree verify (greedy, a fixed block size): the drafter's block, its runner-up tokens at "
-                             "the first slots and prompt lookup's continuation (without it under --no-ngram) checked "
+                             "the first slots and prompt lookup's proposals (not under --no-ngram) checked "
                              "in one target forward, the longest accepted path kept. More tokens per step for a "
                              "wider verify: pays where a verify costs about the same whatever its width (a GPU at "
                              "small batch), not on a CPU")
+    parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
+                        help="with --tree: a retrieval datastore whose proposals (continuations of the context's "
+                             "last tokens in a corpus of the target's own outputs) take half of the lookup chains; "
+                             "auto (default): the drafter directory's datastore.safetensors if it has one")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
 
@@ -48,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
     block = resolve_block_size(args, drafter)
     decoder = make_decoder(target, drafter, block, args.drafter, args.max_block_size,
-                           ngram=resolve_ngram(args.ngram, block), tree=args.tree)
+                           ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore)
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []

@@ -36,6 +36,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.tree import TreeShape, commit_path, lookup_chains
 
 AUTO = "auto"
@@ -132,7 +133,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
-                 prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False) -> None:
+                 prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False,
+                 datastore: Datastore | None = None) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -147,8 +149,10 @@ class SpeculativeDecoder:
 
         ``tree`` (implies ``ngram`` unless its shape has no lookup chain; a fixed block size, greedy requests): every
         row drafts, and verifies its block, the drafter's runner-up tokens at the first slots and prompt lookup's
-        proposals (``runtime.tree.lookup_chains``) side by side in one forward, keeping the longest accepted path (``runtime.tree``; True:
-        ``TreeShape.for_block(B − 1)``, or a ``TreeShape``)."""
+        proposals (``runtime.tree.lookup_chains``) side by side in one forward, keeping the longest accepted path
+        (``runtime.tree``; True: ``TreeShape.for_block(B − 1)``, or a ``TreeShape``). ``datastore``
+        (``runtime.datastore``): its proposals take some of the tree's lookup chains (True then means
+        ``TreeShape.for_block(B − 1, datastore=True)``)."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -186,10 +190,14 @@ class SpeculativeDecoder:
             require(not self.adaptive and block_size > 1, "block_size", self.block_size_label,
                     "the tree verify needs a fixed block size >= 2 and a drafter",
                     "use e.g. --block-size 16+tree")
-            self.tree = TreeShape.for_block(block_size - 1) if tree is True else tree
+            self.tree = TreeShape.for_block(block_size - 1, datastore is not None) if tree is True else tree
             require(self.tree.k == block_size - 1, "tree", self.tree,
                     f"must have k = block_size − 1 = {block_size - 1}",
                     "build the TreeShape with the decoder's block size")
+        require(datastore is None or (self.tree is not None and self.tree.lookup), "datastore",
+                f"{datastore.num_tokens} tokens" if datastore is not None else None,
+                "proposes for the tree verify's lookup chains only", "use --tree with prompt lookup, or no datastore")
+        self.datastore = datastore
         self.ngram = bool(ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
@@ -288,12 +296,12 @@ class SpeculativeDecoder:
             t_step = time.perf_counter()
             lookups = None
             if self.tree and self.tree.lookup:  # every lookup chain's proposal (runtime.tree.lookup_chains)
-                lookups = [lookup_chains(self.tree, seqs[i].request.prompt_ids + tuple(seqs[i].tokens))
-                           for i in active]
+                lookups = [lookup_chains(self.tree, seqs[i].request.prompt_ids + tuple(seqs[i].tokens),
+                                         self.datastore) for i in active]
             elif self.ngram and dcache is not None:
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
-            if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup continuation at once
+            if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
                 samples, acc, taps = self._tree_verify(cur, rows, active, lookups, tcache, dcache, pending, seqs)
             else:
                 if policy is not None:

@@ -27,6 +27,7 @@ import torch
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
+from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.tree import TreeShape, lookup_chains
 from trtllm_dflash.train.data import Sample, generate_with_taps
@@ -87,16 +88,17 @@ def output_taus(acceptance_lengths: Sequence[int], num_tokens: int) -> list[int]
 
 
 def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
-                      min_ngram: int = 1, tree: TreeShape | None = None) -> list[tuple[int, int]]:
+                      min_ngram: int = 1, tree: TreeShape | None = None, datastore: Datastore | None = None
+                      ) -> list[tuple[int, int]]:
     """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,
     drafts proposed). The draft is ``runtime.adaptive.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
     it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft. With ``tree``: the
-    proposals of its lookup chains (``runtime.tree.lookup_chains``, as the tree verify makes them), the longest
-    accepted of them."""
+    proposals of its lookup chains (``runtime.tree.lookup_chains``, as the tree verify makes them, with
+    ``datastore``'s if given), the longest accepted of them."""
     out = []
     for a in range(prompt_len, len(ids) - 1):
         context = ids[: a + 1]
-        drafts = lookup_chains(tree, context) if tree is not None else \
+        drafts = lookup_chains(tree, context, datastore) if tree is not None else \
             [ngram_continuation(context, block_size - 1, max_ngram, min_ngram)]
         best = 0
         for draft in drafts:
@@ -193,15 +195,16 @@ def with_lookup(drafted: Sequence[int], lookup: list[tuple[int, int]], keep_long
 
 
 def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_len: int,
-                chunk: int = 64, ngram: bool = False, block_size: int | None = None, tree: bool | TreeShape = False
-                ) -> list[int] | tuple[list[int], ...]:
+                chunk: int = 64, ngram: bool = False, block_size: int | None = None, tree: bool | TreeShape = False,
+                datastore: Datastore | None = None) -> list[int] | tuple[list[int], ...]:
     """Acceptance lengths of greedy DFlash decoding at ``block_size`` (default: the drafter's) replayed over a known
     greedy output ``ids`` (prompt + response): ``drafter_acceptance`` at every anchor, then the decoder's ``walk``.
     With ``ngram``, also those of the decoder's ``ngram`` mode (prompt lookup's continuation wherever the context
     ends in a recurring 2- or 3-gram, the drafter's block elsewhere): (drafter τs, ngram τs). With ``tree`` as well,
     those of the decoder's tree verify (``runtime.tree``, ``TreeShape.for_block``: the drafter's block, its
     alternates and prompt lookup's proposals verified side by side in one step, the deepest accepted path kept; True,
-    or a ``TreeShape``): (drafter τs, ngram τs, tree τs)."""
+    or a ``TreeShape``): (drafter τs, ngram τs, tree τs); and with a ``datastore`` (``runtime.datastore``), those of
+    the tree verify with its proposals too (True: ``TreeShape.for_block(B − 1, datastore=True)``) after them."""
     if len(ids) - 1 <= prompt_len:
         return ([], []) if ngram else []
     bs = block_size or drafter.spec.block_size
@@ -212,13 +215,19 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     mixed = with_lookup(accepted, lookup_acceptance(ids, prompt_len, bs, min_ngram=LOOKUP_MIN_N))
     if not tree:
         return taus, walk(mixed, prompt_len, len(ids))
-    shape = TreeShape.for_block(bs - 1) if tree is True else tree
-    drafted = accepted if not shape.alternates else \
-        tree_acceptance(shape, drafter_choices(target, drafter, ids, prompt_len, shape.top, bs, chunk), ids,
-                        prompt_len).tolist()
-    both = with_lookup(drafted, lookup_acceptance(ids, prompt_len, bs, tree=shape), keep_longer=True) \
-        if shape.lookup else drafted
-    return taus, walk(mixed, prompt_len, len(ids)), walk(both, prompt_len, len(ids))
+    trees = [(TreeShape.for_block(bs - 1) if tree is True else tree, None)]
+    if datastore is not None:
+        trees.append((TreeShape.for_block(bs - 1, datastore=True) if tree is True else tree, datastore))
+    top = max(shape.top for shape, _ in trees)
+    choices = drafter_choices(target, drafter, ids, prompt_len, top, bs, chunk) if top > 1 else None
+    walks = []
+    for shape, store in trees:
+        drafted = accepted if not shape.alternates else tree_acceptance(shape, choices, ids, prompt_len).tolist()
+        if shape.lookup:
+            drafted = with_lookup(drafted, lookup_acceptance(ids, prompt_len, bs, tree=shape, datastore=store),
+                                  keep_longer=True)
+        walks.append(walk(drafted, prompt_len, len(ids)))
+    return (taus, walk(mixed, prompt_len, len(ids)), *walks)
 
 
 def _prefix(hit: torch.Tensor) -> torch.Tensor:  # [A, K] bool -> [A] longest all-true prefix

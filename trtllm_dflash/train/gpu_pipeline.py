@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError, ConfigError, DFlashError
+from trtllm_dflash.runtime.datastore import DATASTORE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -501,6 +502,10 @@ def emit(home: Path, out: Path) -> list[Path]:
             write_state_dict(g, path, metadata={"format": "pt", "step": str(ck["step"])})
             written.append(path)
         status["train_log"] = ck["log"]
+        store = home / "drafter" / DATASTORE_FILE
+        if store.is_file() and store.stat().st_size <= OUT_MAX_BYTES:  # at the end of a run: the regen, indexed
+            shutil.copyfile(store, out / DATASTORE_FILE)
+            written.append(out / DATASTORE_FILE)
         for name in ("config.json", "training_config.json"):
             if (home / "drafter" / name).is_file():
                 _write_text(out / name, repo_relative((home / "drafter" / name).read_text()))
@@ -548,6 +553,8 @@ def merge(parts: Path, out: Path) -> Path:
             (tmp / "training_log.json").write_text(gpu_portable(json.dumps(status["train_log"], indent=1)) + "\n")
         if status.get("eval"):
             (tmp / "gpu_eval.json").write_text(gpu_portable(json.dumps(status["eval"], indent=1)) + "\n")
+        if (parts / DATASTORE_FILE).is_file():
+            shutil.copyfile(parts / DATASTORE_FILE, tmp / DATASTORE_FILE)
     return out
 
 
@@ -619,6 +626,11 @@ def _run(home: Path, a: dict) -> None:
           deadline=t + a["train_seconds"], samples=samples)
     phase_done("train", t)
     del target
+    # the regenerated responses, indexed: the tree verify's retrieval datastore (runtime.datastore), in the drafter
+    # directory where the evaluation's N+tree and ``merge`` find it
+    from trtllm_dflash.commands.datastore import build
+
+    build([home / "regen"]).save(home / "drafter" / DATASTORE_FILE)
     if a["eval_limit"] != 0:
         _update_status(home, phase="eval")
         t = time.monotonic()

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from trtllm_dflash.assets import SHIPPED_DRAFTER
 from trtllm_dflash.cli import main
 
 pytestmark = pytest.mark.slow
@@ -50,6 +51,9 @@ def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     assert tree.returncode == 0, tree.stderr
     c = json.loads(tree.stdout.splitlines()[-1])
     assert c["token_ids"] == a["token_ids"] and len(c["acceptance_lengths"]) <= len(b["acceptance_lengths"])
+    bare = run_cli([*common, "--block-size", "16", "--tree", "--datastore", "none"])  # the shipped datastore off
+    assert bare.returncode == 0, bare.stderr
+    assert json.loads(bare.stdout.splitlines()[-1])["token_ids"] == a["token_ids"]
 
 
 def test_demo_assets_is_idempotent_json(smollm2):
@@ -70,6 +74,11 @@ def test_demo_assets_is_idempotent_json(smollm2):
         (["--prompt", "hi", "--block-size", "1", "--ngram"], "--ngram=True: needs a block size > 1"),
         (["--prompt", "hi", "--block-size", "auto", "--tree"], "the tree verify needs a fixed block size >= 2"),
         (["--prompt", "hi", "--tree", "--temperature", "0.7"], "the tree verify is greedy only"),
+        (["--prompt", "hi", "--datastore", "nowhere.safetensors"], "nowhere.safetensors: no such datastore file"),
+        (["--prompt", "hi", "--block-size", "16", "--datastore", str(SHIPPED_DRAFTER / "datastore.safetensors")],
+         "proposes for the tree verify's lookup chains only"),
+        (["--prompt", "hi", "--tree", "--no-ngram", "--datastore", str(SHIPPED_DRAFTER / "datastore.safetensors")],
+         "proposes for the tree verify's lookup chains only"),
         (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
          "max_block_size=32: must be <= the drafter's trained block_size (16)"),
     ],

@@ -4,8 +4,9 @@ A DFlash draft gives, at every slot of the block, a distribution over the next t
 second guess for the whole block. Verifying one chain per step throws the rest away. A tree verify checks, in the same
 forward, the drafter's greedy block (the *main* chain), *alternates* — the drafter's r-th choice at slot j in place of
 its first, followed by the main chain's tokens after j (the drafter predicts every slot of a block at once, so its
-later slots do not depend on which token slot j holds) — and prompt lookup's proposals (the continuations of earlier
-occurrences of the context's last tokens, one chain each), and keeps the deepest accepted path. Where a verify
+later slots do not depend on which token slot j holds) — and lookup chains: prompt lookup's proposals (the
+continuations of earlier occurrences of the context's last tokens) and a retrieval datastore's (``runtime.datastore``:
+the same over a corpus of the target's own outputs), one chain each; it keeps the deepest accepted path. Where a verify
 costs about one decode step whatever its width (a GPU at small batch) that is τ almost for free; on a CPU the wider
 verify costs more than it gains.
 
@@ -43,15 +44,16 @@ DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2,
 DEFAULT_ALTERNATE_LEN = 4
 # Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest
 # earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``adaptive.ngram_candidates``). Picked
-# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/): with the
-# alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to 1-grams
-# and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36 (86 nodes);
-# three 3.79 / 2.37 (101 nodes), eight (up to 4-grams) 3.80 / 2.37 (176 nodes).
+# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/s24/shapes-*):
+# with the alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to
+# 1-grams and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36
+# (86 nodes); three 3.79 / 2.37 (101 nodes), eight 3.80 / 2.37 (176 nodes).
 LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N = 5, 1, 2
 DEFAULT_LOOKUP_CHAINS = 2
 # With a retrieval datastore (``runtime.datastore``, the shipped one: 1.35M tokens of the target's regenerated
-# responses): two chains of prompt lookup's and one of the datastore's, 3.77 / 2.36 -> 4.07 / 2.45 (101 nodes; a
-# second datastore chain 4.09 / 2.46, three of each 4.12 / 2.47 for 146 nodes). Same replay as above.
+# responses): two chains of prompt lookup's and one of the datastore's, 3.77 / 2.36 -> 4.07 / 2.45 (101 nodes; same
+# replay; in scratch replays of the same drafter choices a second datastore chain gave 4.09 / 2.46, three of each
+# 4.12 / 2.47 for 146 nodes).
 DATASTORE_LOOKUP_CHAINS = 3
 
 

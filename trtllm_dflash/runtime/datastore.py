@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -46,14 +45,6 @@ def hash_windows(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
             h = h * _PRIME + col.astype(np.uint64)
             ok &= col != _SEP
     return h[ok], starts[ok]
-
-
-def _hash_tail(tail: Sequence[int]) -> np.uint64:
-    h = np.uint64(0)
-    with np.errstate(over="ignore"):
-        for t in tail:
-            h = h * _PRIME + np.uint64(t)
-    return h
 
 
 class Datastore:
@@ -89,21 +80,15 @@ class Datastore:
 
     def save(self, path: str | Path) -> None:
         """Tokens (uint16 where every id fits, −1 stored as 65535) and ``meta``, written atomically."""
-        from safetensors.numpy import save_file
+        import torch
 
-        path = Path(path)
+        from trtllm_dflash.models.weights import write_state_dict
+
         small = self.tokens.max(initial=0) < np.iinfo(np.uint16).max
         data = self.tokens.astype(np.uint16) if small else self.tokens  # −1 wraps to 65535 in uint16
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"tokens": data}, tmp, metadata={"format": "trtllm-dflash-datastore",
-                                                      "meta": json.dumps(self.meta, sort_keys=True)})
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_state_dict({"tokens": torch.from_numpy(data)}, path, metadata={
+            "format": "trtllm-dflash-datastore", "meta": json.dumps(self.meta, sort_keys=True)})
+        os.chmod(path, 0o644)  # a shareable data file, not the temporary file's 0600
 
     @classmethod
     def load(cls, path: str | Path) -> Datastore:
@@ -137,7 +122,7 @@ class Datastore:
                 continue
             tail = np.asarray(context[len(context) - n:], dtype=np.int64)
             hashes, starts = self._index[n]
-            key = _hash_tail(tail.tolist())
+            key = hash_windows(tail, n)[0][0]  # the context holds no separator
             lo, hi = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")
             if lo == hi:
                 continue

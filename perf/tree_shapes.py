@@ -51,9 +51,16 @@ def shapes(k: int) -> dict[str, object]:
     default = TreeShape.for_block(k)
     for chains in (1, 3, 8):  # the default's alternates with other numbers of lookup chains
         out[f"default alternates, {chains} lookup chain{'s' if chains > 1 else ''}"] = \
-            dataclasses.replace(default, lookup=chains)
-    out["default (TreeShape.for_block)"] = default
+            dataclasses.replace(default, lookup=chains, grafts=())
+    out.update(grafted_variants("default", default))
     return out
+
+
+def grafted_variants(name: str, default) -> dict[str, object]:
+    """``default`` as it is, without grafted lookup chains and with grafts at main-chain depths 1 and 2."""
+    return {f"{name}, no grafts": dataclasses.replace(default, grafts=()),
+            f"{name}, grafts at depths 1-2": dataclasses.replace(default, grafts=(1, 2)),
+            f"{name} (TreeShape.for_block{', datastore=True' if 'datastore' in name else ''})": default}
 
 
 def main(argv=None) -> dict:
@@ -93,9 +100,11 @@ def main(argv=None) -> dict:
     k = args.block_size - 1
     named = shapes(k)
     store = resolve_datastore(args.datastore, args.drafter, tree_lookup=True)
-    stored = "default + datastore (TreeShape.for_block, datastore=True)"
+    stored: set[str] = set()  # the shapes replayed with the datastore's proposals
     if store is not None:
-        named[stored] = TreeShape.for_block(k, datastore=True)
+        extra = grafted_variants("default + datastore", TreeShape.for_block(k, datastore=True))
+        named.update(extra)
+        stored.update(extra)
     top = max(s.top for s in named.values() if isinstance(s, TreeShape))
     result: dict = {"drafter": Path(args.drafter).name, "block_size": args.block_size, "limit": args.limit,
                     **({"datastore_tokens": store.num_tokens} if store is not None else {}),
@@ -110,24 +119,28 @@ def main(argv=None) -> dict:
                 continue
             choices = drafter_choices(target, drafter, ids, pl, top, args.block_size)
             lookup = lookup_acceptance(ids, pl, args.block_size, min_ngram=LOOKUP_MIN_N)
-            chains = {(c, None): lookup_acceptance(ids, pl, args.block_size, tree=TreeShape(k, lookup=c))
-                      for c in {s.lookup for s in named.values() if isinstance(s, TreeShape) and s.lookup}}
-            if store is not None:
-                chains[stored] = lookup_acceptance(ids, pl, args.block_size, tree=named[stored], datastore=store)
+            chains: dict[tuple, list] = {}  # (lookup chains, grafts, with the datastore) -> their acceptance
+            for name, shape in named.items():
+                key = isinstance(shape, TreeShape) and shape.lookup and (shape.lookup, shape.grafts, name in stored)
+                if key and key not in chains:
+                    chains[key] = lookup_acceptance(
+                        ids, pl, args.block_size, tree=TreeShape(k, lookup=key[0], grafts=key[1]),
+                        datastore=store if key[2] else None, main=choices[:, :, 0])
             main_chain = tree_acceptance(named["drafter"], choices, ids, pl).tolist()
             for name, shape in named.items():
                 if shape == "ngram":
                     acc = with_lookup(main_chain, lookup)
                 else:
                     drafted = tree_acceptance(shape, choices, ids, pl).tolist()
-                    looked = chains[stored if name == stored else (shape.lookup, None)] if shape.lookup else None
+                    looked = chains[(shape.lookup, shape.grafts, name in stored)] if shape.lookup else None
                     acc = with_lookup(drafted, looked, keep_longer=True) if looked else drafted
                 taus[name] += walk(acc, pl, len(ids))
         result["datasets"][ds] = {
             name: {"tau": round(sum(t) / len(t), 4), "steps": len(t),
                    "verify_tokens": args.block_size if shape == "ngram" else shape.size,
                    **({} if shape == "ngram" else {"alternates": [list(a) for a in shape.alternates],
-                                                   "alternate_len": shape.alternate_len, "lookup": shape.lookup})}
+                                                   "alternate_len": shape.alternate_len, "lookup": shape.lookup,
+                                                   "grafts": list(shape.grafts)})}
             for name, t in taus.items() if t for shape in [named[name]]}
     print(json.dumps(result, indent=1))
     if args.out:

@@ -23,10 +23,14 @@ def test_shapes_replayed_on_the_same_outputs(smollm2, tmp_path):
     rows = res["datasets"]["humaneval"]
     assert rows["drafter"]["verify_tokens"] == rows["ngram"]["verify_tokens"] == 16
     assert rows["two-branch (drafter + lookup)"]["verify_tokens"] == 31
-    assert rows["default (TreeShape.for_block)"]["verify_tokens"] == 86  # 71 + a second lookup chain of 15
+    assert rows["default, no grafts"]["verify_tokens"] == 86  # 71 + a second lookup chain of 15
     assert rows["default alternates, 1 lookup chain"]["verify_tokens"] == 71
-    # the shipped drafter directory's datastore takes a third lookup chain
-    assert rows["default + datastore (TreeShape.for_block, datastore=True)"]["verify_tokens"] == 101
+    assert rows["default (TreeShape.for_block)"]["verify_tokens"] == 86 + 2 * 14  # both chains again after d_1
+    assert rows["default, grafts at depths 1-2"]["verify_tokens"] == 86 + 2 * 14 + 2 * 13
+    assert rows["default (TreeShape.for_block)"]["grafts"] == [1]
+    # the shipped drafter directory's datastore takes a third lookup chain, grafted too
+    assert rows["default + datastore, no grafts"]["verify_tokens"] == 101
+    assert rows["default + datastore (TreeShape.for_block, datastore=True)"]["verify_tokens"] == 101 + 3 * 14
     assert res["datastore_tokens"] > 1_000_000
     # every walk covers the same 2 outputs of 24 tokens: after the prefill's token, 23 each, plus the bonus token past
     # the end where a walk's last step reaches it (train.audit.walk)

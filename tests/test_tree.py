@@ -1,6 +1,6 @@
-"""The tree verify (runtime.tree): layouts and acceptance by hand (the two-branch tree and one with alternates), every
-path's forward equal to verifying that chain alone, and decoding lossless on tiny random models with oracle proposals
-on every branch."""
+"""The tree verify (runtime.tree): layouts and acceptance by hand (the two-branch tree, one with alternates, lookup
+chains and grafted chains), every path's forward equal to verifying that chain alone, and decoding lossless on tiny
+random models with oracle proposals on every branch."""
 
 import dataclasses
 import random
@@ -15,7 +15,7 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime import decoder as decoder_mod
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.tree import TreeShape, commit_path, lookup_chains
+from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
 
 
 def test_layout_keeps_each_branch_out_of_the_others_sight():
@@ -104,16 +104,50 @@ def test_lookup_chains_propose_the_continuations_of_several_earlier_occurrences(
     assert lookup_chains(dataclasses.replace(shape, lookup=0), context) == []
 
 
+def test_grafted_chains_fork_from_the_main_chain():
+    shape = TreeShape(3, lookup=1, grafts=(1,))
+    # nodes: x | d1 d2 d3 | l1 l2 l3 (from x) | g2 g3: the graft's chain after d1, at depths 2 and 3
+    assert shape.parents == [0, 0, 1, 2, 0, 4, 5, 1, 7] and shape.depths == [0, 1, 2, 3, 1, 2, 3, 2, 3]
+    assert shape.num_chains == 2 and shape.from_lookup == [False] * 4 + [True] * 5
+    drafts = torch.tensor([[11, 12, 13]])
+    lookups = chain_table(shape, [([[21, 22, 23]], [[32, 33]])])  # [b, C, K]: the graft's chain from column 0
+    assert lookups.tolist() == [[[21, 22, 23], [32, 33, -1]]]
+    tokens = shape.tokens(torch.tensor([9]), drafts, lookups)
+    assert tokens.tolist() == [[9, 11, 12, 13, 21, 22, 23, 32, 33]]
+    seen = shape.layout(torch.tensor([0])).allowed[0].int().tolist()
+    assert seen[8] == [1, 1, 0, 0, 0, 0, 0, 1, 1]  # g3 sees x, d1, g2 and itself
+    preds = torch.tensor([[11, 32, 0, 0, 0, 0, 0, 33, 40]])  # d1 right, d2 wrong, the graft right: d1 g2 g3 + 40
+    samples, acc, taken, _ = shape.verify(preds, tokens)
+    assert acc.tolist() == [3] and taken.tolist() == [[0, 1, 7, 8]] and samples.tolist() == [[11, 32, 33, 40]]
+    # no grafts without lookup chains; a graft needs a depth inside the chain
+    assert TreeShape(3, lookup=0, grafts=(1,)).grafts == () and TreeShape.for_block(1).grafts == ()
+    for bad in ((0,), (3,), (1, 1)):
+        with pytest.raises(ValueError, match="grafts"):
+            TreeShape(3, grafts=bad)
+
+
+def test_grafted_chains_are_proposed_after_the_main_chains_drafts():
+    shape = TreeShape(3, lookup=2, grafts=(1, 2))
+    context = [5, 1, 2, 7, 8, 9, 5]
+    assert lookup_chains(shape, context) == [[1, 2, 7]]  # the 1-gram (5) once
+    # after d1 = 1 the 2-gram (5 1) recurs: its continuation, 2 tokens (k − 1), then the 1-gram (1)'s is the same;
+    # after d1 d2 = 1 8 the 1-gram (8) recurs: 1 token (k − 2). Two entries per graft, [] where there are fewer
+    assert graft_chains(shape, context, [1, 8, 4]) == [[2, 7], [], [9], []]
+    table = chain_table(shape, [(lookup_chains(shape, context), graft_chains(shape, context, [1, 8, 4]))])
+    assert table.tolist() == [[[1, 2, 7], [-1] * 3, [2, 7, -1], [-1] * 3, [9, -1, -1], [-1] * 3]]
+
+
 @pytest.mark.parametrize("shape", [TreeShape(4), TreeShape(4, alternates=((1, 2), (2, 2), (1, 3)), alternate_len=2),
-                                   TreeShape(4, alternates=((1, 2),), lookup=3)],
-                         ids=["two-branch", "alternates", "lookup-chains"])
+                                   TreeShape(4, alternates=((1, 2),), lookup=3),
+                                   TreeShape(4, alternates=((1, 2),), lookup=2, grafts=(1, 2))],
+                         ids=["two-branch", "alternates", "lookup-chains", "grafts"])
 def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
     tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4)
     target, _ = load_pair(tdir, ddir, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 256, (2, 9), generator=g)
     k = shape.k
-    x, look = torch.randint(3, 256, (2, 1), generator=g), torch.randint(3, 256, (2, shape.lookup, k), generator=g)
+    x, look = torch.randint(3, 256, (2, 1), generator=g), torch.randint(3, 256, (2, shape.num_chains, k), generator=g)
     drafts = torch.randint(3, 256, (2, k, shape.top), generator=g)
 
     def prefilled():
@@ -126,7 +160,7 @@ def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
     tokens = shape.tokens(x[:, 0], drafts, look)
     both, taps = target(tokens, cache, tap_layers=(0, 1), layout=shape.layout(cache.lengths.clone()))
     leaves = [n for n in range(shape.size) if n not in shape.parents[1:]]
-    assert len(leaves) == 1 + len(shape.alternates) + shape.lookup
+    assert len(leaves) == 1 + len(shape.alternates) + shape.num_chains
     for leaf in leaves:
         path = shape.paths[leaf][: shape.depths[leaf] + 1]
         alone, alone_taps = target(tokens[:, path], prefilled(), tap_layers=(0, 1))
@@ -155,6 +189,18 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
                         for _ in range(shape.lookup) if rng.random() < 0.7]
         raise AssertionError(f"lookup asked for a context that is not a prefix of the greedy output: {context}")
 
+    def oracle_grafts(shape, context, main, datastore=None):  # right after right drafts, noise after wrong ones
+        out = []
+        for d in shape.grafts:
+            chains = oracle_chains(TreeShape(shape.k - d, lookup=shape.lookup), list(context) + main[:d]) \
+                if truthful(list(context) + main[:d]) else [[7] * (shape.k - d)]
+            out += chains + [[] for _ in range(shape.lookup - len(chains))]
+        return out
+
+    def truthful(context):
+        return any(tuple(context[: len(p)]) == p and tuple(context[len(p):]) == tuple(r[: len(context) - len(p)])
+                   for p, r in by_context.items())
+
     kept_nodes = []  # the kept path's nodes of every row and step
 
     def recording_commit(cache, rows, lengths, taken, acc):
@@ -162,11 +208,14 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
         return commit_path(cache, rows, lengths, taken, acc)
 
     monkeypatch.setattr(decoder_mod, "lookup_chains", oracle_chains)
+    monkeypatch.setattr(decoder_mod, "graft_chains", oracle_grafts)
     monkeypatch.setattr(decoder_mod, "commit_path", recording_commit)
     shape = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=3)
     dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=seed, tree=shape)
     lookup_nodes = {n for n, is_lookup in enumerate(dec.tree.from_lookup) if is_lookup}
     first_chain = {n for n in lookup_nodes if shape.nodes[n][2][2] == 0}
+    grafted = {n for n in lookup_nodes if shape.nodes[n][2][2] >= shape.lookup}
+    assert shape.grafts and grafted
     out = dec.generate([Request(tuple(p), 40) for p in prompts])
     assert [r.token_ids for r in out] == ref
     taus = [t for r in out for t in r.acceptance_lengths]
@@ -174,7 +223,8 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     assert sum(r.lookup_steps for r in out) < len(taus), "some steps should keep the drafter's branch"
     alternate_wins = [p for p in kept_nodes if p and max(p) > dec.tree.k and not lookup_nodes & set(p)]
     assert alternate_wins, "some steps should keep an alternate"
-    assert [p for p in kept_nodes if set(p) & (lookup_nodes - first_chain)], "some steps should keep a later chain"
+    assert [p for p in kept_nodes if set(p) & (lookup_nodes - first_chain - grafted)], "some should keep a later chain"
+    assert [p for p in kept_nodes if set(p) & grafted], "some steps should keep a grafted chain"
 
 
 def test_tree_needs_a_fixed_block_and_greedy_requests(tiny_models):

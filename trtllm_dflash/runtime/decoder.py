@@ -37,7 +37,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 from trtllm_dflash.runtime.datastore import Datastore
-from trtllm_dflash.runtime.tree import TreeShape, commit_path, lookup_chains
+from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
 
 AUTO = "auto"
 
@@ -402,11 +402,13 @@ class SpeculativeDecoder:
             self._flush(pending, active, dcache)
         committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
         drafts = self.propose(cur, dcache, rows, committed, k, top=shape.top)  # [b, K] or [b, K, R]
-        look = torch.full((cur.shape[0], max(shape.lookup, 1), k), -1, dtype=torch.long)  # −1: none (never matches)
-        for j, chains in enumerate(lookups or ()):  # None: a tree without lookup chains
-            for c, cont in enumerate(chains[: shape.lookup]):
-                look[j, c, : len(cont[:k])] = torch.tensor(cont[:k])
-        look = look.to(dev)
+        own = lookups or [[] for _ in active]  # None: a tree without lookup chains
+        grafted: list[list[list[int]]] = [[] for _ in active]
+        if shape.grafts:  # proposed from each row's context extended by its main-chain drafts (one small read)
+            main = (drafts[..., 0] if drafts.dim() == 3 else drafts)[:, : max(shape.grafts)].tolist()
+            grafted = [graft_chains(shape, seqs[i].request.prompt_ids + tuple(seqs[i].tokens), main[j], self.datastore)
+                       for j, i in enumerate(active)]
+        look = chain_table(shape, list(zip(own, grafted))).to(dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
                                    layout=shape.layout(committed))

@@ -27,6 +27,7 @@ main chain wins: its nodes are 1..K)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -55,6 +56,13 @@ DEFAULT_LOOKUP_CHAINS = 2
 # replay; in scratch replays of the same drafter choices a second datastore chain gave 4.09 / 2.46, three of each
 # 4.12 / 2.47 for 146 nodes).
 DATASTORE_LOOKUP_CHAINS = 3
+# Lookup chains grafted onto the main chain (``TreeShape.grafts``): at the drafter's first draft, the same lookup
+# chains again, proposed from the context extended by that draft (where prompt lookup and the datastore find nothing
+# for the context, a guessed next token often gives them a match; and when the draft is right, they propose what
+# the next step's lookup would). Picked by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter and
+# datastore, B = 16; perf/results/tree/s25/): with the datastore's three chains 4.07 / 2.45 (101 nodes) -> 4.29 / 2.51
+# (143 nodes); grafts at depths 1 and 2 4.35 / 2.53 (182 nodes); without a datastore 3.77 / 2.36 -> see the README.
+DEFAULT_GRAFTS: tuple[int, ...] = (1,)
 
 
 @dataclass
@@ -70,29 +78,41 @@ class StepLayout:
 @dataclass(frozen=True)
 class TreeShape:
     """The nodes of a tree verify with ``k`` drafts per chain: x, the main chain, each alternate (slot j, rank r) —
-    a chain forking from the main chain at depth j − 1, at most ``alternate_len`` nodes long — and ``lookup`` chains
-    from x for prompt lookup's proposals (``lookup_chains``; True: one, False: none)."""
+    a chain forking from the main chain at depth j − 1, at most ``alternate_len`` nodes long — ``lookup`` chains
+    from x for prompt lookup's proposals (``lookup_chains``; True: one, False: none), and for every depth d in
+    ``grafts`` another ``lookup`` chains forking from the main chain's node at depth d (k − d nodes each), proposed
+    from the context extended by the drafts d_1..d_d (``graft_chains``; none without lookup chains)."""
 
     k: int
     alternates: tuple[tuple[int, int], ...] = ()
     lookup: int = 1
     alternate_len: int | None = None  # None: to depth k
+    grafts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lookup", int(self.lookup))
+        object.__setattr__(self, "grafts", tuple(int(d) for d in self.grafts) if self.lookup else ())
         if self.lookup < 0:
             raise ValueError(f"lookup = {self.lookup}: the number of lookup chains cannot be negative")
+        if len(set(self.grafts)) != len(self.grafts) or not all(1 <= d < self.k for d in self.grafts):
+            raise ValueError(f"grafts = {self.grafts}: needs distinct main-chain depths d with 1 <= d < {self.k}")
         for slot, rank in self.alternates:
             if not (1 <= slot <= self.k and rank >= 2):
                 raise ValueError(f"alternate (slot {slot}, rank {rank}): needs 1 <= slot <= {self.k} and rank >= 2")
 
     @classmethod
     def for_block(cls, k: int, datastore: bool = False) -> "TreeShape":
-        """The decoder's tree for ``k`` drafts per chain: ``DEFAULT_ALTERNATES`` (those that fit) and
-        ``DEFAULT_LOOKUP_CHAINS`` lookup chains (``DATASTORE_LOOKUP_CHAINS`` where a datastore proposes too)."""
+        """The decoder's tree for ``k`` drafts per chain: ``DEFAULT_ALTERNATES`` (those that fit),
+        ``DEFAULT_LOOKUP_CHAINS`` lookup chains (``DATASTORE_LOOKUP_CHAINS`` where a datastore proposes too) and
+        ``DEFAULT_GRAFTS`` (those that fit)."""
         fitting = tuple((slot, rank) for slot, rank in DEFAULT_ALTERNATES if slot <= k)
         return cls(k, fitting, lookup=DATASTORE_LOOKUP_CHAINS if datastore else DEFAULT_LOOKUP_CHAINS,
-                   alternate_len=DEFAULT_ALTERNATE_LEN)
+                   alternate_len=DEFAULT_ALTERNATE_LEN, grafts=tuple(d for d in DEFAULT_GRAFTS if d < k))
+
+    @property
+    def num_chains(self) -> int:
+        """Rows of the lookup table ``tokens`` takes: the lookup chains from x, then each graft's."""
+        return self.lookup * (1 + len(self.grafts))
 
     @property
     def top(self) -> int:
@@ -110,10 +130,11 @@ class TreeShape:
             for depth in range(slot, min(self.k, slot + cap - 1) + 1):
                 nodes.append((parent, depth, ("draft", depth, rank if depth == slot else 1)))
                 parent = len(nodes) - 1
-        for chain in range(self.lookup):
-            parent = 0
-            for depth in range(1, self.k + 1):
-                nodes.append((parent, depth, ("lookup", depth, chain)))
+        for chain in range(self.num_chains):  # a chain's source: ("lookup", its m-th token, chain)
+            root = 0 if chain < self.lookup else self.grafts[chain // self.lookup - 1]  # main chain node = its depth
+            parent = root
+            for depth in range(root + 1, self.k + 1):
+                nodes.append((parent, depth, ("lookup", depth - root, chain)))
                 parent = len(nodes) - 1
         return nodes
 
@@ -132,7 +153,7 @@ class TreeShape:
     @cached_property
     def columns(self) -> list[int]:
         """Each node's column in the candidate table ``[x, top-R drafts per slot (slot-major), lookup chains
-        (chain-major)]``; a lookup node's source is ("lookup", depth, chain)."""
+        (chain-major)]``; a lookup node's source is ("lookup", m, chain): the chain's m-th token."""
         r, k = self.top, self.k
         out = []
         for _, _, (src, slot, rank) in self.nodes:
@@ -157,12 +178,13 @@ class TreeShape:
 
     def tokens(self, x: torch.Tensor, drafts: torch.Tensor, lookups: torch.Tensor | None) -> torch.Tensor:
         """Every node's token [b, N] from x [b], the drafter's choices [b, K, R] (or [b, K] when R = 1) and the
-        lookup chains' tokens [b, C, K] (or [b, K] when C = 1; −1: none there, never matches; None: none at all)."""
+        lookup chains' tokens [b, C, K] (C = ``num_chains``, or [b, K] when C = 1; a grafted chain's from its first
+        column; −1: none there, never matches; None: none at all)."""
         b = x.shape[0]
         table = [x[:, None], drafts.reshape(b, -1)]
         if self.lookup:
             table.append(lookups.reshape(b, -1) if lookups is not None
-                         else torch.full((b, self.lookup * self.k), -1, device=x.device))
+                         else torch.full((b, self.num_chains * self.k), -1, device=x.device))
         return torch.cat(table, dim=1)[:, self.tables(x.device)["columns"]]
 
     def tables(self, device) -> dict[str, torch.Tensor]:
@@ -206,15 +228,41 @@ def lookup_chains(shape: TreeShape, context, datastore: Datastore | None = None)
     ``shape.lookup`` of them, each at most k tokens: prompt lookup's (``adaptive.ngram_candidates``); with a
     ``datastore`` (``runtime.datastore``), prompt lookup's take half the chains (rounded up) and the datastore's the
     rest, each filling what the other leaves unused, and a proposal an earlier one starts with is skipped."""
-    if not shape.lookup:
-        return []
-    own = ngram_candidates(context, shape.k, shape.lookup, LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N)
+    return _proposals(context, shape.k, shape.lookup, datastore) if shape.lookup else []
+
+
+def graft_chains(shape: TreeShape, context, main: Sequence[int], datastore: Datastore | None = None
+                 ) -> list[list[int]]:
+    """Proposals for ``shape``'s grafted chains, graft by graft (``shape.lookup`` entries each, [] where there are
+    fewer proposals): ``lookup_chains``' rule on the context extended by the main chain's drafts ``main`` d_1..d_d,
+    at most k − d tokens each."""
+    out: list[list[int]] = []
+    for d in shape.grafts:
+        found = _proposals(list(context) + list(main[:d]), shape.k - d, shape.lookup, datastore)
+        out += found + [[] for _ in range(shape.lookup - len(found))]
+    return out
+
+
+def chain_table(shape: TreeShape, rows: Sequence[tuple[Sequence[list[int]], Sequence[list[int]]]]) -> torch.Tensor:
+    """The lookup table ``TreeShape.tokens`` takes [b, C, K] from each row's (lookup chains, grafted chains); −1
+    where a chain has no token (never matches)."""
+    table = torch.full((len(rows), max(shape.num_chains, 1), shape.k), -1, dtype=torch.long)
+    for j, (own, grafted) in enumerate(rows):
+        chains = list(own[: shape.lookup]) + [[] for _ in range(shape.lookup - len(own[: shape.lookup]))]
+        for c, cont in enumerate(chains + list(grafted)):
+            if cont:
+                table[j, c, : len(cont[: shape.k])] = torch.tensor(cont[: shape.k])
+    return table
+
+
+def _proposals(context, max_len: int, count: int, datastore: Datastore | None) -> list[list[int]]:
+    own = ngram_candidates(context, max_len, count, LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N)
     if datastore is None:
         return own
-    quota = (shape.lookup + 1) // 2
+    quota = (count + 1) // 2
     found = own[:quota]
-    for cand in datastore.propose(context, shape.k, shape.lookup) + own[quota:]:
-        if len(found) == shape.lookup:
+    for cand in datastore.propose(context, max_len, count) + own[quota:]:
+        if len(found) == count:
             break
         if not any(f[: len(cand)] == cand for f in found):
             found.append(cand)

@@ -29,7 +29,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-from trtllm_dflash.runtime.tree import TreeShape, lookup_chains
+from trtllm_dflash.runtime.tree import TreeShape, graft_chains, lookup_chains
 from trtllm_dflash.train.data import Sample, generate_with_taps
 from trtllm_dflash.train.objective import collate, drafter_blocks
 
@@ -88,25 +88,42 @@ def output_taus(acceptance_lengths: Sequence[int], num_tokens: int) -> list[int]
 
 
 def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
-                      min_ngram: int = 1, tree: TreeShape | None = None, datastore: Datastore | None = None
-                      ) -> list[tuple[int, int]]:
+                      min_ngram: int = 1, tree: TreeShape | None = None, datastore: Datastore | None = None,
+                      main: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,
     drafts proposed). The draft is ``runtime.adaptive.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
     it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft. With ``tree``: the
     proposals of its lookup chains (``runtime.tree.lookup_chains``, as the tree verify makes them, with
-    ``datastore``'s if given), the longest accepted of them."""
+    ``datastore``'s if given), the longest accepted of them; and of its grafted chains (``runtime.tree.graft_chains``
+    on the drafter's greedy block ``main`` [A, K] at each anchor: ``drafter_choices``' first choices), a graft at
+    depth d counting where the drafts d_1..d_d are the output's (d + its accepted tokens)."""
+    if tree is not None and tree.grafts and main is None:
+        raise ValueError("a tree with grafted lookup chains needs the drafter's greedy blocks (main=)")
+
+    def accepted(draft: list[int], start: int) -> int:
+        acc = 0
+        while acc < len(draft) and start + acc < len(ids) and draft[acc] == ids[start + acc]:
+            acc += 1
+        return acc
+
     out = []
     for a in range(prompt_len, len(ids) - 1):
         context = ids[: a + 1]
         drafts = lookup_chains(tree, context, datastore) if tree is not None else \
             [ngram_continuation(context, block_size - 1, max_ngram, min_ngram)]
-        best = 0
-        for draft in drafts:
-            acc = 0
-            while acc < len(draft) and a + 1 + acc < len(ids) and draft[acc] == ids[a + 1 + acc]:
-                acc += 1
-            best = max(best, acc)
-        out.append((best, max(map(len, drafts), default=0)))
+        best = max((accepted(d, a + 1) for d in drafts), default=0)
+        proposed = max(map(len, drafts), default=0)
+        if tree is not None and tree.grafts:
+            blocks = main[a - prompt_len].tolist()
+            grafted = graft_chains(tree, context, blocks, datastore)
+            for g, depth in enumerate(tree.grafts):
+                right = blocks[:depth] == ids[a + 1: a + 1 + depth]
+                for cont in grafted[g * tree.lookup: (g + 1) * tree.lookup]:
+                    if cont:
+                        proposed = max(proposed, depth + len(cont))
+                        if right:
+                            best = max(best, depth + accepted(cont, a + 1 + depth))
+        out.append((best, proposed))
     return out
 
 
@@ -219,13 +236,15 @@ def replay_taus(target: TargetModel, drafter: DrafterModel, ids: list[int], prom
     if datastore is not None:
         trees.append((TreeShape.for_block(bs - 1, datastore=True) if tree is True else tree, datastore))
     top = max(shape.top for shape, _ in trees)
-    choices = drafter_choices(target, drafter, ids, prompt_len, top, bs, chunk) if top > 1 else None
+    need = top > 1 or any(shape.grafts for shape, _ in trees)
+    choices = drafter_choices(target, drafter, ids, prompt_len, top, bs, chunk) if need else None
     walks = []
     for shape, store in trees:
         drafted = accepted if not shape.alternates else tree_acceptance(shape, choices, ids, prompt_len).tolist()
         if shape.lookup:
-            drafted = with_lookup(drafted, lookup_acceptance(ids, prompt_len, bs, tree=shape, datastore=store),
-                                  keep_longer=True)
+            main = choices[:, :, 0] if shape.grafts else None
+            drafted = with_lookup(drafted, lookup_acceptance(ids, prompt_len, bs, tree=shape, datastore=store,
+                                                             main=main), keep_longer=True)
         walks.append(walk(drafted, prompt_len, len(ids)))
     return (taus, walk(mixed, prompt_len, len(ids)), *walks)
 

@@ -135,6 +135,12 @@ def test_grafted_chains_are_proposed_after_the_main_chains_drafts():
     assert graft_chains(shape, context, [1, 8, 4]) == [[2, 7], [], [9], []]
     table = chain_table(shape, [(lookup_chains(shape, context), graft_chains(shape, context, [1, 8, 4]))])
     assert table.tolist() == [[[1, 2, 7], [-1] * 3, [2, 7, -1], [-1] * 3, [9, -1, -1], [-1] * 3]]
+    # the chain from x already holds 2 7 after d1 = 1: the graft does not propose it again
+    assert graft_chains(shape, context, [1, 8, 4], own=[[1, 2, 7]]) == [[], [], [9], []]
+    # ... and the next proposal takes its place: after 5 1 here, 2 7 (the latest) and then 3 3
+    context = [5, 1, 3, 3, 0, 5, 1, 2, 7, 4, 5]
+    assert lookup_chains(shape, context)[0] == [1, 2, 7]
+    assert graft_chains(shape, context, [1, 9, 9], own=[[1, 2, 7]])[:2] == [[3, 3], []]
 
 
 @pytest.mark.parametrize("shape", [TreeShape(4), TreeShape(4, alternates=((1, 2), (2, 2), (1, 3)), alternate_len=2),
@@ -189,7 +195,7 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
                         for _ in range(shape.lookup) if rng.random() < 0.7]
         raise AssertionError(f"lookup asked for a context that is not a prefix of the greedy output: {context}")
 
-    def oracle_grafts(shape, context, main, datastore=None):  # right after right drafts, noise after wrong ones
+    def oracle_grafts(shape, context, main, datastore=None, own=()):  # right after right drafts, noise after wrong ones
         out = []
         for d in shape.grafts:
             chains = oracle_chains(TreeShape(shape.k - d, lookup=shape.lookup), list(context) + main[:d]) \

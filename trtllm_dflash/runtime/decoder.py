@@ -295,14 +295,11 @@ class SpeculativeDecoder:
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
             lookups = None
-            if self.tree and self.tree.lookup:  # every lookup chain's proposal (runtime.tree.lookup_chains)
-                lookups = [lookup_chains(self.tree, seqs[i].request.prompt_ids + tuple(seqs[i].tokens),
-                                         self.datastore) for i in active]
-            elif self.ngram and dcache is not None:
+            if self.ngram and dcache is not None and not self.tree:
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
             if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
-                samples, acc, taps = self._tree_verify(cur, rows, active, lookups, tcache, dcache, pending, seqs)
+                samples, acc, taps = self._tree_verify(cur, rows, active, tcache, dcache, pending, seqs)
             else:
                 if policy is not None:
                     ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
@@ -393,7 +390,7 @@ class SpeculativeDecoder:
             self._inject(taps, torch.tensor(num, device=dev), dcache,
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
-    def _tree_verify(self, cur, rows, active, lookups, tcache, dcache, pending, seqs):
+    def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs):
         """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under
         its layout; returns the kept path's samples [b, K + 1], accepted lengths [b] and taps."""
         shape, dev = self.tree, cur.device
@@ -402,12 +399,14 @@ class SpeculativeDecoder:
             self._flush(pending, active, dcache)
         committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b], read before the commit
         drafts = self.propose(cur, dcache, rows, committed, k, top=shape.top)  # [b, K] or [b, K, R]
-        own = lookups or [[] for _ in active]  # None: a tree without lookup chains
+        # the lookup chains' proposals (runtime.tree) are made on the host while a GPU drafts; the grafted ones need
+        # each row's main-chain drafts (one small read), made from its context extended by them
+        contexts = [seqs[i].request.prompt_ids + tuple(seqs[i].tokens) for i in active]
+        own = [lookup_chains(shape, c, self.datastore) for c in contexts]
         grafted: list[list[list[int]]] = [[] for _ in active]
-        if shape.grafts:  # proposed from each row's context extended by its main-chain drafts (one small read)
+        if shape.grafts:
             main = (drafts[..., 0] if drafts.dim() == 3 else drafts)[:, : max(shape.grafts)].tolist()
-            grafted = [graft_chains(shape, seqs[i].request.prompt_ids + tuple(seqs[i].tokens), main[j], self.datastore)
-                       for j, i in enumerate(active)]
+            grafted = [graft_chains(shape, c, m, self.datastore, o) for c, m, o in zip(contexts, main, own)]
         look = chain_table(shape, list(zip(own, grafted))).to(dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,

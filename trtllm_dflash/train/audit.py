@@ -115,7 +115,7 @@ def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngra
         proposed = max(map(len, drafts), default=0)
         if tree is not None and tree.grafts:
             blocks = main[a - prompt_len].tolist()
-            grafted = graft_chains(tree, context, blocks, datastore)
+            grafted = graft_chains(tree, context, blocks, datastore, drafts)
             for g, depth in enumerate(tree.grafts):
                 right = blocks[:depth] == ids[a + 1: a + 1 + depth]
                 for cont in grafted[g * tree.lookup: (g + 1) * tree.lookup]:

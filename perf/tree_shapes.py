@@ -158,7 +158,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(result["datasets"]), figsize=(6 * len(result["datasets"]), 4.5), squeeze=False)
     for ax, (ds, rows) in zip(axes[0], result["datasets"].items()):
         for name, r in rows.items():
-            default = name.startswith(("default (", "default + datastore"))
+            default = "(TreeShape.for_block" in name  # the decoder's trees: with and without a datastore
             ax.scatter(r["verify_tokens"], r["tau"], s=160 if default else 18 if "nodes" in name else 30,
                        marker="*" if default else "o", color="black" if default else None, zorder=3 if default else 2)
             if "nodes" not in name:

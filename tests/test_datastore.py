@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_reference
 from trtllm_dflash.cli import main as cli
 from trtllm_dflash.errors import ArtifactError, ConfigError
-from trtllm_dflash.runtime.datastore import Datastore
+from trtllm_dflash.runtime.datastore import NGRAMS, Datastore, hash_windows, tail_hashes
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.tree import TreeShape, lookup_chains
 
@@ -33,6 +33,16 @@ def test_proposals_follow_the_longest_matching_tail_and_the_most_common_continua
     assert store.propose([2, 3, 4], 3, 0) == []
     with pytest.raises(ValueError, match="1 to 64 tokens"):
         store.propose([2, 3, 4], 65, 1)
+
+
+def test_a_context_tail_hashes_as_the_index_hashes_its_windows():
+    g = np.random.default_rng(0)
+    for size in (1, 3, max(NGRAMS), 40):
+        context = g.integers(0, 49152, size).tolist()
+        keys = tail_hashes(context)
+        assert len(keys) == min(size, max(NGRAMS))
+        for n in range(1, len(keys) + 1):
+            assert keys[n - 1] == hash_windows(np.asarray(context[-n:]), n)[0][0]
 
 
 def test_save_and_load_keep_the_tokens(tmp_path):

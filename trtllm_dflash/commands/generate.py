@@ -20,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_arguments(parser)
     parser.add_argument("--tree", action="store_true",
                         help="tree verify (greedy, a fixed block size): the drafter's block, its runner-up tokens at "
-                             "the first slots and prompt lookup's proposals (not under --no-ngram) checked "
-                             "in one target forward, the longest accepted path kept. More tokens per step for a "
+                             "the first slots and prompt lookup's proposals (not under --no-ngram), also after "
+                             "its first draft, checked in one target forward, the longest accepted path kept. More "
+                             "tokens per step for a "
                              "wider verify: pays where a verify costs about the same whatever its width (a GPU at "
                              "small batch), not on a CPU")
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",

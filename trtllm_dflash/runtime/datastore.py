@@ -47,6 +47,17 @@ def hash_windows(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     return h[ok], starts[ok]
 
 
+_POWERS = np.array([pow(int(_PRIME), k, 2 ** 64) for k in range(max(NGRAMS))], dtype=np.uint64)
+
+
+def tail_hashes(context: Sequence[int]) -> np.ndarray:
+    """``hash_windows``' hash of the context's last n tokens for every n = 1 .. max(NGRAMS) at once (entry n − 1; the
+    same polynomial, newest token times P^0): one small numpy call per proposal instead of one per n."""
+    rev = np.asarray(context[max(len(context) - len(_POWERS), 0):][::-1], dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return np.cumsum(rev * _POWERS[: len(rev)], dtype=np.uint64)
+
+
 class Datastore:
     """The corpus's tokens [T] (int32, −1 between sequences) and their n-gram index (module docstring)."""
 
@@ -116,13 +127,13 @@ class Datastore:
         [m, max_len], −1 past a sequence's end; [0, max_len] if no tail of n >= 2 tokens occurs."""
         if not 1 <= max_len <= MAX_LEN:
             raise ValueError(f"max_len = {max_len}: a proposal holds 1 to {MAX_LEN} tokens")
-        padded = self._padded
+        padded, keys = self._padded, tail_hashes(context)
         for n in NGRAMS:
             if n > len(context):
                 continue
             tail = np.asarray(context[len(context) - n:], dtype=np.int64)
             hashes, starts = self._index[n]
-            key = hash_windows(tail, n)[0][0]  # the context holds no separator
+            key = keys[n - 1]  # the context holds no separator
             lo, hi = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")
             if lo == hi:
                 continue
@@ -148,6 +159,10 @@ class Datastore:
         for first in firsts[np.argsort(-counts, kind="stable")][:count]:
             live, path = conts[conts[:, 0] == first], [int(first)]
             for depth in range(1, max_len):
+                if (live[:, depth:] == live[0, depth:]).all():  # one continuation left (often): the rest of it
+                    rest = live[0, depth:]
+                    path += rest[: int(np.argmax(rest == _SEP)) if (rest == _SEP).any() else len(rest)].tolist()
+                    break
                 col = live[:, depth]
                 col = col[col != _SEP]
                 if not len(col):

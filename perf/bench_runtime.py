@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     ms, tokens = collections.Counter(), collections.Counter()
     taus: dict[int | str, list[int]] = {b: [] for b in blocks}
     lookups: collections.Counter = collections.Counter()
+    lookup_ms: collections.Counter = collections.Counter()
     mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     if args.warmup_tokens > 0 and batches:
@@ -151,6 +152,7 @@ def main(argv=None) -> int:
             for p, a, d in zip(batch, outs["ar"], outs[b]):
                 taus[b].extend(d.acceptance_lengths)
                 lookups[b] += d.lookup_steps
+                lookup_ms[b] += d.lookup_ms
                 if a.token_ids != d.token_ids:
                     mismatches[b].append(p.id)
         bar.update(len(batch))
@@ -178,7 +180,9 @@ def main(argv=None) -> int:
             "num_new_tokens": tokens[b],
             **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
             **({"lookup_steps": lookups[b]} if dec.ngram and not dec.adaptive else {}),
-            **({"tree_nodes": dec.tree.size, "tree_lookup": dec.tree.lookup} if dec.tree else {}),  # verify width
+            **({"tree_nodes": dec.tree.size, "tree_lookup": dec.tree.lookup, "tree_grafts": list(dec.tree.grafts),
+                # host time per step making the lookup chains' proposals (on a GPU: between the draft and the verify)
+                "tree_lookup_ms_per_step": round(lookup_ms[b] / max(len(taus[b]), 1), 3)} if dec.tree else {}),
             **({"datastore_tokens": dec.datastore.num_tokens} if dec.tree and dec.datastore else {}),
             "target": os.path.basename(os.path.normpath(args.target)),
             "drafter": os.path.basename(os.path.normpath(args.drafter)),

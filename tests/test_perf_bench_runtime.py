@@ -27,6 +27,7 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     # the tree with lookup chains, and the shipped drafter directory's datastore proposing in one of them
     assert lines[3]["tree_nodes"] == TreeShape.for_block(7, datastore=True).size and lines[3]["tree_lookup"] == 3
     assert lines[3]["datastore_tokens"] > 1_000_000
+    assert lines[3]["tree_grafts"] == [1] and lines[3]["tree_lookup_ms_per_step"] > 0  # the host's share, timed
     for x in lines:
         assert x["lossless"] and x["mismatched_prompts"] == [] and x["num_prompts"] == 2
         hist = {int(k): n for k, n in x["acceptance_histogram"].items()}

@@ -60,6 +60,7 @@ class GenerationResult:
     total_ms: float  # until this sequence finished
     draft_lengths: tuple[int, ...] = ()  # k (drafts verified) per step; set under block size "auto"
     lookup_steps: int = 0  # steps that verified a prompt-lookup continuation instead of the drafter's block (ngram)
+    lookup_ms: float = 0.0  # tree verify: host time spent making this sequence's lookup chains' proposals
 
     @property
     def num_new_tokens(self) -> int:
@@ -88,6 +89,7 @@ class _Seq:
     total_ms: float = 0.0
     policy: SeqState | None = None
     lookup_steps: int = 0
+    lookup_ms: float = 0.0
 
     def emit(self, new: list[int]) -> list[int]:
         """Append new tokens up to a stop token or the length limit; return what was actually kept."""
@@ -368,6 +370,7 @@ class SpeculativeDecoder:
                 acceptance_lengths=tuple(s.taus),
                 draft_lengths=tuple(s.policy.chosen) if s.policy is not None else (),
                 lookup_steps=s.lookup_steps,
+                lookup_ms=s.lookup_ms,
                 finish_reason=s.finish_reason or "length",
                 ttft_ms=ttft_ms,
                 total_ms=s.total_ms,
@@ -402,11 +405,17 @@ class SpeculativeDecoder:
         # the lookup chains' proposals (runtime.tree) are made on the host while a GPU drafts; the grafted ones need
         # each row's main-chain drafts (one small read), made from its context extended by them
         contexts = [seqs[i].request.prompt_ids + tuple(seqs[i].tokens) for i in active]
-        own = [lookup_chains(shape, c, self.datastore) for c in contexts]
-        grafted: list[list[list[int]]] = [[] for _ in active]
-        if shape.grafts:
-            main = (drafts[..., 0] if drafts.dim() == 3 else drafts)[:, : max(shape.grafts)].tolist()
-            grafted = [graft_chains(shape, c, m, self.datastore, o) for c, m, o in zip(contexts, main, own)]
+        own, grafted = [], []
+        for i, c in zip(active, contexts):
+            t0 = time.perf_counter()
+            own.append(lookup_chains(shape, c, self.datastore))
+            seqs[i].lookup_ms += (time.perf_counter() - t0) * 1e3
+        main = (drafts[..., 0] if drafts.dim() == 3 else drafts)[:, : max(shape.grafts)].tolist() if shape.grafts \
+            else [[] for _ in active]
+        for i, c, m, o in zip(active, contexts, main, own):
+            t0 = time.perf_counter()
+            grafted.append(graft_chains(shape, c, m, self.datastore, o))
+            seqs[i].lookup_ms += (time.perf_counter() - t0) * 1e3
         look = chain_table(shape, list(zip(own, grafted))).to(dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,

@@ -299,6 +299,11 @@ class SeqState:
 LOOKUP_MIN_N = 2  # the decoder's prompt lookup proposes the continuation of a recurring 2- or 3-gram, not a 1-gram
 
 
+def held(proposal: list[int], chains: Sequence[list[int]]) -> bool:
+    """Whether one of ``chains`` already starts with ``proposal`` (verifying it again would add nothing)."""
+    return any(chain[: len(proposal)] == proposal for chain in chains)
+
+
 def ngram_candidates(context: Sequence[int], max_len: int, max_candidates: int, max_n: int = 3, min_n: int = 1,
                      per_n: int = 1) -> list[list[int]]:
     """Prompt lookup's proposals, best first: for n = max_n down to min_n, the tokens that followed each of the
@@ -310,7 +315,7 @@ def ngram_candidates(context: Sequence[int], max_len: int, max_candidates: int, 
         for start in range(size - n - 1, -1, -1):
             if context[start] == tail[0] and list(context[start:start + n]) == tail:
                 cont = list(context[start + n:start + n + max_len])  # never empty: start + n < size
-                if not any(f[: len(cont)] == cont for f in found):
+                if not held(cont, found):
                     found.append(cont)
                     taken += 1
                 if len(found) == max_candidates:

@@ -53,7 +53,7 @@ _POWERS = np.array([pow(int(_PRIME), k, 2 ** 64) for k in range(max(NGRAMS))], d
 def tail_hashes(context: Sequence[int]) -> np.ndarray:
     """``hash_windows``' hash of the context's last n tokens for every n = 1 .. max(NGRAMS) at once (entry n − 1; the
     same polynomial, newest token times P^0): one small numpy call per proposal instead of one per n."""
-    rev = np.asarray(context[max(len(context) - len(_POWERS), 0):][::-1], dtype=np.int64).astype(np.uint64)
+    rev = np.asarray(context[max(len(context) - len(_POWERS), 0):], dtype=np.int64)[::-1].astype(np.uint64)
     with np.errstate(over="ignore"):
         return np.cumsum(rev * _POWERS[: len(rev)], dtype=np.uint64)
 
@@ -127,11 +127,12 @@ class Datastore:
         [m, max_len], −1 past a sequence's end; [0, max_len] if no tail of n >= 2 tokens occurs."""
         if not 1 <= max_len <= MAX_LEN:
             raise ValueError(f"max_len = {max_len}: a proposal holds 1 to {MAX_LEN} tokens")
-        padded, keys = self._padded, tail_hashes(context)
+        last = np.asarray(context[max(len(context) - max(NGRAMS), 0):], dtype=np.int64)  # every tail matched
+        padded, keys = self._padded, tail_hashes(last)
         for n in NGRAMS:
-            if n > len(context):
+            if n > len(last):
                 continue
-            tail = np.asarray(context[len(context) - n:], dtype=np.int64)
+            tail = last[len(last) - n:]
             hashes, starts = self._index[n]
             key = keys[n - 1]  # the context holds no separator
             lo, hi = np.searchsorted(hashes, key, "left"), np.searchsorted(hashes, key, "right")

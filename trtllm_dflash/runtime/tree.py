@@ -34,7 +34,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import ngram_candidates
+from trtllm_dflash.runtime.adaptive import held, ngram_candidates
 from trtllm_dflash.runtime.datastore import Datastore
 
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
@@ -241,10 +241,9 @@ def graft_chains(shape: TreeShape, context, main: Sequence[int], datastore: Data
     already holds after the same d drafts (the next proposal takes its place)."""
     out: list[list[int]] = []
     for d in shape.grafts:
-        held = [chain[d:] for chain in own if list(chain[:d]) == list(main[:d])]
-        found = [cand for cand in _proposals(list(context) + list(main[:d]), shape.k - d, shape.lookup + len(held),
-                                             datastore) if not any(h[: len(cand)] == cand for h in held)]
-        found = found[: shape.lookup]
+        tails = [chain[d:] for chain in own if list(chain[:d]) == list(main[:d])]
+        found = [cand for cand in _proposals(list(context) + list(main[:d]), shape.k - d, shape.lookup + len(tails),
+                                             datastore) if not held(cand, tails)][: shape.lookup]
         out += found + [[] for _ in range(shape.lookup - len(found))]
     return out
 
@@ -270,7 +269,7 @@ def _proposals(context, max_len: int, count: int, datastore: Datastore | None) -
     for cand in datastore.propose(context, max_len, count) + own[quota:]:
         if len(found) == count:
             break
-        if not any(f[: len(cand)] == cand for f in found):
+        if not held(cand, found):
             found.append(cand)
     return found
 

@@ -41,10 +41,14 @@ def parse_args(argv=None):
     p.add_argument("--torch-threads", type=int, default=0, help="torch threads per step model (0: torch's default)")
     p.add_argument("--ngram", action="store_true",
                    help="dflash also verifies prompt lookup's proposals where the context repeats (make-repo --ngram)")
+    p.add_argument("--tree", action="store_true",
+                   help="dflash verifies a tree per step, with the drafter directory's datastore when it has one "
+                        "(make-repo --tree; implies --ngram); in-process: the same tree")
     p.add_argument("--rounds", type=int, default=1, help="rounds of the paired c=1 comparison")
     p.add_argument("--io-nice", type=int, default=19, help="make-repo --io-nice (CPU: the I/O side's niceness)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.ngram = args.ngram or args.tree
     if not args.models or not set(args.models.split(",")) <= {"dflash", "baseline"}:
         p.error(f"--models {args.models!r}: a comma list of dflash and/or baseline, e.g. dflash,baseline")
     return args
@@ -77,7 +81,7 @@ def run_point(url, model, prompts, max_tokens, concurrency):
     return tokens[0] / (time.perf_counter() - t0), time.perf_counter() - t0
 
 
-def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False):
+def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False, tree=False):
     """The in-process reference: ``dflash`` and ``baseline`` decoders over one loaded pair, and ``encode(text, n)`` ->
     the ``Request`` fields the ensembles use too (chat template, greedy, the target's stop tokens)."""
     from trtllm_dflash.checkpoints import load_pair
@@ -93,7 +97,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False):
     def encode(text, max_tokens):
         return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
-    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir, ngram=ngram),
+    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir, ngram=ngram, tree=tree),
             "baseline": SpeculativeDecoder(target, None, 1)}, encode
 
 
@@ -210,6 +214,7 @@ def loop_metrics(url) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.serve.render import RepoConfig, make_repo
@@ -223,18 +228,19 @@ def main(argv=None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     texts = [p.text for p in load_prompts(args.dataset, args.prompts)]
 
-    decoders, encode = in_process_decoders(args.target, args.drafter, block, args.ngram)
+    decoders, encode = in_process_decoders(args.target, args.drafter, block, args.ngram, args.tree)
     decoders = {m: decoders[m] for m in args.models.split(",")}
 
     results = {"dataset": args.dataset, "prompts": len(texts), "max_tokens": args.max_tokens, "block_size": block,
-               "ngram": args.ngram,
+               "ngram": args.ngram, "tree": args.tree,
                "rounds": args.rounds, "torch_threads": args.torch_threads, "io_nice": args.io_nice,
                "in_process_tokens_per_second": {},
                "triton": {}, "paired_c1": {}}
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024, ngram=args.ngram,
                                     max_sequences=max(conc) + 2, torch_threads=args.torch_threads,
-                                    io_nice=args.io_nice),
+                                    io_nice=args.io_nice, tree=args.tree,
+                                    datastore=repo_datastore("auto", args.drafter, args.tree)),
                          Path(tmp) / "repo")
         env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
         results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
@@ -107,10 +106,10 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
     prior = None
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
-    if tree and not ngram and isinstance(block_size, int) and block_size > 1:
-        from trtllm_dflash.runtime.tree import TreeShape
+    store = resolve_datastore(datastore, drafter_dir, bool(tree) and ngram)
+    if tree and isinstance(block_size, int) and block_size > 1:
+        from trtllm_dflash.runtime.tree import tree_for
 
-        tree = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=False)
-    store = resolve_datastore(datastore, drafter_dir, tree is True)
+        tree = tree_for(block_size - 1, ngram, store is not None)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
                               tree=tree, datastore=store)

@@ -31,6 +31,15 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
     add_ngram_argument(parser, ", a torch or trtllm-engine backend")
+    parser.add_argument("--tree", action="store_true",
+                        help="the dflash loop verifies a tree per step for greedy requests (torch backend, fixed "
+                             "block size): the drafter's block, its runner-up tokens and prompt lookup's and the "
+                             "datastore's proposals in one target_verify call, the longest accepted path kept, as "
+                             "`generate --tree`; sampled requests verify one chain. Pays where a wide verify costs "
+                             "about a narrow one (a GPU at small batch), not on a CPU")
+    parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
+                        help="with --tree: a retrieval datastore for the tree's lookup chains (`trtllm-dflash "
+                             "datastore`); auto (default): the drafter directory's datastore.safetensors if it has one")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
     parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
     parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
@@ -66,14 +75,31 @@ def make_repo_main(args: argparse.Namespace) -> int:
     require(target is not None, "--target", None, f"is required by --backend {args.backend}",
             "pass the Hugging Face target directory")
     block = args.block_size or DrafterSpec.load(args.drafter).block_size
+    ngram = resolve_ngram(args.ngram, block, args.backend)
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,
                      coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
-                     io_nice=args.io_nice, ngram=resolve_ngram(args.ngram, block, args.backend))
+                     io_nice=args.io_nice, ngram=ngram, tree=args.tree,
+                     datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0
+
+
+def repo_datastore(choice: str, drafter_dir: str, tree: bool) -> str:
+    """``--datastore`` as make-repo records it: a file path, or "" for none (auto without a tree with lookup chains:
+    none; an explicit file there is kept, for the repository check to refuse by name)."""
+    from pathlib import Path
+
+    from trtllm_dflash.runtime.datastore import DATASTORE_FILE
+
+    if choice == "none":
+        return ""
+    if choice == "auto":
+        path = Path(drafter_dir) / DATASTORE_FILE
+        return str(path) if tree and path.is_file() else ""
+    return choice
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ main chain wins: its nodes are 1..K)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -75,6 +76,85 @@ class StepLayout:
     positions: torch.Tensor
     slots: torch.Tensor
     allowed: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A tree verify's structure alone, as it travels to a verifier that knows nothing of where the tokens came from
+    (the Triton ``target_verify`` model): each node's parent, node 0 being x (``parents[0] == 0``) and every other
+    node's parent an earlier node. Layout, acceptance and the kept path follow from it; ``TreeShape`` adds where each
+    node's token comes from."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        if not self.parents or self.parents[0] != 0:
+            raise ValueError(f"parents = {list(self.parents)[:8]}: node 0 is the last emitted token, its own parent 0")
+        bad = [n for n, p in enumerate(self.parents) if n and not 0 <= p < n]
+        if bad:
+            raise ValueError(f"parents = {list(self.parents)[:8]}...: node {bad[0]}'s parent {self.parents[bad[0]]} "
+                             "must be an earlier node (0 <= parent < node)")
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> list[int]:
+        out = [0]
+        for p in self.parents[1:]:
+            out.append(out[p] + 1)
+        return out
+
+    @property
+    def k(self) -> int:
+        """The deepest node's depth: at most k tokens are accepted per step (k + 1 emitted)."""
+        return max(self.depths)
+
+    @cached_property
+    def paths(self) -> list[list[int]]:
+        """Per node, the nodes from x down to it (index = depth), padded to k + 1 with the node itself."""
+        out: list[list[int]] = []
+        for n, p in enumerate(self.parents):
+            path = [0] if n == 0 else out[p][: self.depths[p] + 1] + [n]
+            out.append(path + [n] * (self.k + 1 - len(path)))
+        return out
+
+    def tables(self, device) -> dict[str, torch.Tensor]:
+        """The index tables on ``device`` (made once per device: a step reuses them)."""
+        return _tables(self, str(device))
+
+    def layout(self, lengths: torch.Tensor) -> StepLayout:
+        """Positions, slots and mask of the tree for rows with committed ``lengths`` [b] (module docstring)."""
+        t, n = self.tables(lengths.device), self.size
+        positions = lengths[:, None] + t["depths"]  # [b, N]
+        slots = lengths[:, None] + t["nodes"]  # [b, N]
+        kv_len = int(lengths.max()) + n
+        rel = torch.arange(kv_len, device=lengths.device)[None, None, :] - lengths[:, None, None]  # [b, 1, kv]: key−L
+        in_step = t["ancestors"][t["nodes"][None, :, None], rel.clamp(0, n - 1)] & (rel >= 0) & (rel < n)  # [b, N, kv]
+        return StepLayout(positions, slots, (rel < 0) | in_step)
+
+    def accept(self, tokens: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deepest node whose path is all accepted (ties: the lowest index, so the main chain before alternates
+        before lookup) and its depth, each [b]. ``expected`` [b, N]: the token node n must be for its path to go on
+        (greedy verify: the target's token after its parent; a replay: the known output at its depth)."""
+        t, n = self.tables(tokens.device), self.size
+        ok = (tokens == expected) | (t["nodes"] == 0)  # [b, N]; x is always there
+        on_path = ok[:, t["paths"]].all(-1)  # [b, N]: every node from x down to n accepted
+        score = on_path * (t["depths"] * n + (n - 1 - t["nodes"]))
+        best = score.argmax(-1)  # [b]
+        return best, t["depths"][best]
+
+    def verify(self, preds: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+        """Greedy acceptance from the target's token after every node ``preds`` [b, N]. Returns ``samples``
+        [b, K + 1] (the kept path's accepted tokens, then the target's bonus token at index ``acc``), ``acc`` [b],
+        ``taken`` [b, K + 1] (the path's nodes: their taps, and where their K/V are) and ``best`` [b]."""
+        t = self.tables(preds.device)
+        best, acc = self.accept(tokens, preds[:, t["parents"]])
+        taken = t["paths"][best]  # [b, K + 1]
+        return preds.gather(1, taken), acc, taken, best
 
 
 @dataclass(frozen=True)
@@ -145,12 +225,21 @@ class TreeShape:
         return len(self.nodes)
 
     @cached_property
-    def parents(self) -> list[int]:
-        return [max(p, 0) for p, _, _ in self.nodes]
+    def topology(self) -> Topology:
+        return Topology(tuple(max(p, 0) for p, _, _ in self.nodes))
 
-    @cached_property
+    @property
+    def parents(self) -> list[int]:
+        return list(self.topology.parents)
+
+    @property
     def depths(self) -> list[int]:
-        return [d for _, d, _ in self.nodes]
+        return self.topology.depths
+
+    @property
+    def paths(self) -> list[list[int]]:
+        """Per node, the nodes from x down to it (index = depth), padded to k + 1 with the node itself."""
+        return self.topology.paths
 
     @cached_property
     def columns(self) -> list[int]:
@@ -163,15 +252,6 @@ class TreeShape:
                 out.append(0)
             else:
                 out.append(1 + (slot - 1) * r + rank - 1 if src == "draft" else 1 + k * r + rank * k + slot - 1)
-        return out
-
-    @cached_property
-    def paths(self) -> list[list[int]]:
-        """Per node, the nodes from x down to it (index = depth), padded to k + 1 with the node itself."""
-        out: list[list[int]] = []
-        for n, (p, _, _) in enumerate(self.nodes):
-            path = [0] if n == 0 else out[p][: self.depths[p] + 1] + [n]
-            out.append(path + [n] * (self.k + 1 - len(path)))
         return out
 
     @cached_property
@@ -190,39 +270,25 @@ class TreeShape:
         return torch.cat(table, dim=1)[:, self.tables(x.device)["columns"]]
 
     def tables(self, device) -> dict[str, torch.Tensor]:
-        """The shape's index tables on ``device`` (made once per device: a step reuses them)."""
-        return _tables(self, str(device))
+        """The topology's index tables and the shape's own (``columns``, ``from_lookup``) on ``device``."""
+        return _shape_tables(self, str(device))
 
     def layout(self, lengths: torch.Tensor) -> StepLayout:
-        """Positions, slots and mask of the tree for rows with committed ``lengths`` [b] (module docstring)."""
-        t, n = self.tables(lengths.device), self.size
-        positions = lengths[:, None] + t["depths"]  # [b, N]
-        slots = lengths[:, None] + t["nodes"]  # [b, N]
-        kv_len = int(lengths.max()) + n
-        rel = torch.arange(kv_len, device=lengths.device)[None, None, :] - lengths[:, None, None]  # [b, 1, kv]: key−L
-        in_step = t["ancestors"][t["nodes"][None, :, None], rel.clamp(0, n - 1)] & (rel >= 0) & (rel < n)  # [b, N, kv]
-        return StepLayout(positions, slots, (rel < 0) | in_step)
+        return self.topology.layout(lengths)
 
     def accept(self, tokens: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The deepest node whose path is all accepted (ties: the lowest index, so the main chain before alternates
-        before lookup) and its depth, each [b]. ``expected`` [b, N]: the token node n must be for its path to go on
-        (greedy verify: the target's token after its parent; a replay: the known output at its depth)."""
-        t, n = self.tables(tokens.device), self.size
-        ok = (tokens == expected) | (t["nodes"] == 0)  # [b, N]; x is always there
-        on_path = ok[:, t["paths"]].all(-1)  # [b, N]: every node from x down to n accepted
-        score = on_path * (t["depths"] * n + (n - 1 - t["nodes"]))
-        best = score.argmax(-1)  # [b]
-        return best, t["depths"][best]
+        return self.topology.accept(tokens, expected)
 
     def verify(self, preds: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                          torch.Tensor]:
-        """Greedy acceptance from the target's token after every node ``preds`` [b, N]. Returns ``samples``
-        [b, K + 1] (the kept path's accepted tokens, then the target's bonus token at index ``acc``), ``acc`` [b],
-        ``taken`` [b, K + 1] (the path's nodes: their taps, and where their K/V are) and ``best`` [b]."""
-        t = self.tables(preds.device)
-        best, acc = self.accept(tokens, preds[:, t["parents"]])
-        taken = t["paths"][best]  # [b, K + 1]
-        return preds.gather(1, taken), acc, taken, best
+        return self.topology.verify(preds, tokens)
+
+
+def tree_for(k: int, lookup: bool = True, datastore: bool = False) -> TreeShape:
+    """The decoder's and the serving loop's tree for ``k`` drafts per chain: ``TreeShape.for_block`` where prompt
+    lookup is on (with the datastore's chain where one proposes), without lookup chains (nor grafts) where it is off."""
+    shape = TreeShape.for_block(k, datastore and lookup)
+    return shape if lookup else dataclasses.replace(shape, lookup=False)
 
 
 def lookup_chains(shape: TreeShape, context, datastore: Datastore | None = None) -> list[list[int]]:
@@ -275,14 +341,19 @@ def _proposals(context, max_len: int, count: int, datastore: Datastore | None) -
 
 
 @lru_cache(maxsize=32)
-def _tables(shape: TreeShape, device: str) -> dict[str, torch.Tensor]:
-    n = shape.size
-    anc = [[m in shape.paths[q][: shape.depths[q] + 1] for m in range(n)] for q in range(n)]
+def _tables(topology: Topology, device: str) -> dict[str, torch.Tensor]:
+    n, paths, depths = topology.size, topology.paths, topology.depths
+    anc = [[m in paths[q][: depths[q] + 1] for m in range(n)] for q in range(n)]
     return {name: torch.tensor(v, device=device) for name, v in (
-        ("nodes", list(range(n))), ("depths", shape.depths), ("parents", shape.parents),
-        ("columns", shape.columns), ("paths", shape.paths), ("from_lookup", shape.from_lookup),
+        ("nodes", list(range(n))), ("depths", depths), ("parents", list(topology.parents)), ("paths", paths),
         ("ancestors", anc),  # [N, N]: key node m is an ancestor of (or is) query node q
     )}
+
+
+@lru_cache(maxsize=32)
+def _shape_tables(shape: TreeShape, device: str) -> dict[str, torch.Tensor]:
+    return {**_tables(shape.topology, device), "columns": torch.tensor(shape.columns, device=device),
+            "from_lookup": torch.tensor(shape.from_lookup, device=device)}
 
 
 def commit_path(cache, rows: torch.Tensor | None, lengths: torch.Tensor, taken: torch.Tensor,

@@ -149,14 +149,14 @@ class TritonSteps:
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64))
         return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
-    async def verify(self, seq_id, block, want_taps):
-        return await self.coalescer.submit("verify", (len(block), want_taps), seq_id, block, want_taps)
+    async def verify(self, seq_id, block, want_taps, parents=None):
+        return await self.coalescer.submit("verify", (len(block), want_taps, parents), seq_id, block, want_taps)
 
     async def inject(self, taps, start):
         return await self.coalescer.submit("inject", (), taps, start)
 
-    async def draft(self, seq_id, k, v, bonus, block_size):
-        return await self.coalescer.submit("draft", (block_size,), seq_id, k, v, bonus, block_size)
+    async def draft(self, seq_id, k, v, bonus, block_size, top=1):
+        return await self.coalescer.submit("draft", (block_size, top), seq_id, k, v, bonus, block_size)
 
     async def _send(self, kind: str, key: tuple, calls: list[Call]) -> list:
         """The coalescer's batched call: one request with a row per sequence, the results split back per row."""
@@ -174,20 +174,24 @@ class TritonSteps:
             return [(out["ctx_k"][j, :, :len(t)], out["ctx_v"][j, :, :len(t)]) for j, t in enumerate(taps)]
         seqs = column([c.args[0] for c in calls], np.uint64)
         if kind == "verify":
-            want = key[1]
+            _, want, parents = key
+            tree = {} if parents is None else {"parents": np.array([parents] * n, np.int32)}
             out = await self._rows(self.target, ["out_tokens", "taps"], mode=column([VERIFY] * n, np.int32),
                                    seq_id=seqs, tokens=np.array([c.args[1] for c in calls], np.int32),
-                                   want_taps=column([want] * n, bool))
+                                   want_taps=column([want] * n, bool), **tree)
             tokens = out["out_tokens"].cpu().numpy()
             emitted = [[int(t) for t in row if t >= 0] for row in tokens]
             return [(e, out["taps"][j, :len(e)] if want else None) for j, e in enumerate(emitted)]
         ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
+        block, top = key
+        choices = {} if top == 1 else {"top": column([top] * n, np.int32)}  # a repository rendered before: no input
         out = await self._rows(self.drafter, ["drafts"], mode=column([0] * n, np.int32), seq_id=seqs,
                                ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
                                ctx_len=column([k.shape[1] for k in ks], np.int32),
                                bonus=column([c.args[3] for c in calls], np.int32),
-                               block_size=column([key[0]] * n, np.int32))
-        return out["drafts"].cpu().numpy().tolist()
+                               block_size=column([block] * n, np.int32), **choices)
+        drafts = out["drafts"].cpu().numpy()
+        return (drafts if top == 1 else drafts.reshape(n, block - 1, top)).tolist()
 
     async def free(self, seq_id, drafter):
         """Free the sequence in both stateful models; a model that cannot answer (it died) is skipped, so the
@@ -239,12 +243,26 @@ def load_policy(path: str):
                           ngram=bool(doc.get("ngram", False)))
 
 
+def load_tree(params: dict[str, str], block_size, ngram: bool):
+    """The tree a dflash loop verifies greedy requests with (``tree: on``; the same ``runtime.tree.tree_for`` shape
+    make-repo sized target_verify's cache for) and its retrieval datastore; (None, None) without one."""
+    if params.get("tree", "off") != "on":
+        return None, None
+    from trtllm_dflash.runtime.datastore import Datastore
+    from trtllm_dflash.runtime.tree import tree_for
+
+    path = params.get("datastore", "")
+    store = Datastore.load(path) if path else None
+    return tree_for(int(block_size) - 1, ngram, store is not None), store
+
+
 class LoopModel:
     def __init__(self, params: dict[str, str], pb_utils) -> None:
         self.pb = pb_utils
         self.block_size = params["block_size"] if params["block_size"] == "auto" else int(params["block_size"])
         self.policy = load_policy(params["adaptive"]) if self.block_size == "auto" else None
         self.ngram = params.get("ngram", "off") == "on"  # a repository rendered before prompt lookup: off
+        self.tree, self.datastore = load_tree(params, self.block_size, self.ngram)
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
@@ -310,7 +328,7 @@ class LoopModel:
             gen = self.frontend.parse(pb, request) if self.frontend is not None else parse_request(pb, request)
             await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
                                  on_update, is_cancelled=cancelled, policy=self.policy,
-                                 ngram=self.ngram)
+                                 ngram=self.ngram, tree=self.tree, datastore=self.datastore)
         except Cancelled:
             pass
         except Exception as exc:  # the client gets the message; the server keeps serving

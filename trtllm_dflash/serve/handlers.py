@@ -181,6 +181,20 @@ def _shared(pb_utils, request, name: str, default, kind):
     return kind(flat[0])
 
 
+def _parents(pb_utils, request, seqs: list[int]) -> tuple[int, ...] | None:
+    """A tree verify's ``parents`` (one row per sequence, all equal: a batched call verifies one tree; checked to be
+    a tree), or None."""
+    from trtllm_dflash.serve.steps import tree_topology
+
+    arr = rows(pb_utils, request, "parents")
+    if arr is None:
+        return None
+    flat = np.asarray(arr).reshape(len(seqs), -1)
+    require(flat.shape[1] >= 1 and bool((flat == flat[0]).all()), "parents", flat.tolist()[:2],
+            "must be one tree for every row of a request", "send each tree's rows in their own request")
+    return tree_topology(tuple(int(x) for x in flat[0])).parents
+
+
 def _stats(slots) -> list[tuple[str, np.ndarray]]:
     return [("num_active", np.array([len(slots.rows)], dtype=np.int32)),
             ("freed", np.array([slots.freed], dtype=np.int32)),
@@ -194,6 +208,7 @@ class TargetVerifyModel:
 
         self.threads, self.drafting = CpuThreads(params), set()
         taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
+        self.tree_capable = not _engine_backend(params)
         if _engine_backend(params):
             from trtllm_dflash.serve.trtllm_engine import EngineTargetVerifier, load_engine_set
             from trtllm_dflash.specs import TargetSpec
@@ -206,7 +221,8 @@ class TargetVerifyModel:
             return
         target = TargetModel.from_pretrained(params["target_dir"], device=_device())
         self.verifier = TargetVerifier(target, taps, int(params["max_sequences"]), int(params["max_seq_len"]),
-                                       int(params["max_block_size"]), float(params["idle_timeout_s"]))
+                                       int(params["max_block_size"]), float(params["idle_timeout_s"]),
+                                       int(params.get("max_tree_nodes", "0") or 0))
         self.tap_width = len(taps) * target.spec.hidden_size
 
     def _outputs(self, pb_utils, tokens, taps, extra=()):
@@ -232,32 +248,35 @@ class TargetVerifyModel:
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
         responses: list = [None] * len(requests)
-        parsed: dict[int, tuple[int, list[int], list[list[int]], bool]] = {}  # index -> (mode, seqs, rows, taps?)
+        # index -> (mode, seqs, rows, taps?, the tree's parents or None)
+        parsed: dict[int, tuple[int, list[int], list[list[int]], bool, tuple[int, ...] | None]] = {}
         for i, req in enumerate(requests):
             try:
                 mode, seqs = _step_rows(pb_utils, req)
                 tokens = np.asarray(rows(pb_utils, req, "tokens", np.zeros((len(seqs), 0), np.int32)))
                 parsed[i] = (mode, seqs, tokens.reshape(len(seqs), -1).tolist(),
-                             bool(_shared(pb_utils, req, "want_taps", False, bool)))
+                             bool(_shared(pb_utils, req, "want_taps", False, bool)), _parents(pb_utils, req, seqs))
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
         # Live sequences with a drafter in their loop (they ask for taps), this batch's included: while there are
         # several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps).
         self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
-        self.drafting.update(seq for _, seqs, _, want in parsed.values() if want for seq in seqs)
-        self.threads(len(self.drafting), coalesced=any(len(seqs) > 1 for _, seqs, _, _ in parsed.values()))
-        groups: dict[tuple[int, bool], list[tuple[int, int]]] = {}  # (block length, taps?) -> (request, row)
+        self.drafting.update(seq for _, seqs, _, want, _ in parsed.values() if want for seq in seqs)
+        self.threads(len(self.drafting), coalesced=any(len(seqs) > 1 for _, seqs, *_ in parsed.values()))
+        groups: dict[tuple, list[tuple[int, int]]] = {}  # (block length, taps?, parents) -> (request, row)
         results: dict[int, list] = {}
-        for i, (mode, seqs, tokens, want) in parsed.items():
+        for i, (mode, seqs, tokens, want, parents) in parsed.items():
             try:
                 if mode == START:
                     require(len(seqs) == 1, "seq_id", seqs, "must be one sequence per start request")
                     r = self.verifier.start(seqs[0], tokens[0], sampling_from(pb_utils, requests[i]), want)
                     responses[i] = self._outputs(pb_utils, [r.first_token], r.taps)
                 elif mode == VERIFY:
+                    require(parents is None or self.tree_capable, "parents", list(parents or ())[:8],
+                            "the tree verify runs on the torch backend only", "render without --tree")
                     results[i] = [None] * len(seqs)
                     for j, row in enumerate(tokens):
-                        groups.setdefault((len(row), want), []).append((i, j))
+                        groups.setdefault((len(row), want, parents), []).append((i, j))
                 elif mode in (FREE, STATS):
                     if mode == FREE:
                         for seq in seqs:
@@ -267,9 +286,11 @@ class TargetVerifyModel:
                     raise ConfigError("mode", mode, "must be 0 (start), 1 (verify), 2 (free) or 3 (stats)")
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
-        for (_, want), idx in groups.items():
-            try:  # one batched forward for all verify rows of the same block length
-                out = self.verifier.verify([parsed[i][1][j] for i, j in idx], [parsed[i][2][j] for i, j in idx], want)
+        for (_, want, parents), idx in groups.items():
+            try:  # one batched forward for all verify rows of the same block length (and tree)
+                seqs, blocks = [parsed[i][1][j] for i, j in idx], [parsed[i][2][j] for i, j in idx]
+                out = (self.verifier.verify(seqs, blocks, want) if parents is None
+                       else self.verifier.verify(seqs, blocks, want, parents))
                 for (i, j), r in zip(idx, out):
                     results[i][j] = r
             except Exception as exc:
@@ -325,6 +346,7 @@ class DrafterStepModel:
         from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
 
         self.threads = CpuThreads(params)
+        self.tree_capable = not _engine_backend(params)
         if _engine_backend(params):
             from trtllm_dflash.serve.trtllm_engine import EngineBlockDrafter, load_engine_set
             from trtllm_dflash.specs import DrafterSpec
@@ -341,7 +363,8 @@ class DrafterStepModel:
     def execute(self, pb_utils, requests) -> list:
         self.drafter.expire()
         responses: list = [None] * len(requests)
-        groups: dict[int, list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]] = {}  # block -> rows
+        # (block, top) -> rows
+        groups: dict[tuple[int, int], list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]] = {}
         drafts: dict[int, list] = {}  # request -> drafts per row
         coalesced = False
         for i, req in enumerate(requests):
@@ -357,11 +380,15 @@ class DrafterStepModel:
                     lens = np.asarray(rows(pb_utils, req, "ctx_len", np.full(len(seqs), k.shape[2]))).reshape(-1)
                     block = _shared(pb_utils, req, "block_size", None, int)
                     require(block is not None, "block_size", None, "is required to draft")
+                    top = _shared(pb_utils, req, "top", 1, int)
+                    require(top == 1 or self.tree_capable, "top", top, "the drafter's runner-ups (a tree verify) "
+                            "are drafted on the torch backend only", "render without --tree")
                     bonus = np.asarray(bonus).reshape(-1)
                     drafts[i] = [None] * len(seqs)
                     for j, seq in enumerate(seqs):
                         n = int(lens[j])
-                        groups.setdefault(block, []).append((i, j, seq, k[j, :, :n], v[j, :, :n], int(bonus[j])))
+                        groups.setdefault((block, top), []).append((i, j, seq, k[j, :, :n], v[j, :, :n],
+                                                                    int(bonus[j])))
                 elif mode in (FREE, STATS):
                     if mode == FREE:
                         for seq in seqs:
@@ -374,10 +401,11 @@ class DrafterStepModel:
             except Exception as exc:
                 responses[i] = error_response(pb_utils, exc)
         self.threads(max(len(self.drafter.slots.rows), sum(map(len, groups.values()))), coalesced)
-        for block, items in groups.items():
+        for (block, top), items in groups.items():
             try:  # one block forward for all sequences drafting the same block size
-                out = self.drafter.draft([s for _, _, s, *_ in items], [k for *_, k, _, _ in items],
-                                         [v for *_, v, _ in items], [b for *_, b in items], block)
+                args = ([s for _, _, s, *_ in items], [k for *_, k, _, _ in items], [v for *_, v, _ in items],
+                        [b for *_, b in items], block)
+                out = self.drafter.draft(*args) if top == 1 else self.drafter.draft(*args, top)
                 for (i, j, *_), d in zip(items, out):
                     drafts[i][j] = d
             except Exception as exc:
@@ -386,5 +414,5 @@ class DrafterStepModel:
         for i, ds in drafts.items():
             if responses[i] is None:
                 responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("drafts", torch.stack(ds).cpu().numpy().astype(np.int32))])
+                    pb_utils.Tensor("drafts", torch.stack(ds).reshape(len(ds), -1).cpu().numpy().astype(np.int32))])
         return responses

@@ -12,6 +12,12 @@ step the shared ``runtime.adaptive`` policy picks how many drafts k this sequenc
 verify is a plain autoregressive step), and the step's draft / verify / other times are fed back to its cost model.
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
+
+With a ``tree`` (``runtime.tree.TreeShape``, greedy requests at a fixed block size) a step drafts the drafter's top
+choices per slot, makes the lookup chains' proposals here (prompt lookup, a retrieval ``datastore``, and the grafted
+chains after the main chain's first draft), and verifies every node of the tree in one ``target_verify`` call, which
+keeps the longest accepted path: the in-process decoder's tree step (``runtime.decoder``), token for token. A sampled
+request on such a loop verifies one chain per step as without the tree.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import time
 import torch
 
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, ngram_continuation
+from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
 from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
 
@@ -36,11 +44,13 @@ class StepClient(Protocol):
     async def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams,
                     want_taps: bool) -> tuple[int, torch.Tensor | None]: ...
 
-    async def verify(self, seq_id: int, block: list[int], want_taps: bool) -> tuple[list[int], torch.Tensor | None]: ...
+    async def verify(self, seq_id: int, block: list[int], want_taps: bool,
+                     parents: tuple[int, ...] | None = None) -> tuple[list[int], torch.Tensor | None]: ...
 
     async def inject(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    async def draft(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, bonus: int, block_size: int) -> list[int]: ...
+    async def draft(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, bonus: int, block_size: int,
+                    top: int = 1) -> list: ...  # [B − 1] drafts, or [B − 1][top] choices
 
     async def free(self, seq_id: int, drafter: bool) -> None: ...
 
@@ -81,16 +91,22 @@ async def run_generation(
     is_cancelled: Callable[[], bool] = lambda: False,
     policy: AdaptivePolicy | None = None,
     ngram: bool = False,
+    tree: TreeShape | None = None,
+    datastore: Datastore | None = None,
 ) -> str:
     """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled").
 
     ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
     ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
     continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
+    ``tree`` (k = block_size − 1) with an optional ``datastore``: greedy requests take tree steps (module docstring).
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
         raise ValueError("block_size 'auto' needs a policy")
+    if tree is not None and (adaptive or tree.k != block_size - 1):
+        raise ValueError(f"a tree with k = {tree.k} needs the fixed block size {tree.k + 1}, not {block_size}")
+    tree = tree if req.sampling.greedy else None
     want_taps = adaptive or block_size > 1
     state = policy.new_sequence() if adaptive else None
     holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens
@@ -132,21 +148,31 @@ async def run_generation(
                 break
             t0 = time.perf_counter()
             context = req.input_ids + tuple(p.tokens)
-            use_lookup = policy.ngram if adaptive else ngram and want_taps
-            lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
-                                        min_n=LOOKUP_MIN_N) if use_lookup else []
-            n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
-            if lookup and (not adaptive or state.source == "ngram"):
-                drafts = lookup[:n]
-            elif want_taps and n > 0:
+            if tree is not None:
                 k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
                 pending, injected = [], committed
-                drafts = await steps.draft(seq_id, k, v, bonus, n + 1)
+                choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
+                block, parents = tree_block(tree, bonus, choices, context, datastore), tuple(tree.parents)
+                drafts = block[1: tree.k + 1]  # the main chain: a tree step counts k drafts (its depth), as a chain
+                t1 = time.perf_counter()
+                emitted, taps = await steps.verify(seq_id, block, True, parents=parents)
+                t2 = time.perf_counter()
             else:
-                drafts = []
-            t1 = time.perf_counter()
-            emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
-            t2 = time.perf_counter()
+                use_lookup = policy.ngram if adaptive else ngram and want_taps
+                lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
+                                            min_n=LOOKUP_MIN_N) if use_lookup else []
+                n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
+                if lookup and (not adaptive or state.source == "ngram"):
+                    drafts = lookup[:n]
+                elif want_taps and n > 0:
+                    k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
+                    pending, injected = [], committed
+                    drafts = await steps.draft(seq_id, k, v, bonus, n + 1)
+                else:
+                    drafts = []
+                t1 = time.perf_counter()
+                emitted, taps = await steps.verify(seq_id, [bonus, *drafts], want_taps)
+                t2 = time.perf_counter()
             p.taus.append(len(emitted))
             p.proposed += len(drafts)
             p.accepted += len(emitted) - 1
@@ -183,17 +209,30 @@ class LocalSteps:
         r = self.verifier.start(seq_id, prompt_ids, sampling, want_taps)
         return r.first_token, r.taps
 
-    async def verify(self, seq_id, block, want_taps):
-        r = self.verifier.verify([seq_id], [block], want_taps)[0]
+    async def verify(self, seq_id, block, want_taps, parents=None):
+        tree = () if parents is None else (parents,)  # the engine backend's verifier takes no tree
+        r = self.verifier.verify([seq_id], [block], want_taps, *tree)[0]
         return r.emitted, r.taps
 
     async def inject(self, taps, start):
         return self.injector(taps, start)
 
-    async def draft(self, seq_id, k, v, bonus, block_size):
-        return self.drafter.draft([seq_id], [k], [v], [bonus], block_size)[0].tolist()
+    async def draft(self, seq_id, k, v, bonus, block_size, top=1):
+        return self.drafter.draft([seq_id], [k], [v], [bonus], block_size, top)[0].tolist()
 
     async def free(self, seq_id, drafter):
         self.verifier.free(seq_id)
         if drafter:
             self.drafter.free(seq_id)
+
+
+def tree_block(tree: TreeShape, bonus: int, choices: list, context, datastore: Datastore | None) -> list[int]:
+    """Every node's token of one sequence's tree step: node 0 the bonus, the drafter's ``choices`` ([K] drafts or
+    [K][R] best tokens per slot), and the lookup chains proposed from ``context`` (and, grafted, from the context
+    extended by the main chain's first drafts) exactly as the in-process decoder proposes them; −1 where a chain has no
+    token."""
+    drafts = torch.tensor(choices, dtype=torch.long)  # [K] or [K, R]
+    main = (drafts[:, 0] if drafts.dim() == 2 else drafts)[: max(tree.grafts, default=0)].tolist()
+    own = lookup_chains(tree, context, datastore)
+    grafted = graft_chains(tree, context, main, datastore, own)
+    return tree.tokens(torch.tensor([bonus]), drafts[None], chain_table(tree, [(own, grafted)]))[0].tolist()

@@ -25,16 +25,16 @@ MODEL_PY_FROM = {"entry": "dflash_bls"}
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
-# the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), its step coalescer (on / off)
-# and the step models' batch
-LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "coalesce", "max_batch_size")
+# the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), the tree verify (on / off) and
+# its datastore file ("" = none), its step coalescer (on / off) and the step models' batch
+LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "tree", "datastore", "coalesce", "max_batch_size")
 ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
                                         "max_sequences", "max_seq_len", "block_size", "idle_timeout_s",
-                                        "torch_threads", *STEP_KEYS)),
+                                        "torch_threads", "tree_nodes", *STEP_KEYS)),
     "kv_inject": ("kv_inject", ("max_batch_size", "target_dir", "drafter_dir", "torch_threads", "instances",
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
@@ -95,10 +95,18 @@ class RepoConfig:
     max_block_size: int | None = None  # block_size "auto": the longest block (default: the drafter's)
     ngram: bool = False  # dflash also verifies prompt-lookup continuations (runtime.decoder's ``ngram``)
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
+    tree: bool = False  # dflash verifies a tree per step for greedy requests (runtime.tree; torch backend)
+    datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
 
     @property
     def adaptive(self) -> bool:
         return self.block_size == "auto"
+
+    def tree_shape(self, drafter):
+        """The dflash loop's tree (``runtime.tree.tree_for``), or None without ``tree``."""
+        from trtllm_dflash.runtime.tree import tree_for
+
+        return tree_for(self.block(drafter) - 1, self.ngram, bool(self.datastore)) if self.tree else None
 
     def block(self, drafter) -> int:
         """The (longest) block size the step models are built for."""
@@ -144,6 +152,14 @@ class RepoConfig:
         require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
         require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
         require(0 <= self.io_nice <= 19, "--io-nice", self.io_nice, "must be in [0, 19] (0 = no priority split)")
+        require(not self.tree or (self.backend == "torch" and not self.adaptive), "--tree", True,
+                f"needs --backend torch and a fixed --block-size (got --backend {self.backend}, --block-size "
+                f"{self.block_size})", "drop --tree, or use --backend torch with e.g. --block-size 16")
+        require(not self.datastore or (self.tree and self.ngram), "--datastore", self.datastore,
+                "proposes for the tree's lookup chains only", "add --tree (prompt lookup on), or --datastore none")
+        if self.datastore and not Path(self.datastore).is_file():
+            raise ArtifactError(self.datastore, "missing (--datastore)", "pass a file from `trtllm-dflash datastore`, "
+                                "or --datastore none")
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm_engine import load_engine_set
 
@@ -153,6 +169,9 @@ class RepoConfig:
     def values(self, drafter, adaptive_file: str = "") -> dict[str, dict[str, object]]:
         tap_layers, block = drafter.target_layer_ids, self.block(drafter)
         ngram = "on" if self.ngram else "off"
+        no_tree = {"tree": "off", "datastore": ""}
+        tree = {"tree": "on", "datastore": str(Path(self.datastore).resolve()) if self.datastore else ""} \
+            if self.tree else no_tree
         common = {
             "max_batch_size": self.max_batch_size, "instances": self.instances,
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),
@@ -161,16 +180,17 @@ class RepoConfig:
             "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
             "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s, "io_nice": self.io_nice,
             "tap_layers": ",".join(map(str, tap_layers)),
+            "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
         }
         per_model = {
             "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file,
-                           "ngram": ngram},
-            "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": "", "ngram": "off"},
+                           "ngram": ngram, **tree},
+            "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": "", "ngram": "off", **no_tree},
             "dflash": {"name": "dflash", "loop_block_size": self.block_size, "adaptive": adaptive_file,
-                       "ngram": ngram, "bridge_model": "dflash_llmapi"},
+                       "ngram": ngram, "bridge_model": "dflash_llmapi", **tree},
             "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "ngram": "off",
-                         "bridge_model": "baseline_llmapi"},
+                         "bridge_model": "baseline_llmapi", **no_tree},
             "tensorrt_llm_dflash": {"name": "tensorrt_llm_dflash"},
             "tensorrt_llm_baseline": {"name": "tensorrt_llm_baseline"},
             "dflash_llmapi": {"name": "dflash_llmapi", "llm_model": "tensorrt_llm_dflash",

@@ -2,10 +2,13 @@
 
 ``TargetVerifier``  stateful: one target KV-cache row per live sequence. ``start`` prefills a prompt and samples the
                     first token; ``verify`` runs [bonus, d_1..d_{B−1}] for a batch of sequences in one forward,
-                    samples, accepts (runtime.sampling) and commits τ tokens, returning their taps.
+                    samples, accepts (runtime.sampling) and commits τ tokens, returning their taps; given a tree's
+                    ``parents`` it verifies every node of the tree instead and commits the longest accepted path
+                    (runtime.tree, greedy only).
 ``KVInjector``      stateless: taps -> per-layer context K/V (drafter.context_kv).
 ``BlockDrafter``    stateful: one drafter context-cache row per live sequence. ``draft`` appends the injected K/V and
-                    runs one non-causal block forward per batch of sequences -> drafts (greedy, target LM head).
+                    runs one non-causal block forward per batch of sequences -> drafts (greedy, target LM head; or
+                    the ``top`` best tokens per slot, for a tree verify).
 
 Sequences are keyed by a client-chosen integer ``seq_id``; rows are allocated on ``start``/first use and freed by
 ``free`` or after ``idle_timeout_s`` without use. All math is the in-process decoder's (runtime/decoder.py).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.tree import Topology, commit_path
 
 
 SLOTS_EXHAUSTED = "slots are in use"  # message marker the BLS loop waits on (serve/bls.py)
@@ -94,12 +99,23 @@ class VerifyResult:
     taps: torch.Tensor | None  # [τ, K·H] of the committed tokens [bonus, d_1..d_a]
 
 
+@lru_cache(maxsize=16)
+def tree_topology(parents: tuple[int, ...]) -> Topology:
+    """A tree verify's topology as a request gives it (``parents``), or a ConfigError naming what is wrong."""
+    try:
+        return Topology(parents)
+    except ValueError as exc:
+        raise ConfigError("parents", list(parents[:8]), str(exc), "send runtime.tree.TreeShape.parents") from None
+
+
 class TargetVerifier:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
-                 max_block_size: int, idle_timeout_s: float = 120.0) -> None:
+                 max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0) -> None:
+        """``max_tree_nodes``: the widest tree verify allowed (0: none); the cache keeps that many scratch slots past
+        a sequence's committed tokens (else one block's)."""
         self.target, self.tap_layers = target, tap_layers
-        self.max_seq_len = max_seq_len
-        self.cache = target.new_cache(max_sequences, max_seq_len + max_block_size)
+        self.max_seq_len, self.max_tree_nodes = max_seq_len, max_tree_nodes
+        self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
         self.slots = SlotTable(max_sequences, idle_timeout_s)
         self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = self.slots.data
 
@@ -120,22 +136,49 @@ class TargetVerifier:
         self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
         return StartResult(int(first), taps[0] if want_taps else None)
 
-    def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool) -> list[VerifyResult]:
-        """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences."""
+    def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool,
+               parents: tuple[int, ...] | None = None) -> list[VerifyResult]:
+        """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences; with a tree's
+        ``parents`` each block holds every node's token (node 0 the bonus; −1: no token there, never accepted)."""
         require(len({len(b) for b in blocks}) == 1, "blocks", [len(b) for b in blocks], "must share one length")
         rows = torch.tensor([self.slots.get(s) for s in seq_ids])
         ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
         params = [self.sampling[s] for s in seq_ids]
+        if parents is not None:
+            return self._verify_tree(seq_ids, rows, ids, want_taps, tree_topology(tuple(parents)), params)
         positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
         with torch.inference_mode():
             hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
             samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
                                           [g for _, g in params], positions)  # [b, B], [b]
         self.cache.commit(rows, acc + 1)
-        return [
-            VerifyResult(samples[j, : int(acc[j]) + 1].tolist(), taps[j, : int(acc[j]) + 1] if want_taps else None)
-            for j in range(len(seq_ids))
-        ]
+        return self._results(samples, acc, taps if want_taps else None)
+
+    def _verify_tree(self, seq_ids, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
+        require(topology.size <= self.max_tree_nodes, "parents", f"a tree of {topology.size} nodes",
+                f"exceeds the {self.max_tree_nodes} nodes this target_verify keeps room for",
+                "render the repository with --tree (make-repo sizes the cache for its tree)")
+        require(ids.shape[1] == topology.size, "tokens", ids.shape[1],
+                f"must hold one token per tree node ({topology.size})")
+        sampled = [s for s, (p, _) in zip(seq_ids, params) if not p.greedy]
+        require(not sampled, "seq_id", sampled, "samples (temperature > 0): the tree verify is greedy only",
+                "verify one chain for a sampled sequence")
+        committed = self.cache.lengths[rows]
+        with torch.inference_mode():
+            hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
+                                       layout=topology.layout(committed))
+            samples, acc, taken, _ = topology.verify(self.target.logits(hidden).argmax(-1), ids)
+        commit_path(self.cache, rows, committed, taken, acc)
+        self.cache.commit(rows, acc + 1)
+        if want_taps:
+            taps = taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
+        return self._results(samples, acc, taps if want_taps else None)
+
+    @staticmethod
+    def _results(samples: torch.Tensor, acc: torch.Tensor, taps: torch.Tensor | None) -> list[VerifyResult]:
+        accepted = acc.tolist()
+        return [VerifyResult(samples[j, : a + 1].tolist(), taps[j, : a + 1] if taps is not None else None)
+                for j, a in enumerate(accepted)]
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)
@@ -188,10 +231,12 @@ class BlockDrafter:
         self.slots = SlotTable(max_sequences, idle_timeout_s)
 
     def draft(self, seq_ids: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor],
-              bonus: list[int], block_size: int) -> torch.Tensor:  # [b, block_size − 1] drafts
-        """Append each sequence's injected context K/V ([L, T_i, kv, d], T_i may differ), then draft a block."""
+              bonus: list[int], block_size: int, top: int = 1) -> torch.Tensor:  # [b, block_size − 1] drafts
+        """Append each sequence's injected context K/V ([L, T_i, kv, d], T_i may differ), then draft a block: the
+        greedy drafts, or with ``top`` > 1 the ``top`` best tokens of every slot ([b, block_size − 1, top])."""
         require(1 < block_size <= self.drafter.spec.block_size, "block_size", block_size,
                 f"must be in [2, {self.drafter.spec.block_size}] (the drafter's trained block size)")
+        require(1 <= top <= 64, "top", top, "must be in [1, 64] (1: the greedy block)")
         rows = []
         for s, k, v in zip(seq_ids, new_k, new_v):
             if s in self.slots.rows:
@@ -210,7 +255,7 @@ class BlockDrafter:
         with torch.inference_mode():
             return draft_block(torch.tensor(bonus), block_size, self.drafter.spec.mask_token_id,
                                lambda ids: self.head.embed[ids], lambda e: self.drafter.draft(e, self.cache, rows_t),
-                               lambda h: h.to(head.dtype) @ head.T)
+                               lambda h: h.to(head.dtype) @ head.T, top)
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)

@@ -13,7 +13,7 @@ the block size, so it is decoded once per batch) and prints one JSON line per bl
 of the chosen k, draft / verify / overhead seconds); ``auto+ngram`` also lets a step verify a prompt-lookup (n-gram)
 continuation instead of the drafter's block, and ``16+ngram`` does so at a fixed block size wherever the context ends
 in a recurring 2- or 3-gram (``lookup_steps`` counts those row-steps); ``16+tree`` verifies the drafter's block, its
-runner-up tokens at the first slots and the lookup continuation side by side (``runtime.tree``: greedy only;
+runner-up tokens at the first slots and the lookup continuation side by side (``runtime.tree``;
 ``lookup_steps`` then counts the row-steps that kept the lookup's branch). Every batch
 runs all decoders back to back (in reversed order on odd batches), so the ratios are paired even on a shared machine.
 
@@ -39,7 +39,7 @@ import time
 
 AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
 NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
-TREE = "+tree"  # suffix: tree verify, the drafter's block, alternates and lookup together (runtime.tree; greedy)
+TREE = "+tree"  # suffix: tree verify, the drafter's block, alternates and lookup together (runtime.tree)
 
 
 def block_label(text: str) -> int | str:

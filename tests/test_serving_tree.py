@@ -55,8 +55,7 @@ def _engines(tiny_dirs, tiny_models, fam, shape, rows=2):
 @pytest.mark.parametrize("fam, block_size", [("qwen3", 16), ("llama", 8)])
 def test_loop_tree_steps_equal_the_decoders(tiny_dirs, tiny_models, fam, block_size):
     """Over the step engines the loop's tree steps give the in-process tree decoder's tokens and step lengths (both
-    the target's greedy output); a sampled request on the same loop verifies one chain and gets the chain loop's
-    output."""
+    the target's greedy output); sampled, the autoregressive sampled output with the same seed."""
     target, drafter = tiny_models[fam]
     shape = tree_for(block_size - 1)
     prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]]
@@ -77,17 +76,17 @@ def test_loop_tree_steps_equal_the_decoders(tiny_dirs, tiny_models, fam, block_s
         assert all(k == shape.k for u in updates for k in u.draft_lengths)
     assert not steps.verifier.slots.rows and not steps.drafter.slots.rows
 
-    sampled = GenerateRequest(tuple(prompts[0]), 24, SamplingParams(temperature=0.9, seed=4), (), False)
-    outs = []
-    for tree in (shape, None):
-        got = []
+    sampling = SamplingParams(temperature=0.9, seed=4)
+    want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompts[0]), 24, sampling=sampling)])[0]
+    got = []
 
-        async def keep(u):
-            got.append(u)
+    async def keep(u):
+        got.append(u)
 
-        asyncio.run(run_generation(steps, sampled, block_size, 5, keep, ngram=True, tree=tree))
-        outs.append(got[-1].tokens)
-    assert outs[0] == outs[1] and len(outs[0]) == 24
+    asyncio.run(run_generation(steps, GenerateRequest(tuple(prompts[0]), 24, sampling, (), False), block_size, 5,
+                               keep, ngram=True, tree=shape))
+    assert got[-1].tokens == list(want.token_ids)
+    assert all(k == shape.k for k in got[-1].draft_lengths)
 
 
 def test_a_batched_tree_verify_equals_each_row_alone(tiny_dirs, tiny_models):
@@ -127,9 +126,6 @@ def test_the_tree_verify_names_what_it_refuses(tiny_dirs, tiny_models):
     small = tree_for(3)
     with pytest.raises(ConfigError, match=f"tokens=4: must hold one token per tree node \\({small.size}\\)"):
         v.verify([1], [[5] * 4], False, tuple(small.parents))
-    v.start(2, [5, 6, 7], SamplingParams(temperature=0.7, seed=1), want_taps=False)
-    with pytest.raises(ConfigError, match=r"seq_id=\[2\]: samples .* greedy only"):
-        v.verify([2], [[5] * small.size], False, tuple(small.parents))
 
 
 def test_make_repo_tree(tiny_dirs, tmp_path, capsys):
@@ -178,7 +174,8 @@ def tree_server(smollm2, tmp_path_factory):
 def test_triton_tree_equals_the_in_process_tree(tree_server, smollm2):
     """Through the real server (gRPC streams, coalesced tree verifies of concurrent sequences) the tree repository's
     output and every step's length are the in-process tree decoder's with the same datastore, and the target's
-    greedy output; a sampled request is served too; a malformed tree is refused by name and the server goes on."""
+    greedy output; a sampled request gives the autoregressive sampled output with its seed; a malformed tree is
+    refused by name and the server goes on."""
     pytest.importorskip("tritonclient.grpc")
     import tritonclient.grpc as grpcclient
 
@@ -211,7 +208,10 @@ def test_triton_tree_equals_the_in_process_tree(tree_server, smollm2):
             th.join(timeout=600)
         for rid, r in zip(rids, tree):
             assert finals[rid].output_ids == list(r.token_ids)
-        assert len(client.generate("dflash", GenerateParams(PROMPTS[1], 16, temperature=0.8, seed=2)).token_ids) == 16
+        sampled = client.generate("dflash", GenerateParams(PROMPTS[1], 16, temperature=0.8, seed=2))
+        want = SpeculativeDecoder(target, None, 1).generate([dataclasses.replace(
+            reqs[1], max_new_tokens=16, sampling=SamplingParams(temperature=0.8, seed=2))])[0]
+        assert sampled.token_ids == list(want.token_ids)
 
     c = grpcclient.InferenceServerClient(tree_server.grpc_url)
     inputs = []

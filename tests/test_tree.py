@@ -174,17 +174,21 @@ def test_each_path_computes_what_verifying_it_alone_computes(tmp_path, shape):
         torch.testing.assert_close(taps[:, path], alone_taps, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_size):
-    """Every branch gets oracle proposals (the greedy continuation, each token wrong with probability 0.4, drawn
-    independently; a wrong first choice has the right token among the runner-ups half the time), so any branch, or
-    none, is the longest; the output must be the target's greedy."""
+def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_size, temperature):
+    """Every branch gets oracle proposals (the target's own continuation — greedy, or sampled autoregressively with
+    the requests' seed — each token wrong with probability 0.4, drawn independently; a wrong first choice has the
+    right token among the runner-ups half the time), so any branch, or none, is the longest; the output must be the
+    target's autoregressive output, token for token."""
     tdir, ddir = make_tiny_pair(tmp_path_factory.mktemp(f"t{seed}"), "llama" if seed else "qwen3", seed=seed)
     target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (6, 13, 3)]
-    ref = greedy_reference(target, prompts, 40)
+    sampling = SamplingParams(temperature, top_p=0.95, seed=seed + 7)
+    ar = SpeculativeDecoder(target, None, 1)
+    ref = [ar.generate([Request(tuple(p), 40, sampling=sampling)])[0].token_ids for p in prompts]
     by_context = {tuple(p): r for p, r in zip(prompts, ref)}
 
     def oracle_chains(shape, context, datastore=None):  # each of the shape's lookup chains proposed with probability 0.7
@@ -222,7 +226,7 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     first_chain = {n for n in lookup_nodes if shape.nodes[n][2][2] == 0}
     grafted = {n for n in lookup_nodes if shape.nodes[n][2][2] >= shape.lookup}
     assert shape.grafts and grafted
-    out = dec.generate([Request(tuple(p), 40) for p in prompts])
+    out = dec.generate([Request(tuple(p), 40, sampling=sampling) for p in prompts])
     assert [r.token_ids for r in out] == ref
     taus = [t for r in out for t in r.acceptance_lengths]
     assert max(taus) <= block_size and sum(r.lookup_steps for r in out) > 0
@@ -233,14 +237,20 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     assert [p for p in kept_nodes if set(p) & grafted], "some steps should keep a grafted chain"
 
 
-def test_tree_needs_a_fixed_block_and_greedy_requests(tiny_models):
+def test_tree_needs_a_fixed_block_and_samples_as_autoregressive_decoding(tiny_models):
+    """Sampled, the tree's output is the autoregressive sampled output with the same seed (each node's sample comes
+    from its position's noise), whatever the batch."""
     target, drafter = tiny_models["llama"]
     with pytest.raises(ConfigError, match="fixed block size"):
         SpeculativeDecoder(target, drafter, "auto", tree=True)
     dec = SpeculativeDecoder(target, drafter, 8, tree=True)
     assert dec.ngram
-    with pytest.raises(ConfigError, match="greedy only"):
-        dec.generate([Request((5, 6, 7), 4, sampling=SamplingParams(temperature=0.8, seed=1))])
+    reqs = [Request((5, 6, 7, 5, 6, 7, 5), 32, sampling=SamplingParams(temperature=t, top_k=k, seed=s))
+            for t, k, s in ((0.8, 0, 1), (1.2, 20, 2), (0.0, 0, 0))]
+    ar = SpeculativeDecoder(target, None, 1)
+    want = [ar.generate([r])[0].token_ids for r in reqs]
+    assert [r.token_ids for r in dec.generate(reqs)] == want
+    assert [dec.generate([r])[0].token_ids for r in reqs] == want
 
 
 def test_tree_without_lookup_and_a_shape_for_another_block_size(tiny_models):

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
     add_sampling_arguments(parser)
     parser.add_argument("--tree", action="store_true",
-                        help="tree verify (greedy, a fixed block size): the drafter's block, its runner-up tokens at "
+                        help="tree verify (a fixed block size; greedy or sampled): the drafter's block, its runner-up tokens at "
                              "the first slots and prompt lookup's proposals (not under --no-ngram), also after "
                              "its first draft, checked in one target forward, the longest accepted path kept. More "
                              "tokens per step for a "

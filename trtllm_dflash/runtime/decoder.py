@@ -149,7 +149,7 @@ class SpeculativeDecoder:
         instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
         verify step does not care where a proposal came from.
 
-        ``tree`` (implies ``ngram`` unless its shape has no lookup chain; a fixed block size, greedy requests): every
+        ``tree`` (implies ``ngram`` unless its shape has no lookup chain; a fixed block size; greedy or sampled): every
         row drafts, and verifies its block, the drafter's runner-up tokens at the first slots and prompt lookup's
         proposals (``runtime.tree.lookup_chains``) side by side in one forward, keeping the longest accepted path
         (``runtime.tree``; True: ``TreeShape.for_block(B − 1)``, or a ``TreeShape``). ``datastore``
@@ -251,9 +251,6 @@ class SpeculativeDecoder:
             _Seq(r, None if r.sampling.greedy else torch.Generator().manual_seed(r.sampling.seed)) for r in requests
         ]
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests], device=dev)  # [n]
-        if self.tree:
-            require(all(r.sampling.greedy for r in requests), "temperature", "> 0",
-                    "the tree verify is greedy only", "use a plain or +ngram block size to sample")
         # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (self.tree.size if self.tree else bsz)
         tcache = self.target.new_cache(n, max_len)
@@ -420,7 +417,9 @@ class SpeculativeDecoder:
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
                                    layout=shape.layout(committed))
-        samples, acc, taken, best = shape.verify(self.target.logits(hidden).argmax(-1), tokens)
+        preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].request.sampling for i in active],
+                                       [seqs[i].generator for i in active], committed)
+        samples, acc, taken, best = shape.verify(preds, tokens)
         commit_path(tcache, rows, committed, taken, acc)
         for j in shape.tables(dev)["from_lookup"][best].nonzero()[:, 0].tolist():
             seqs[active[j]].lookup_steps += 1

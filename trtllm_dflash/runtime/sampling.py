@@ -74,6 +74,8 @@ def target_samples(
     params: list[SamplingParams],  # [b]
     generators: list[torch.Generator | None],  # [b]; None for greedy rows
     positions: torch.Tensor | None = None,  # [b] absolute position of the token slot 0 predicts; None = sequential
+    offsets: list[int] | None = None,  # [S] with positions: slot s predicts position positions + offsets[s] (a tree's
+    # node depths); None: + s
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
@@ -85,8 +87,9 @@ def target_samples(
                 out[row] = torch.multinomial(probs, 1, generator=generators[row]).squeeze(-1).to(out.device)
             else:
                 start = int(positions[row])
+                at = range(probs.shape[0]) if offsets is None else offsets
                 out[row] = torch.tensor([int(torch.multinomial(probs[s], 1, generator=slot_generator(
-                    generators[row], start + s))) for s in range(probs.shape[0])], device=out.device)
+                    generators[row], start + o))) for s, o in enumerate(at)], device=out.device)
     return out
 
 

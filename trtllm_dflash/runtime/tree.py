@@ -15,8 +15,11 @@ The tree is static (``TreeShape``): the same nodes for every row and step, only 
 the last emitted token; every other node has a parent and a depth, and a row with committed length L writes node n's
 K/V at slot L + n, at RoPE position L + depth(n). A node sees the cache, and of the step's nodes only its ancestors and
 itself: its hidden state is what a verify of its own chain alone computes (up to the summation order of the masked
-attention), so the step is as lossless as a one-chain verify. Greedy only: accepting among several proposals under
-sampling needs a different rule.
+attention), so the step is as lossless as a one-chain verify. Under sampling each node's target token is drawn from
+the noise of the position it predicts (``sampling.slot_generator``: keyed by the sequence's seed and the absolute
+position, whatever the prefix), so a node's sample is the token an autoregressive step after its path would draw; a
+node is accepted where its token is its parent's sample, and the kept path's tokens are exactly the autoregressive
+sampled ones — lossless at any temperature, token-identical to block-size-1 sampling with the same seed.
 
 With no alternates the tree is the two-branch verify [x, d_1..d_K, l_1..l_K]:
 
@@ -37,6 +40,7 @@ import torch
 
 from trtllm_dflash.runtime.adaptive import held, ngram_candidates
 from trtllm_dflash.runtime.datastore import Datastore
+from trtllm_dflash.runtime.sampling import target_samples
 
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
 # (``perf/tree_shapes.py``: first 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the
@@ -121,6 +125,12 @@ class Topology:
             out.append(path + [n] * (self.k + 1 - len(path)))
         return out
 
+    def samples(self, logits: torch.Tensor, params, generators, lengths: torch.Tensor) -> torch.Tensor:
+        """The target's token after every node [b, N] from the verify's ``logits`` [b, N, V], for rows with committed
+        ``lengths`` [b]: the argmax for greedy rows; for sampled rows (``sampling.SamplingParams``, a generator each)
+        a draw from the noise of the position node n predicts, lengths + 1 + depth(n)."""
+        return target_samples(logits, params, generators, lengths + 1, self.depths)
+
     def tables(self, device) -> dict[str, torch.Tensor]:
         """The index tables on ``device`` (made once per device: a step reuses them)."""
         return _tables(self, str(device))
@@ -138,7 +148,7 @@ class Topology:
     def accept(self, tokens: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The deepest node whose path is all accepted (ties: the lowest index, so the main chain before alternates
         before lookup) and its depth, each [b]. ``expected`` [b, N]: the token node n must be for its path to go on
-        (greedy verify: the target's token after its parent; a replay: the known output at its depth)."""
+        (a verify: the target's token after its parent, greedy or sampled; a replay: the known output at its depth)."""
         t, n = self.tables(tokens.device), self.size
         ok = (tokens == expected) | (t["nodes"] == 0)  # [b, N]; x is always there
         on_path = ok[:, t["paths"]].all(-1)  # [b, N]: every node from x down to n accepted
@@ -148,7 +158,8 @@ class Topology:
 
     def verify(self, preds: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                          torch.Tensor]:
-        """Greedy acceptance from the target's token after every node ``preds`` [b, N]. Returns ``samples``
+        """Acceptance from the target's token after every node ``preds`` [b, N] (its argmax, or its sample from the
+        noise of the position the node predicts: ``Topology.samples``). Returns ``samples``
         [b, K + 1] (the kept path's accepted tokens, then the target's bonus token at index ``acc``), ``acc`` [b],
         ``taken`` [b, K + 1] (the path's nodes: their taps, and where their K/V are) and ``best`` [b]."""
         t = self.tables(preds.device)

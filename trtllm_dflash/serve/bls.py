@@ -244,7 +244,7 @@ def load_policy(path: str):
 
 
 def load_tree(params: dict[str, str], block_size, ngram: bool):
-    """The tree a dflash loop verifies greedy requests with (``tree: on``; the same ``runtime.tree.tree_for`` shape
+    """The tree a dflash loop verifies with (``tree: on``; the same ``runtime.tree.tree_for`` shape
     make-repo sized target_verify's cache for) and its retrieval datastore; (None, None) without one."""
     if params.get("tree", "off") != "on":
         return None, None

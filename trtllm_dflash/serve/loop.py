@@ -13,11 +13,11 @@ verify is a plain autoregressive step), and the step's draft / verify / other ti
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
 
-With a ``tree`` (``runtime.tree.TreeShape``, greedy requests at a fixed block size) a step drafts the drafter's top
+With a ``tree`` (``runtime.tree.TreeShape``, a fixed block size) a step drafts the drafter's top
 choices per slot, makes the lookup chains' proposals here (prompt lookup, a retrieval ``datastore``, and the grafted
 chains after the main chain's first draft), and verifies every node of the tree in one ``target_verify`` call, which
-keeps the longest accepted path: the in-process decoder's tree step (``runtime.decoder``), token for token. A sampled
-request on such a loop verifies one chain per step as without the tree.
+keeps the longest accepted path: the in-process decoder's tree step (``runtime.decoder``), token for token, greedy or
+sampled (each node's sample drawn from its position's noise, ``runtime.tree``).
 """
 
 from __future__ import annotations
@@ -99,14 +99,13 @@ async def run_generation(
     ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
     ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
     continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
-    ``tree`` (k = block_size − 1) with an optional ``datastore``: greedy requests take tree steps (module docstring).
+    ``tree`` (k = block_size − 1) with an optional ``datastore``: every step is a tree step (module docstring).
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
         raise ValueError("block_size 'auto' needs a policy")
     if tree is not None and (adaptive or tree.k != block_size - 1):
         raise ValueError(f"a tree with k = {tree.k} needs the fixed block size {tree.k + 1}, not {block_size}")
-    tree = tree if req.sampling.greedy else None
     want_taps = adaptive or block_size > 1
     state = policy.new_sequence() if adaptive else None
     holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens

@@ -95,7 +95,7 @@ class RepoConfig:
     max_block_size: int | None = None  # block_size "auto": the longest block (default: the drafter's)
     ngram: bool = False  # dflash also verifies prompt-lookup continuations (runtime.decoder's ``ngram``)
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
-    tree: bool = False  # dflash verifies a tree per step for greedy requests (runtime.tree; torch backend)
+    tree: bool = False  # dflash verifies a tree per step (runtime.tree; torch backend)
     datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
 
     @property

@@ -4,7 +4,7 @@
                     first token; ``verify`` runs [bonus, d_1..d_{B−1}] for a batch of sequences in one forward,
                     samples, accepts (runtime.sampling) and commits τ tokens, returning their taps; given a tree's
                     ``parents`` it verifies every node of the tree instead and commits the longest accepted path
-                    (runtime.tree, greedy only).
+                    (runtime.tree).
 ``KVInjector``      stateless: taps -> per-layer context K/V (drafter.context_kv).
 ``BlockDrafter``    stateful: one drafter context-cache row per live sequence. ``draft`` appends the injected K/V and
                     runs one non-causal block forward per batch of sequences -> drafts (greedy, target LM head; or
@@ -160,14 +160,13 @@ class TargetVerifier:
                 "render the repository with --tree (make-repo sizes the cache for its tree)")
         require(ids.shape[1] == topology.size, "tokens", ids.shape[1],
                 f"must hold one token per tree node ({topology.size})")
-        sampled = [s for s, (p, _) in zip(seq_ids, params) if not p.greedy]
-        require(not sampled, "seq_id", sampled, "samples (temperature > 0): the tree verify is greedy only",
-                "verify one chain for a sampled sequence")
         committed = self.cache.lengths[rows]
         with torch.inference_mode():
             hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                        layout=topology.layout(committed))
-            samples, acc, taken, _ = topology.verify(self.target.logits(hidden).argmax(-1), ids)
+            preds = topology.samples(self.target.logits(hidden), [p for p, _ in params], [g for _, g in params],
+                                     committed)
+            samples, acc, taken, _ = topology.verify(preds, ids)
         commit_path(self.cache, rows, committed, taken, acc)
         self.cache.commit(rows, acc + 1)
         if want_taps:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """In-process benchmark of the speculative decoder: autoregressive (block size 1) vs DFlash on the same prompts.
 
-Each prompt is decoded (greedy) twice in this one process: once by the baseline (the same loop with block size 1) and
-once with DFlash. The outputs must be token-identical (``lossless``). Throughput is new tokens over wall-clock time
+Each prompt is decoded (greedy, or sampled with ``--temperature`` and one seed for every decoder) twice in this one
+process: once by the baseline (the same loop with block size 1) and once with DFlash. The outputs must be
+token-identical (``lossless``; sampled steps draw each position's token from that position's noise). Throughput is new tokens over wall-clock time
 including prefill, summed over prompts.
 
     python perf/bench_runtime.py --dataset humaneval --limit 20 --block-size 16 --max-new-tokens 256 --json
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: the drafter's)")
     p.add_argument("--max-block-size", type=int, default=None, help="longest block for auto (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0: every decoder samples with the same seed, and lossless means "
+                        "token-identical to autoregressive sampling with it")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: 0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: 1.0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature: every request's seed (default 0)")
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
     if args.threads:
@@ -122,6 +130,8 @@ def main(argv=None) -> int:
                                      datastore=args.datastore)
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling.validate("--")
 
     ms, tokens = collections.Counter(), collections.Counter()
     taus: dict[int | str, list[int]] = {b: [] for b in blocks}
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
     mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     if args.warmup_tokens > 0 and batches:
-        warm = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.warmup_tokens, stop_token_ids=stops)
+        warm = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.warmup_tokens, sampling, stops)
                 for p in batches[0]]
         for dec in decoders.values():
             dec.generate(warm)
@@ -139,7 +149,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(prompts), desc=f"{args.dataset} B={args.block_size or blocks[0]} batch={args.batch_size}",
                file=sys.stderr, disable=None)
     for bi, batch in enumerate(batches):
-        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
+        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, sampling, stops)
                 for p in batch]
         outs = {}
         order = list(decoders.items())  # forward on even batches, reversed on odd: a drifting load hits both ends
@@ -170,6 +180,8 @@ def main(argv=None) -> int:
             "block_size": b,
             "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens,
+            **({"sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                             "seed": args.seed}} if not sampling.greedy else {}),
             "ar_tokens_per_second": round(ar_tps, 3),
             "dflash_tokens_per_second": round(df_tps, 3),
             "speedup": round(df_tps / ar_tps, 3),

@@ -53,12 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=24, help="prompts per dataset for dflash_vs_ar")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-sizes", default="16,8,16+ngram,16+tree", help="comma list for bench_runtime --block-size")
-    p.add_argument("--steps", default="env,kernel_tests,parity,overhead,bench_kernels,bench_gpu,dflash_vs_ar")
+    p.add_argument("--steps",
+                   default="env,kernel_tests,parity,overhead,bench_kernels,bench_gpu,dflash_vs_ar,verify_cost")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     p.add_argument("--commit", default=None)
     p.add_argument("--export-prompts", metavar="DIR", help="write the prompt files here and exit")
     args = p.parse_args(argv)
-    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar"}
+    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar", "verify_cost"}
     args.steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in args.steps if s not in known]
     if bad:
@@ -251,9 +252,23 @@ def step_overhead(args, log) -> dict:
     return {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
 
 
+def step_verify_cost(args, log) -> dict:
+    """perf/verify_cost.py on the real target: what a verify of n consecutive tokens and of the decoder's trees (B = 16
+    and 8, with and without the datastore's chain) costs against one autoregressive step, at batch 1 and 8 — how wide
+    a verify may be on this device before it costs more than the tokens it gains."""
+    if not args.target:
+        return {"skipped": "needs --target"}
+    cuda = args.device == "cuda"
+    out = run([sys.executable, "perf/verify_cost.py", "--target", str(args.target), "--device", args.device,
+               "--dtype", "bfloat16" if cuda else "float32", "--sizes", "1,16,32,64,128,256" if cuda else "1,16",
+               "--trees", "15,7" if cuda else "7", "--batch", "1,8" if cuda else "1", "--context", "256",
+               "--repeats", "10" if cuda else "2"], log, 240)
+    return {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
+
+
 STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity, "overhead": step_overhead,
          "bench_kernels": step_bench("perf/bench_kernels.py", []), "bench_gpu": step_bench_gpu,
-         "dflash_vs_ar": step_dflash_vs_ar}
+         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost}
 
 
 def main(argv=None) -> int:

@@ -6,8 +6,12 @@ rows (exactly a verify step; n = 1 is an autoregressive step), median of --repea
 it, the floors: compute (2 · params · n multiply-adds at the measured GEMM rate of this device, same dtype and threads)
 and memory (every weight read once at the measured copy bandwidth). The ratio verify(n) / step(1) the runtime gets is
 then compared with the ratio of the floors: where measured ≫ floor, the runtime is the cause, not the machine.
+``--trees K,...`` also times the decoder's tree verifies for K drafts per chain (``runtime.tree.tree_for``, with and
+without the datastore's chain: their node count under the tree mask), and ``--batch 1,8`` repeats everything with
+that many sequences verified together (a GPU lease reads how wide a verify may be before it costs more than a step).
 
     python perf/verify_cost.py --dtype float32,bfloat16 --threads 1 --out perf/results/adaptive/verify-cost.json
+    python perf/verify_cost.py --device cuda --dtype bfloat16 --sizes 1,16,32,64,128,256 --trees 15,7 --batch 1,8
 """
 
 from __future__ import annotations
@@ -27,41 +31,54 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trtllm_dflash.runtime.adaptive import timed  # noqa: E402  (after the path insert)
 
 
-def gemm_rate(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536, repeats: int = 20) -> float:
+def _sync(device: str):
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def gemm_rate(dtype: torch.dtype, m: int = 256, k: int = 576, n: int = 1536, repeats: int = 20,
+              device: str = "cpu") -> float:
     """FLOP/s of one [m, k] x [k, n] matmul, the shape of a verify's MLP projection."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     a @ b
-    return 2 * m * k * n / min(timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * m * k * n / min(timed(lambda: a @ b, _sync(device)) for _ in range(repeats))
 
 
-def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+def copy_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s read + written by one large tensor copy (each byte counted once: the read)."""
-    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32).fill_(1.0)
+    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    best = min(timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    best = min(timed(lambda: dst.copy_(src), _sync(device)) for _ in range(repeats))
     return src.numel() * 4 / best
 
 
 @torch.inference_mode()
-def measure(target, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
-    cache = target.new_cache(1, context + max(sizes) + 1)
+def measure(target, sizes: list, context: int, repeats: int, batch: int = 1) -> dict:
+    """Median seconds of a verify per size: an int n is n consecutive tokens (n = 1: an autoregressive step), a
+    ``runtime.tree.Topology`` its nodes under the tree mask; ``batch`` sequences at a time."""
+    widths = [s if isinstance(s, int) else s.size for s in sizes]
+    dev = target.device
+    cache = target.new_cache(batch, context + max(widths) + 1)
     vocab = target.spec.vocab_size
-    ids = torch.randint(0, vocab, (1, context))
-    target(ids, cache)
-    cache.commit(None, torch.tensor([context]))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    target(torch.randint(0, vocab, (batch, context), device=dev), cache)
+    committed = torch.full((batch,), context, device=dev)
+    cache.commit(None, committed)
+    sync = _sync(str(dev))
+    times: dict = {s: [] for s in sizes}
     for r in range(repeats + 1):
-        for n in sizes if r % 2 == 0 else reversed(sizes):
-            x = torch.randint(0, vocab, (1, n))
+        for s, n in (zip(sizes, widths) if r % 2 == 0 else reversed(list(zip(sizes, widths)))):
+            x = torch.randint(0, vocab, (batch, n), device=dev)
+            layout = None if isinstance(s, int) else s.layout(committed)
+            sync()
             t = time.perf_counter()
-            hidden, _ = target(x, cache)
-            target.logits(hidden[0])
+            hidden, _ = target(x, cache, layout=layout)
+            target.logits(hidden)
+            sync()
             dt = time.perf_counter() - t
-            cache.crop(None, torch.tensor([context]))  # the verify is rolled back: same context every time
+            cache.crop(None, committed)  # the verify is rolled back: same context every time
             if r:
-                times[n].append(dt)
-    return {n: statistics.median(v) for n, v in times.items()}
+                times[s].append(dt)
+    return {s: statistics.median(v) for s, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -72,33 +89,52 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="1,2,3,4,8,16")
     p.add_argument("--context", type=int, default=256, help="committed tokens before the verify")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--trees", default="",
+                   help="comma list of K: also time the decoder's trees for K drafts per chain (with and without "
+                        "the datastore's chain), e.g. 15,7")
+    p.add_argument("--batch", default="1", help="comma list of sequences verified together (default 1)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.runtime.tree import tree_for
 
     torch.set_num_threads(args.threads)
     target_dir = args.target or prepare_demo_assets()["target"]
     sizes = [int(s) for s in args.sizes.split(",")]
-    bandwidth = copy_bandwidth()
+    if 1 not in sizes:
+        sizes.insert(0, 1)  # the autoregressive step every ratio is against
+    trees = {f"tree k={k}{' + datastore' if ds else ''}": tree_for(k, True, ds).topology
+             for k in (int(x) for x in args.trees.split(",") if x) for ds in (False, True)}
+    bandwidth = copy_bandwidth(device=args.device)
     res = {"machine": f"{os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads",
+           "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "context": args.context, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "dtypes": {}}
     for name in args.dtype.split(","):
         dtype = getattr(torch, name)
-        target = TargetModel.from_pretrained(target_dir, dtype=dtype)
+        target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=args.device)
         params = sum(p.numel() for p in target.parameters())  # tied embedding/LM head counted once: it is read once
-        rate = gemm_rate(dtype)
-        got = measure(target, sizes, args.context, args.repeats)
+        rate = gemm_rate(dtype, device=args.device)
         size = torch.finfo(dtype).bits // 8
-        floor = {n: max(2 * params * n / rate, params * size / bandwidth) for n in sizes}
-        res["dtypes"][name] = {
-            "params": params, "gemm_gflop_s": round(rate / 1e9, 1),
-            "ms": {n: round(got[n] * 1e3, 2) for n in sizes},
-            "floor_ms": {n: round(floor[n] * 1e3, 2) for n in sizes},
-            "ratio_to_step1": {n: round(got[n] / got[1], 3) for n in sizes},
-            "floor_ratio_to_step1": {n: round(floor[n] / floor[1], 3) for n in sizes},
-            "efficiency": {n: round(floor[n] / got[n], 3) for n in sizes},
-        }
+        per_batch = {}
+        for batch in (int(b) for b in args.batch.split(",")):
+            got = measure(target, sizes + list(trees.values()), args.context, args.repeats, batch)
+            floor = {n: max(2 * params * n * batch / rate, params * size / bandwidth) for n in sizes}
+            per_batch[batch] = {
+                "ms": {n: round(got[n] * 1e3, 2) for n in sizes},
+                "floor_ms": {n: round(floor[n] * 1e3, 2) for n in sizes},
+                "ratio_to_step1": {n: round(got[n] / got[1], 3) for n in sizes},
+                "floor_ratio_to_step1": {n: round(floor[n] / floor[1], 3) for n in sizes},
+                "efficiency": {n: round(floor[n] / got[n], 3) for n in sizes},
+                **({"trees": {label: {"nodes": t.size, "ms": round(got[t] * 1e3, 2),
+                                      "ratio_to_step1": round(got[t] / got[1], 3)} for label, t in trees.items()}}
+                   if trees else {}),
+            }
+        # the first --batch at the top level (the document's shape before --batch), the others under "batch"
+        first = int(args.batch.split(",")[0])
+        res["dtypes"][name] = {"params": params, "gemm_gflop_s": round(rate / 1e9, 1), "batch_size": first,
+                               **per_batch.pop(first), **({"batch": per_batch} if per_batch else {})}
         print(json.dumps({name: res["dtypes"][name]}), file=sys.stderr)
     text = json.dumps(res, indent=1) + "\n"
     print(text, end="")

@@ -43,6 +43,9 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     for r in runs:
         (line,) = r["results"]
         assert r["exit"] == 0 and line["lossless"] and line["num_prompts"] == 2 and line["dtype"] == "float32"
+    cost = report["verify_cost"]
+    assert cost["exit"] == 0 and cost["results"]["device"] == "cpu"
+    assert len(cost["results"]["dtypes"]["float32"]["trees"]) == 2  # B = 8's tree with and without the datastore
     assert json.loads(run.stdout.splitlines()[-1])["failed_steps"] == []
 
 

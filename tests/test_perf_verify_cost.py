@@ -17,7 +17,8 @@ def test_verify_cost_reports_ratios_and_floors(tmp_path):
     tdir, _ = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
     out = tmp_path / "cost.json"
     r = subprocess.run([sys.executable, str(REPO / "perf" / "verify_cost.py"), "--target", str(tdir), "--dtype",
-                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--out", str(out)],
+                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--trees", "3", "--batch", "1,2",
+                        "--out", str(out)],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]
@@ -26,4 +27,9 @@ def test_verify_cost_reports_ratios_and_floors(tmp_path):
     d = doc["dtypes"]["float32"]
     assert set(d["ms"]) == {"1", "4"} and all(v > 0 for v in d["ms"].values())
     assert d["ratio_to_step1"]["1"] == 1.0 and d["floor_ratio_to_step1"]["4"] >= 1.0
-    assert doc["copy_bandwidth_gb_s"] > 0 and d["gemm_gflop_s"] > 0
+    assert doc["copy_bandwidth_gb_s"] > 0 and d["gemm_gflop_s"] > 0 and doc["device"] == "cpu"
+    from trtllm_dflash.runtime.tree import tree_for
+
+    for part in (d, d["batch"]["2"]):  # the decoder's trees for k = 3, under their tree mask, at batch 1 and 2
+        assert {t["nodes"] for t in part["trees"].values()} == {tree_for(3).size, tree_for(3, True, True).size}
+        assert all(t["ms"] > 0 and t["ratio_to_step1"] > 0 for t in part["trees"].values())

@@ -145,7 +145,7 @@ class TargetVerifier:
         ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
         params = [self.sampling[s] for s in seq_ids]
         if parents is not None:
-            return self._verify_tree(seq_ids, rows, ids, want_taps, tree_topology(tuple(parents)), params)
+            return self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
         positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
         with torch.inference_mode():
             hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
@@ -154,7 +154,7 @@ class TargetVerifier:
         self.cache.commit(rows, acc + 1)
         return self._results(samples, acc, taps if want_taps else None)
 
-    def _verify_tree(self, seq_ids, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
+    def _verify_tree(self, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
         require(topology.size <= self.max_tree_nodes, "parents", f"a tree of {topology.size} nodes",
                 f"exceeds the {self.max_tree_nodes} nodes this target_verify keeps room for",
                 "render the repository with --tree (make-repo sizes the cache for its tree)")

@@ -9,7 +9,8 @@ machine hits both alike): in-process, one ``generate`` call over all C requests;
 prompt each over their own gRPC streams. Reports tokens/s of both per round, their ratio per round and overall, and
 how many Triton outputs equal the in-process ones, and the step coalescer's sequence rows per step-model call over
 the Triton runs. Starts its own server (demo assets unless --target/--drafter); --no-coalesce, --queue-delay-us,
---torch-threads, --instances and --io-nice render it with those make-repo options (the cheap knobs).
+--torch-threads, --instances and --io-nice render it with those make-repo options (the cheap knobs); --tree renders
+`make-repo --tree` (with the drafter directory's datastore) and decodes in-process with the same tree.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--instances", type=int, default=None)
     p.add_argument("--io-nice", type=int, default=None)
+    p.add_argument("--tree", action="store_true", help="dflash verifies the decoder's tree (make-repo --tree)")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -83,12 +85,16 @@ def main(argv=None) -> int:
         assets = prepare_demo_assets()
         args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
     texts = [p.text for p in load_prompts(args.dataset, args.concurrency)]
-    decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size)
+    decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size, args.tree, args.tree)
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "dataset": args.dataset,
-              "block_size": args.block_size, "rounds": args.rounds, "models": {}}
+              "block_size": args.block_size, "tree": args.tree, "rounds": args.rounds, "models": {}}
     knobs = {k: getattr(args, k) for k in ("coalesce", "queue_delay_us", "torch_threads", "instances", "io_nice")
              if getattr(args, k) is not None}
     result["repo_options"] = knobs
+    if args.tree:
+        from trtllm_dflash.commands.serving import repo_datastore
+
+        knobs = {**knobs, "ngram": True, "tree": True, "datastore": repo_datastore("auto", args.drafter, True)}
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=args.block_size, max_seq_len=1024,
                                     max_sequences=args.concurrency + 2, **knobs), Path(tmp) / "repo")

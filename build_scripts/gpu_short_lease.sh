@@ -12,10 +12,10 @@
 # training_config.json and status.json: `gpu_train_drafter.sh merge --parts` takes it) and session.tgz (this
 # script's log and both gpu_session runs). LEASE_CHECKS: the correctness steps (default env,kernel_tests,parity);
 # LEASE_TIMED: the timed steps (default dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu; empty: none, and
-# the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under /tmp/dflash-gpu, and
-# runs them with perf/gpu_session.py itself); LEASE_BLOCK_SIZES, LEASE_LIMIT: dflash_vs_ar's --block-sizes
-# (16,8,16+ngram,16+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts (.gpu/prompts, from its
-# --export-prompts); PYTHON, LEASE_DEVICE: the CPU rehearsal's.
+# the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under
+# /tmp/dflash-gpu, and runs them with perf/gpu_session.py itself); LEASE_BLOCK_SIZES, LEASE_LIMIT: dflash_vs_ar's
+# --block-sizes (16,8,16+ngram,16+tree,auto+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
+# (.gpu/prompts, from its --export-prompts); PYTHON, LEASE_DEVICE: the CPU rehearsal's.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 budget=$1 commit=$2
@@ -51,7 +51,7 @@ echo "lease: timed steps with $drafter, $rem s left"
 if ((rem > 40)) && [[ -n $timed ]]; then
     timeout -s INT "$rem" "$py" perf/gpu_session.py --device "$device" --out "$logs/timed" --prompts "$prompts" \
         --target "$home/target" --drafter "$drafter" --steps "$timed" \
-        --block-sizes "${LEASE_BLOCK_SIZES:-16,8,16+ngram,16+tree}" --limit "${LEASE_LIMIT:-8}" \
+        --block-sizes "${LEASE_BLOCK_SIZES:-16,8,16+ngram,16+tree,auto+tree}" --limit "${LEASE_LIMIT:-8}" \
         --budget-s $((rem - 75)) \
         --commit "$commit"
 fi

@@ -38,17 +38,18 @@ import sys
 import time
 
 
-AUTOS = ("auto", "auto+ngram")  # adaptive k with drafter blocks only / also with prompt-lookup continuations
+# adaptive k with drafter blocks only / also with prompt-lookup continuations / also with tree steps where they pay
+AUTOS = ("auto", "auto+ngram", "auto+tree")
 NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
 TREE = "+tree"  # suffix: tree verify, the drafter's block, alternates and lookup together (runtime.tree)
 
 
 def block_label(text: str) -> int | str:
-    """One --block-size item: "auto", "auto+ngram", an integer >= 2 (as int), "N+ngram" or "N+tree"; ValueError
-    otherwise."""
-    base = text.removesuffix(NGRAM)
-    if base == "auto":
+    """One --block-size item: "auto", "auto+ngram", "auto+tree", an integer >= 2 (as int), "N+ngram" or "N+tree";
+    ValueError otherwise."""
+    if text in AUTOS:
         return text
+    base = text.removesuffix(NGRAM)
     base = base.removesuffix(TREE)
     if int(base) < 2:
         raise ValueError(text)
@@ -96,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.block_sizes = blocks
     except ValueError:
         p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, each optionally with "
-                "'+ngram' (an integer also with '+tree'), or a comma list of distinct ones, e.g. auto,16,16+ngram")
+                "'+ngram' or '+tree', or a comma list of distinct ones, e.g. auto,16,16+ngram")
     return args
 
 

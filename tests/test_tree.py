@@ -237,12 +237,12 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
     assert [p for p in kept_nodes if set(p) & grafted], "some steps should keep a grafted chain"
 
 
-def test_tree_needs_a_fixed_block_and_samples_as_autoregressive_decoding(tiny_models):
+def test_tree_needs_a_drafted_block_and_samples_as_autoregressive_decoding(tiny_models):
     """Sampled, the tree's output is the autoregressive sampled output with the same seed (each node's sample comes
     from its position's noise), whatever the batch."""
     target, drafter = tiny_models["llama"]
-    with pytest.raises(ConfigError, match="fixed block size"):
-        SpeculativeDecoder(target, drafter, "auto", tree=True)
+    with pytest.raises(ConfigError, match="needs a block size >= 2"):
+        SpeculativeDecoder(target, None, 1, tree=True)
     dec = SpeculativeDecoder(target, drafter, 8, tree=True)
     assert dec.ngram
     reqs = [Request((5, 6, 7, 5, 6, 7, 5), 32, sampling=SamplingParams(temperature=t, top_k=k, seed=s))
@@ -267,3 +267,60 @@ def test_tree_without_lookup_and_a_shape_for_another_block_size(tiny_models):
     assert [r.token_ids for r in out] == ref and sum(r.lookup_steps for r in out) == 0 and not dec.ngram
     with pytest.raises(ConfigError, match="k = block_size − 1 = 7"):
         SpeculativeDecoder(target, drafter, 8, tree=TreeShape.for_block(15))
+
+
+def _policy(flat: bool, shape: TreeShape, ngram: bool = True):
+    """A device where a verify costs the same at any width (flat: a GPU at small batch) or in proportion to it."""
+    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+
+    verify = [1e-3 if flat else 1e-3 * n for n in GRID]
+    # alpha 0: the model keeps these costs (the step times it would observe are this CPU's)
+    return AdaptivePolicy(CostModel(verify, [2e-4] * len(GRID), alpha=0.0), shape.k + 1, [0.5] * shape.k, ngram=ngram,
+                          tree_nodes=shape.size)
+
+
+def test_auto_takes_the_tree_where_a_wide_verify_is_cheap():
+    """choose_tree: with a flat verify cost the tree's expected tokens win; where cost grows with the width the chain
+    plan wins, and a tree step is re-tried only after the probe interval the budget allows."""
+    from trtllm_dflash.runtime.adaptive import AdaptivePolicy
+
+    shape = TreeShape.for_block(15, datastore=True)
+    flat = _policy(True, shape)
+    states = [flat.new_sequence() for _ in range(2)]
+    flat.decide(states, [0, 0])
+    assert flat.choose_tree(states) and all(s.source == "tree" for s in states)
+    steep = _policy(False, shape)
+    states = [steep.new_sequence()]
+    interval = steep.tree_probe_interval(1)
+    assert interval == steep.max_probe_every  # a 143-token verify costs 143 steps: as rarely as allowed
+    taken = []
+    for _ in range(interval + 1):
+        steep.decide(states, [0])
+        taken.append(steep.choose_tree(states))
+    assert taken == [False] * interval + [True]
+    for s in states:
+        steep.observe_tree(s, 4)
+    assert states[0].tree == 4 and states[0].chosen == [15]
+    assert AdaptivePolicy(flat.cost, 16).choose_tree(states) is False  # no tree on the policy: never
+
+
+@pytest.mark.parametrize("flat", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_auto_with_a_tree_is_lossless_and_follows_the_cost(tiny_models, flat, temperature):
+    """--block-size auto --tree: steps mix tree and chain steps as the cost model says (mostly tree where a wide
+    verify is cheap, mostly not where it is not), and the output is the autoregressive one, greedy or sampled."""
+    target, drafter = tiny_models["qwen3"]
+    shape = TreeShape.for_block(15)
+    policy = _policy(flat, shape)
+    sampling = SamplingParams(temperature, seed=3)
+    prompts = [[9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8]]
+    reqs = [Request(tuple(p), 40, sampling=sampling) for p in prompts]
+    ar = SpeculativeDecoder(target, None, 1)
+    want = [ar.generate([r])[0].token_ids for r in reqs]
+    # drafts worth verifying (the known output, 30 % of tokens wrong; runner-ups sometimes right), so the choice
+    # between a tree step and the chain plan is down to the cost
+    dec = OracleDecoder(target, drafter, "auto", prompts, want, corrupt=0.3, policy=policy, ngram=True, tree=shape)
+    out = dec.generate(reqs)
+    assert [r.token_ids for r in out] == want
+    t = policy.telemetry
+    assert (t.tree_steps > t.steps / 2) if flat else (t.tree_steps < t.steps / 2)

@@ -107,9 +107,10 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)
     store = resolve_datastore(datastore, drafter_dir, bool(tree) and ngram)
-    if tree and isinstance(block_size, int) and block_size > 1:
+    if tree and block_size != 1 and drafter is not None:  # auto: the tree of its longest block
         from trtllm_dflash.runtime.tree import tree_for
 
-        tree = tree_for(block_size - 1, ngram, store is not None)
+        longest = (max_block_size or drafter.spec.block_size) if block_size == "auto" else block_size
+        tree = tree_for(longest - 1, ngram, store is not None)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
                               tree=tree, datastore=store)

@@ -19,12 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the target's chat template")
     add_sampling_arguments(parser)
     parser.add_argument("--tree", action="store_true",
-                        help="tree verify (a fixed block size; greedy or sampled): the drafter's block, its runner-up tokens at "
-                             "the first slots and prompt lookup's proposals (not under --no-ngram), also after "
-                             "its first draft, checked in one target forward, the longest accepted path kept. More "
-                             "tokens per step for a "
-                             "wider verify: pays where a verify costs about the same whatever its width (a GPU at "
-                             "small batch), not on a CPU")
+                        help="tree verify (greedy or sampled): the drafter's block, its runner-up tokens at the "
+                             "first slots and prompt lookup's proposals (not under --no-ngram), also after its first "
+                             "draft, checked in one target forward, the longest accepted path kept. More tokens per "
+                             "step for a wider verify: pays where a verify costs about the same whatever its width (a "
+                             "GPU at small batch), not on a CPU; with --block-size auto a step takes the tree only "
+                             "where this device's cost model says it pays")
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                         help="with --tree: a retrieval datastore whose proposals (continuations of the context's "
                              "last tokens in a corpus of the target's own outputs) take half of the lookup chains; "

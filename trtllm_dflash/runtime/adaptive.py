@@ -20,6 +20,13 @@ emitted tokens per second of the next step:
   decoding time by the cost model (on a CPU, where a probe costs about one whole step, ~50 steps at 2 %; on a GPU,
   where it is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
   row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``.
+- **Tree** (``tree_nodes`` > 0: ``--block-size auto --tree``): after ``decide`` has its best plan, ``choose_tree``
+  compares it with a tree step for every row (``runtime.tree``: the drafter's block, its runner-ups and the lookup
+  chains, ``tree_nodes`` tokens per row in one verify): expected tokens per second with each row's tree estimate (an
+  average of what its tree steps accepted; before any, ``TREE_PRIOR_GAIN`` times its chain expectation) against the
+  cost model's price of a verify that wide. Where a wide verify costs about a narrow one (a GPU at small batch) the
+  tree wins; where it costs several steps (a CPU) the chain plan does, and a tree step is re-tried only as often as
+  ``probe_budget`` allows.
 """
 
 from __future__ import annotations
@@ -292,7 +299,8 @@ class SeqState:
     probe_interval: int = 8
     probing: bool = False  # the current draft is a forced re-probe
     drafted: int = 0  # steps this row verified drafter blocks (before the first, its acceptance is the prior's guess)
-    source: str | None = None  # this step's proposal: "drafter", "ngram" or None (k = 0)
+    source: str | None = None  # this step's proposal: "drafter", "ngram", "tree" or None (k = 0)
+    tree: float | None = None  # average tokens accepted by this row's tree steps (exponential; None: none yet)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
 
@@ -346,6 +354,7 @@ class Telemetry:
     accepted_per_pos: list[int] = field(default_factory=list)  # [j]: steps whose draft j+1 was accepted
     ngram_steps: int = 0  # rows·steps that verified a prompt-lookup continuation
     ngram_accepted: int = 0  # tokens accepted from those
+    tree_steps: int = 0  # steps that verified the tree (policy.tree_nodes > 0)
 
     def record(self, ks: Sequence[int], accepted: Sequence[int]) -> None:
         for k, a in zip(ks, accepted):
@@ -370,7 +379,15 @@ class Telemetry:
             "num_accepted_tokens_per_pos": self.accepted_per_pos,
             "ngram_steps": self.ngram_steps,
             "ngram_accepted_tokens": self.ngram_accepted,
+            "tree_steps": self.tree_steps,
         }
+
+
+# A row's tree estimate before its first tree step: this many times the tokens its chain plan expects. The tree's
+# replayed τ over ``--ngram``'s with the shipped drafter and datastore (B = 16, all 164 HumanEval / 80 MT-Bench
+# prompts; perf/results/tree/s25/): 4.32 / 2.64 = 1.64 and 2.52 / 1.82 = 1.38.
+TREE_PRIOR_GAIN = 1.5
+TREE_EMA = 0.3  # weight of a row's latest tree step in its estimate
 
 
 class AdaptivePolicy:
@@ -378,13 +395,16 @@ class AdaptivePolicy:
 
     def __init__(self, cost: CostModel, max_block_size: int, prior: Sequence[float] | None = None,
                  probe_every: int = 8, max_probe_every: int = 256, probe_k: int = 3, probe_budget: float = 0.02,
-                 ngram: bool = False) -> None:
+                 ngram: bool = False, tree_nodes: int = 0) -> None:
         self.cost, self.max_k = cost, max_block_size - 1
         self.prior = prior
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
         self.probe_k = max(1, min(probe_k, self.max_k))
         self.probe_budget = probe_budget
         self.ngram = ngram  # also consider prompt-lookup continuations (free to propose)
+        self.tree_nodes = tree_nodes  # > 0: a tree step of this many tokens per row is an option (choose_tree)
+        self.tree_wait = 0  # steps since the last tree step
+        self.last_rate = 0.0  # expected tokens per second of decide's latest plan
         self.telemetry = Telemetry()
 
     def new_sequence(self) -> SeqState:
@@ -426,6 +446,7 @@ class AdaptivePolicy:
                 if rate > best_rate:
                     best_rate, best = rate, (k, list(rows), ngram_rows)
         k, rows, ngram_rows = best
+        self.last_rate = best_rate
         if due and k == 0:  # nothing pays, but some rows are due a re-probe
             k, rows, ngram_rows = self.probe_k, due, []
         ks = [0] * b
@@ -436,6 +457,44 @@ class AdaptivePolicy:
         for i, s in enumerate(states):
             s.probing = s.source == "drafter" and i in due
         return ks
+
+    def tree_step_cost(self, rows: int) -> float:
+        """Seconds of a tree step: every row drafts a full block and verifies ``tree_nodes`` tokens."""
+        return self.cost.verify(rows * self.tree_nodes) + self.cost.draft(rows * (self.max_k + 1)) + self.cost.overhead_s
+
+    def tree_probe_interval(self, rows: int) -> int:
+        """Steps between tree steps taken only to refresh the rows' estimates, keeping their extra cost over a plain
+        step within ``probe_budget`` of the decoding time."""
+        plain = self.cost.step(rows, 0, 0)
+        extra = max(self.tree_step_cost(rows) - plain, 0.0)
+        return max(self.probe_every, min(self.max_probe_every, math.ceil(extra / (self.probe_budget * plain))))
+
+    def choose_tree(self, states: Sequence[SeqState]) -> bool:
+        """After ``decide``: whether this step is a tree step for every row instead of decide's plan — it promises
+        more tokens per second, or a refresh of the rows' tree estimates is due. Marks the rows' source "tree"."""
+        if self.tree_nodes <= 0 or not states:
+            return False
+        expected = []
+        for s in states:
+            if s.tree is None:  # no tree step yet: a multiple of the best its chain proposals expect
+                chain = s.acceptance.expected_accepted(self.max_k)
+                if s.ngram is not None:
+                    chain = max(chain, s.ngram.expected_accepted(self.max_k))
+                expected.append(TREE_PRIOR_GAIN * (1 + chain) - 1)
+            else:
+                expected.append(s.tree)
+        rate = (len(states) + sum(expected)) / self.tree_step_cost(len(states))
+        take = rate > self.last_rate or self.tree_wait >= self.tree_probe_interval(len(states))
+        self.tree_wait = 0 if take else self.tree_wait + 1
+        if take:
+            for s in states:
+                s.source, s.probing = "tree", False
+        return take
+
+    def observe_tree(self, state: SeqState, accepted: int) -> None:
+        """One row's outcome of a tree step: ``accepted`` tokens past its bonus."""
+        state.chosen.append(self.max_k)
+        state.tree = accepted if state.tree is None else (1 - TREE_EMA) * state.tree + TREE_EMA * accepted
 
     def min_probe_interval(self, rows: int) -> int:
         """Steps between one row's probes that keep probing (one probe of each of ``rows`` rows, each adding a
@@ -467,13 +526,16 @@ class AdaptivePolicy:
         state.probing = False
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,
-                     overhead_s: float, drafting: int | None = None) -> None:
+                     overhead_s: float, drafting: int | None = None, verify_tokens: int | None = None) -> None:
         """The whole step's timing (all rows), fed back into the cost model and the telemetry. ``drafting``: rows
-        that went through the draft pass (default: every row with k > 0)."""
+        that went through the draft pass (default: every row with k > 0); ``verify_tokens``: the verify's width
+        (default rows · (max k + 1); a tree step's rows · tree_nodes)."""
         rows, kmax = len(ks), max(ks, default=0)
         drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
-        self.cost.observe(rows * (kmax + 1), verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s)
+        width = rows * (kmax + 1) if verify_tokens is None else verify_tokens
+        self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s)
         t = self.telemetry
+        t.tree_steps += int(verify_tokens is not None)  # only tree steps give their width
         t.steps += 1
         t.draft_s += draft_s
         t.verify_s += verify_s

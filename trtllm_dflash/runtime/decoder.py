@@ -189,9 +189,8 @@ class SpeculativeDecoder:
                 self.inject_weights = InjectWeights.from_drafter(drafter)
         self.tree = None
         if tree:
-            require(not self.adaptive and block_size > 1, "block_size", self.block_size_label,
-                    "the tree verify needs a fixed block size >= 2 and a drafter",
-                    "use e.g. --block-size 16+tree")
+            require(block_size > 1, "block_size", self.block_size_label,
+                    "the tree verify needs a block size >= 2 (or auto) and a drafter", "use e.g. --block-size 16+tree")
             self.tree = TreeShape.for_block(block_size - 1, datastore is not None) if tree is True else tree
             require(self.tree.k == block_size - 1, "tree", self.tree,
                     f"must have k = block_size − 1 = {block_size - 1}",
@@ -203,6 +202,8 @@ class SpeculativeDecoder:
         self.ngram = bool(ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
+        if self.policy is not None:  # auto with a tree: a tree step is one of the policy's options (choose_tree)
+            self.policy.tree_nodes = self.tree.size if self.tree else 0
 
     @property
     def block_size_label(self) -> int | str:
@@ -294,14 +295,20 @@ class SpeculativeDecoder:
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
             lookups = None
-            if self.ngram and dcache is not None and not self.tree:
+            if self.ngram and dcache is not None and (not self.tree or policy is not None):
                 lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
                                               min_n=LOOKUP_MIN_N) for i in active]
-            if self.tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
-                samples, acc, taps = self._tree_verify(cur, rows, active, tcache, dcache, pending, seqs)
+            ks = None
+            if policy is not None:
+                states = [seqs[i].policy for i in active]
+                ks = policy.decide(states, lookups and [len(c) for c in lookups])
+            use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
+            if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
+                samples, acc, taps, t_draft = self._tree_verify(cur, rows, active, tcache, dcache, pending, seqs, sync)
+                sync()
+                t_verify = time.perf_counter()
             else:
                 if policy is not None:
-                    ks = policy.decide([seqs[i].policy for i in active], lookups and [len(c) for c in lookups])
                     drafting = [j for j, i in enumerate(active) if seqs[i].policy.source == "drafter"]
                     looked = [j for j, i in enumerate(active) if seqs[i].policy.source == "ngram" and ks[j]]
                 else:
@@ -352,7 +359,14 @@ class SpeculativeDecoder:
             emitted = [samples[j, : accepted[j] + 1].tolist() for j in range(b)]
             for j, i in enumerate(active):
                 seqs[i].taus.append(accepted[j] + 1)
-            if policy is not None:
+            if policy is not None and use_tree:
+                for j, i in enumerate(active):
+                    policy.observe_tree(seqs[i].policy, accepted[j])
+                sync()
+                now = time.perf_counter()
+                policy.observe_step([policy.max_k] * b, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify,
+                                    b, verify_tokens=b * self.tree.size)
+            elif policy is not None:
                 for j, i in enumerate(active):
                     policy.observe(seqs[i].policy, ks[j], accepted[j])
                 sync()
@@ -390,9 +404,10 @@ class SpeculativeDecoder:
             self._inject(taps, torch.tensor(num, device=dev), dcache,
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
-    def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs):
+    def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs, sync=lambda: None):
         """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under
-        its layout; returns the kept path's samples [b, K + 1], accepted lengths [b] and taps."""
+        its layout; returns the kept path's samples [b, K + 1], accepted lengths [b], taps, and when the draft and
+        the proposals were done (``sync`` first: the adaptive policy's timing)."""
         shape, dev = self.tree, cur.device
         k = shape.k
         if pending is not None:
@@ -415,6 +430,8 @@ class SpeculativeDecoder:
             seqs[i].lookup_ms += (time.perf_counter() - t0) * 1e3
         look = chain_table(shape, list(zip(own, grafted))).to(dev)
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
+        sync()
+        t_draft = time.perf_counter()
         hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
                                    layout=shape.layout(committed))
         preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].request.sampling for i in active],
@@ -423,7 +440,7 @@ class SpeculativeDecoder:
         commit_path(tcache, rows, committed, taken, acc)
         for j in shape.tables(dev)["from_lookup"][best].nonzero()[:, 0].tolist():
             seqs[active[j]].lookup_steps += 1
-        return samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
+        return samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1])), t_draft
 
     def propose(
         self,

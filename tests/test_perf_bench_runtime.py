@@ -15,13 +15,16 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
-         "--block-size", "auto,8,8+ngram,8+tree", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
+         "--block-size", "auto,8,8+ngram,8+tree,auto+tree", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
          "--drafter", smollm2["drafter"], "--json", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert out.read_text() == run.stdout
-    assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram", "8+tree"]
+    assert [x["block_size"] for x in lines] == ["auto", 8, "8+ngram", "8+tree", "auto+tree"]
+    # auto with the tree as an option: the tree of its longest block, its tree steps counted
+    assert lines[4]["tree_nodes"] == TreeShape.for_block(15, datastore=True).size
+    assert lines[4]["adaptive"]["tree_steps"] <= lines[4]["adaptive"]["steps"]
     assert len({x["ar_tokens_per_second"] for x in lines}) == 1  # one AR run for all
     assert "lookup_steps" in lines[2] and "lookup_steps" not in lines[1]
     # the tree with lookup chains, and the shipped drafter directory's datastore proposing in one of them

@@ -141,7 +141,12 @@ def test_make_repo_tree(tiny_dirs, tmp_path, capsys):
     assert 'key: "tree" value: { string_value: "off" }' in text["baseline"]
     assert f'key: "max_tree_nodes" value: {{ string_value: "{tree_for(7).size}" }}' in text["target_verify"]
     capsys.readouterr()
-    for flags, words in ((["--block-size", "auto", "--tree"], "--tree=True: needs --backend torch and a fixed"),
+    assert main(["make-repo", "--target", t, "--drafter", d, "--out", str(tmp_path / "ra"), "--block-size", "auto",
+                 "--max-seq-len", "256", "--tree"]) == 0  # auto: the tree of its longest block is one of its options
+    assert f'"{tree_for(15).size}"' in (tmp_path / "ra" / "target_verify" / "config.pbtxt").read_text()
+    capsys.readouterr()
+    for flags, words in ((["--tree", "--backend", "trtllm-engine", "--engines", str(tmp_path)],
+                          "--tree=True: runs in the BLS loop over the torch step models"),
                          (["--tree", "--no-ngram", "--datastore", str(tmp_path / "x.safetensors")],
                           "--datastore=.*proposes for the tree's lookup chains only"),
                          (["--tree", "--datastore", str(tmp_path / "x.safetensors")], "x.safetensors: missing")):
@@ -226,3 +231,27 @@ def test_triton_tree_equals_the_in_process_tree(tree_server, smollm2):
     assert "INVALID_ARGUMENT" in str(exc.value.status()) and "parents=" in str(exc.value)
     with DFlashClient(tree_server.grpc_url) as client:
         assert client.generate("baseline", GenerateParams("Say yes.", 4)).token_ids
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_loop_auto_with_a_tree_is_lossless(tiny_dirs, tiny_models, flat):
+    """The serving loop under --block-size auto with a tree: a tree step where the cost model says a wide verify is
+    cheap (flat), none where it costs in proportion to its width; the output is the target's greedy either way."""
+    from test_tree import _policy
+
+    target, _ = tiny_models["qwen3"]
+    shape = tree_for(15)
+    policy = _policy(flat, shape)
+    policy.tree_nodes = 0  # the loop gives the policy its tree
+    steps = _engines(tiny_dirs, tiny_models, "qwen3", shape)
+    prompt = [9, 8, 7, 9, 8, 7, 9, 8]
+    want = greedy_reference(target, [prompt], 40)[0]
+    updates = []
+
+    async def on_update(u):
+        updates.append(u)
+
+    asyncio.run(run_generation(steps, GenerateRequest(tuple(prompt), 40, SamplingParams(), (), False), "auto", 3,
+                               on_update, policy=policy, ngram=True, tree=shape))
+    assert updates[-1].tokens == list(want) and policy.tree_nodes == shape.size
+    assert (policy.telemetry.tree_steps >= 1) if flat else policy.telemetry.tree_steps == 0

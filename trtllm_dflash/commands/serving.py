@@ -32,11 +32,12 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
     add_ngram_argument(parser, ", a torch or trtllm-engine backend")
     parser.add_argument("--tree", action="store_true",
-                        help="the dflash loop verifies a tree per step (torch backend, fixed block size): the "
-                             "drafter's block, its runner-up tokens and prompt lookup's and the datastore's proposals "
-                             "in one target_verify call, the longest accepted path kept, as `generate --tree` "
-                             "(greedy or sampled, lossless). Pays where a wide verify costs about a narrow one (a GPU "
-                             "at small batch), not on a CPU")
+                        help="the dflash loop verifies a tree per step (torch backend): the drafter's block, its "
+                             "runner-up tokens and prompt lookup's and the datastore's proposals in one target_verify "
+                             "call, the longest accepted path kept, as `generate --tree` (greedy or sampled, "
+                             "lossless). Pays where a wide verify costs about a narrow one (a GPU at small batch), not "
+                             "on a CPU; with --block-size auto a step takes the tree only where the cost model says "
+                             "it pays")
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                         help="with --tree: a retrieval datastore for the tree's lookup chains (`trtllm-dflash "
                              "datastore`); auto (default): the drafter directory's datastore.safetensors if it has one")

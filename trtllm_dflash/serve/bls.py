@@ -262,7 +262,8 @@ class LoopModel:
         self.block_size = params["block_size"] if params["block_size"] == "auto" else int(params["block_size"])
         self.policy = load_policy(params["adaptive"]) if self.block_size == "auto" else None
         self.ngram = params.get("ngram", "off") == "on"  # a repository rendered before prompt lookup: off
-        self.tree, self.datastore = load_tree(params, self.block_size, self.ngram)
+        longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
+        self.tree, self.datastore = load_tree(params, longest, self.ngram)
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step

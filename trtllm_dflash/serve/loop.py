@@ -13,7 +13,8 @@ verify is a plain autoregressive step), and the step's draft / verify / other ti
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
 
-With a ``tree`` (``runtime.tree.TreeShape``, a fixed block size) a step drafts the drafter's top
+With a ``tree`` (``runtime.tree.TreeShape``; at a fixed block size every step, under ``auto`` where the policy's
+``choose_tree`` says it pays) a step drafts the drafter's top
 choices per slot, makes the lookup chains' proposals here (prompt lookup, a retrieval ``datastore``, and the grafted
 chains after the main chain's first draft), and verifies every node of the tree in one ``target_verify`` call, which
 keeps the longest accepted path: the in-process decoder's tree step (``runtime.decoder``), token for token, greedy or
@@ -99,13 +100,15 @@ async def run_generation(
     ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
     ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
     continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
-    ``tree`` (k = block_size − 1) with an optional ``datastore``: every step is a tree step (module docstring).
+    ``tree`` (k = the longest block − 1) with an optional ``datastore``: tree steps (module docstring).
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
         raise ValueError("block_size 'auto' needs a policy")
-    if tree is not None and (adaptive or tree.k != block_size - 1):
-        raise ValueError(f"a tree with k = {tree.k} needs the fixed block size {tree.k + 1}, not {block_size}")
+    if tree is not None and (tree.k != (policy.max_k if adaptive else block_size - 1)):
+        raise ValueError(f"a tree with k = {tree.k} does not fit block size {block_size}")
+    if adaptive and tree is not None:
+        policy.tree_nodes = tree.size  # a tree step is one of the policy's options (adaptive.choose_tree)
     want_taps = adaptive or block_size > 1
     state = policy.new_sequence() if adaptive else None
     holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens
@@ -147,7 +150,12 @@ async def run_generation(
                 break
             t0 = time.perf_counter()
             context = req.input_ids + tuple(p.tokens)
-            if tree is not None:
+            use_lookup = policy.ngram if adaptive else ngram and want_taps
+            lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
+                                        min_n=LOOKUP_MIN_N) if use_lookup and (tree is None or adaptive) else []
+            n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
+            tree_step = tree is not None and (not adaptive or policy.choose_tree([state]))
+            if tree_step:
                 k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
                 pending, injected = [], committed
                 choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
@@ -157,10 +165,6 @@ async def run_generation(
                 emitted, taps = await steps.verify(seq_id, block, True, parents=parents)
                 t2 = time.perf_counter()
             else:
-                use_lookup = policy.ngram if adaptive else ngram and want_taps
-                lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
-                                            min_n=LOOKUP_MIN_N) if use_lookup else []
-                n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
                 if lookup and (not adaptive or state.source == "ngram"):
                     drafts = lookup[:n]
                 elif want_taps and n > 0:
@@ -180,10 +184,14 @@ async def run_generation(
                 pending.append(taps)
             committed += len(emitted)
             bonus = emitted[-1]
-            if adaptive:
+            if adaptive and tree_step:
+                policy.observe_tree(state, len(emitted) - 1)
+            elif adaptive:
                 policy.observe(state, n, len(emitted) - 1)
             t3 = time.perf_counter()
-            if adaptive:
+            if adaptive and tree_step:
+                policy.observe_step([tree.k], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, 1, verify_tokens=tree.size)
+            elif adaptive:
                 policy.observe_step([n], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, int(state.source == "drafter"))
             p.ks.append(len(drafts))
             for name, sec in zip(("draft", "verify", "overhead"), (t1 - t0, t2 - t1, t3 - t2)):

@@ -152,9 +152,9 @@ class RepoConfig:
         require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
         require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
         require(0 <= self.io_nice <= 19, "--io-nice", self.io_nice, "must be in [0, 19] (0 = no priority split)")
-        require(not self.tree or (self.backend == "torch" and not self.adaptive), "--tree", True,
-                f"needs --backend torch and a fixed --block-size (got --backend {self.backend}, --block-size "
-                f"{self.block_size})", "drop --tree, or use --backend torch with e.g. --block-size 16")
+        require(not self.tree or self.backend == "torch", "--tree", True,
+                f"runs in the BLS loop over the torch step models, not with --backend {self.backend}",
+                "drop --tree, or use --backend torch")
         require(not self.datastore or (self.tree and self.ngram), "--datastore", self.datastore,
                 "proposes for the tree's lookup chains only", "add --tree (prompt lookup on), or --datastore none")
         if self.datastore and not Path(self.datastore).is_file():

@@ -255,3 +255,27 @@ def test_loop_auto_with_a_tree_is_lossless(tiny_dirs, tiny_models, flat):
                                on_update, policy=policy, ngram=True, tree=shape))
     assert updates[-1].tokens == list(want) and policy.tree_nodes == shape.size
     assert (policy.telemetry.tree_steps >= 1) if flat else policy.telemetry.tree_steps == 0
+
+
+@pytest.mark.slow
+def test_triton_auto_with_a_tree_is_lossless(smollm2, tmp_path):
+    """make-repo --block-size auto --tree served by a real Triton server on the real pair: greedy-identical output."""
+    pytest.importorskip("tritonclient.grpc")
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.commands.serving import repo_datastore
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.server import TritonServer
+
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
+                                max_sequences=4, ngram=True, tree=True,
+                                datastore=repo_datastore("auto", smollm2["drafter"], True)), tmp_path / "repo")
+    target, _ = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    greedy = SpeculativeDecoder(target, None, 1).generate(
+        [Request(tuple(encode_prompt(tok, p, chat=True)), 32, stop_token_ids=stops) for p in PROMPTS[:2]])
+    with TritonServer(repo, log_path=tmp_path / "server.log") as server, DFlashClient(server.grpc_url) as client:
+        for prompt, want in zip(PROMPTS[:2], greedy):
+            assert client.generate("dflash", GenerateParams(prompt, 32)).token_ids == list(want.token_ids)

@@ -3,8 +3,8 @@
 
 Each prompt is decoded (greedy, or sampled with ``--temperature`` and one seed for every decoder) twice in this one
 process: once by the baseline (the same loop with block size 1) and once with DFlash. The outputs must be
-token-identical (``lossless``; sampled steps draw each position's token from that position's noise). Throughput is new tokens over wall-clock time
-including prefill, summed over prompts.
+token-identical (``lossless``; sampled steps draw each position's token from that position's noise). Throughput is
+new tokens over wall-clock time including prefill, summed over prompts.
 
     python perf/bench_runtime.py --dataset humaneval --limit 20 --block-size 16 --max-new-tokens 256 --json
 

@@ -17,8 +17,8 @@ def test_verify_cost_reports_ratios_and_floors(tmp_path):
     tdir, _ = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
     out = tmp_path / "cost.json"
     r = subprocess.run([sys.executable, str(REPO / "perf" / "verify_cost.py"), "--target", str(tdir), "--dtype",
-                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--trees", "3", "--batch", "1,2",
-                        "--out", str(out)],
+                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--trees", "3",
+                        "--batch", "1,2", "--out", str(out)],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]

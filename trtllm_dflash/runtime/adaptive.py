@@ -460,7 +460,8 @@ class AdaptivePolicy:
 
     def tree_step_cost(self, rows: int) -> float:
         """Seconds of a tree step: every row drafts a full block and verifies ``tree_nodes`` tokens."""
-        return self.cost.verify(rows * self.tree_nodes) + self.cost.draft(rows * (self.max_k + 1)) + self.cost.overhead_s
+        cost = self.cost
+        return cost.verify(rows * self.tree_nodes) + cost.draft(rows * (self.max_k + 1)) + cost.overhead_s
 
     def tree_probe_interval(self, rows: int) -> int:
         """Steps between tree steps taken only to refresh the rows' estimates, keeping their extra cost over a plain

@@ -134,6 +134,13 @@ async def run_generation(
         p.reported, p.taus, p.proposed, p.accepted = upto, [], 0, 0
         p.ks, p.seconds = [], dict.fromkeys(p.seconds, 0.0)
 
+    async def inject_pending():
+        """The K/V of every committed token the drafter has not received yet, in one kv_inject call."""
+        nonlocal pending, injected
+        k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
+        pending, injected = [], committed
+        return k, v
+
     started = False
     try:
         first, taps = await steps.start(seq_id, list(req.input_ids), req.sampling, want_taps)
@@ -156,8 +163,7 @@ async def run_generation(
             n = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1  # tokens to verify
             tree_step = tree is not None and (not adaptive or policy.choose_tree([state]))
             if tree_step:
-                k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
-                pending, injected = [], committed
+                k, v = await inject_pending()
                 choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
                 block, parents = tree_block(tree, bonus, choices, context, datastore), tuple(tree.parents)
                 drafts = block[1: tree.k + 1]  # the main chain: a tree step counts k drafts (its depth), as a chain
@@ -168,8 +174,7 @@ async def run_generation(
                 if lookup and (not adaptive or state.source == "ngram"):
                     drafts = lookup[:n]
                 elif want_taps and n > 0:
-                    k, v = await steps.inject(pending[0] if len(pending) == 1 else torch.cat(pending), injected)
-                    pending, injected = [], committed
+                    k, v = await inject_pending()
                     drafts = await steps.draft(seq_id, k, v, bonus, n + 1)
                 else:
                     drafts = []

@@ -21,7 +21,7 @@ def test_generate_json_on_the_real_model(smollm2, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Name a primary colour."}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
     r = run_cli(["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompts-file",
-                 str(prompts), "--chat", "--max-new-tokens", "12", "--block-size", "auto", "--max-block-size", "4", "--batch-size", "2",
+                 str(prompts), "--chat", "--max-new-tokens", "12", "--max-block-size", "4", "--batch-size", "2",  # auto: the default
                  "--json"])
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
@@ -70,7 +70,8 @@ def test_demo_assets_is_idempotent_json(smollm2):
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens=0: must be >= 1"),
         (["--prompt", "hi", "--block-size", "32"], "block_size=32: must be <= the drafter's trained block_size (16)"),
         (["--prompt", "hi", "--temperature", "-0.5"], "--temperature=-0.5: must be >= 0"),
-        (["--prompt", "hi", "--max-block-size", "8"], "--max-block-size=8: only applies to --block-size auto"),
+        (["--prompt", "hi", "--block-size", "8", "--max-block-size", "8"],
+         "--max-block-size=8: only applies to --block-size auto (the default)"),
         (["--prompt", "hi", "--block-size", "1", "--ngram"], "--ngram=True: needs a block size > 1"),
         (["--prompt", "hi", "--block-size", "1", "--tree"], "the tree verify needs a block size >= 2"),
         (["--prompt", "hi", "--datastore", "nowhere.safetensors"], "nowhere.safetensors: no such datastore file"),

@@ -84,6 +84,29 @@ def test_make_repo_auto_writes_the_loop_policy(tiny_dirs, tmp_path, monkeypatch)
         make_repo(RepoConfig(str(t), str(d), block_size=8, max_block_size=8), tmp_path / "r3")
 
 
+def test_make_repo_defaults_to_auto_on_the_torch_backend(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """With no --block-size the torch backend's dflash loops run auto (a fixed block is slower than autoregressive
+    decoding wherever a wide verify costs several narrow ones and the drafter is weak); the TensorRT-LLM engines,
+    which verify a fixed block, keep the drafter's block size."""
+    from test_serving_trtllm import write_engines
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path / "cache"))
+    t, d = tiny_dirs["llama"]
+    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--out", str(tmp_path / "r"),
+                 "--max-seq-len", "256", "--max-block-size", "4"]) == 0
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())["repo_config"]
+    assert manifest["block_size"] == "auto" and manifest["max_block_size"] == 4
+    for model in ("dflash_bls", "dflash"):
+        assert 'key: "block_size" value: { string_value: "auto" }' in (tmp_path / "r" / model / "config.pbtxt").read_text()
+    assert (tmp_path / "r" / "dflash_bls" / "1" / "adaptive.json").is_file()
+    engines = write_engines(tmp_path / "eng")
+    assert main(["make-repo", "--target", str(t), "--drafter", str(d), "--backend", "trtllm-engine", "--engines",
+                 str(engines), "--out", str(tmp_path / "e"), "--max-seq-len", "256"]) == 0
+    block = json.loads((d / "config.json").read_text())["block_size"]
+    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["repo_config"]["block_size"] == block
+    capsys.readouterr()
+
+
 def test_make_repo_template_with_missing_or_extra_key_fails(tiny_dirs, tmp_path):
     t, d = tiny_dirs["llama"]
     templates = tmp_path / "templates"

@@ -27,7 +27,8 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to render the repository into")
     parser.add_argument("--block-size", type=block_size_arg, default=None,
                         help="draft block size, or 'auto' (the dflash loop picks per request and step how many "
-                             "drafts pay off; default: the drafter's)")
+                             "drafts pay off on the machine that renders the repository; the default with --backend "
+                             "torch; the other backends' default: the drafter's block size)")
     parser.add_argument("--max-block-size", type=int, default=None,
                         help="with --block-size auto: the longest block (default: the drafter's block size)")
     add_ngram_argument(parser, ", a torch or trtllm-engine backend")
@@ -75,7 +76,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
     target = args.target or (args.checkpoint if args.backend == "trtllm-pytorch" else None)
     require(target is not None, "--target", None, f"is required by --backend {args.backend}",
             "pass the Hugging Face target directory")
-    block = args.block_size or DrafterSpec.load(args.drafter).block_size
+    block = args.block_size or ("auto" if args.backend == "torch" else DrafterSpec.load(args.drafter).block_size)
     ngram = resolve_ngram(args.ngram, block, args.backend)
     cfg = RepoConfig(target, args.drafter, args.backend, block, args.max_batch_size, args.instances,
                      args.max_seq_len, args.max_sequences, args.queue_delay_us, args.idle_timeout_s, args.torch_threads,

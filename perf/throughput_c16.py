@@ -9,8 +9,11 @@ machine hits both alike): in-process, one ``generate`` call over all C requests;
 prompt each over their own gRPC streams. Reports tokens/s of both per round, their ratio per round and overall, and
 how many Triton outputs equal the in-process ones, and the step coalescer's sequence rows per step-model call over
 the Triton runs. Starts its own server (demo assets unless --target/--drafter); --no-coalesce, --queue-delay-us,
---torch-threads, --instances and --io-nice render it with those make-repo options (the cheap knobs); --tree renders
-`make-repo --tree` (with the drafter directory's datastore) and decodes in-process with the same tree.
+--torch-threads, --instances and --io-nice render it with those make-repo options (the cheap knobs); --block-size
+auto and --ngram render and decode in-process with those; --tree renders `make-repo --tree` (with the drafter
+directory's datastore) and decodes in-process with the same tree. With both entry models measured it also reports
+dflash's Triton tokens/s over the baseline's, round by round (``triton_dflash_over_baseline``; the models run one
+after the other, so on a shared machine load drift lands in it).
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def parse_args(argv=None):
+    from trtllm_dflash.commands.common import block_size_arg
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="dflash,baseline")
     p.add_argument("--dataset", default="humaneval")
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--block-size", type=block_size_arg, default=8, help="an integer or 'auto' (default 8)")
+    p.add_argument("--ngram", action="store_true",
+                   help="dflash also verifies prompt lookup's proposals (make-repo --ngram; in-process the same)")
     p.add_argument("--target", default=None)
     p.add_argument("--drafter", default=None)
     p.add_argument("--no-coalesce", dest="coalesce", action="store_false")
@@ -85,16 +92,18 @@ def main(argv=None) -> int:
         assets = prepare_demo_assets()
         args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
     texts = [p.text for p in load_prompts(args.dataset, args.concurrency)]
-    decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size, args.tree, args.tree)
+    ngram = args.ngram or args.tree
+    decoders, encode = in_process_decoders(args.target, args.drafter, args.block_size, ngram, args.tree)
     result = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "dataset": args.dataset,
-              "block_size": args.block_size, "tree": args.tree, "rounds": args.rounds, "models": {}}
+              "block_size": args.block_size, "ngram": ngram, "tree": args.tree, "rounds": args.rounds, "models": {}}
     knobs = {k: getattr(args, k) for k in ("coalesce", "queue_delay_us", "torch_threads", "instances", "io_nice")
              if getattr(args, k) is not None}
     result["repo_options"] = knobs
     if args.tree:
         from trtllm_dflash.commands.serving import repo_datastore
 
-        knobs = {**knobs, "ngram": True, "tree": True, "datastore": repo_datastore("auto", args.drafter, True)}
+        knobs = {**knobs, "tree": True, "datastore": repo_datastore("auto", args.drafter, True)}
+    knobs["ngram"] = ngram
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=args.block_size, max_seq_len=1024,
                                     max_sequences=args.concurrency + 2, **knobs), Path(tmp) / "repo")
@@ -133,6 +142,12 @@ def main(argv=None) -> int:
                                            "identical_outputs": f"{same}/{args.rounds * len(texts)}",
                                            "triton_rows_per_step_call": rows_per_call}
                 print(json.dumps({model: result["models"][model]}), file=sys.stderr, flush=True)
+    sides = result["models"]
+    if {"dflash", "baseline"} <= set(sides):  # the two entry models through Triton, round by round
+        per_round = [d["triton_tokens_per_second"] / b["triton_tokens_per_second"]
+                     for d, b in zip(sides["dflash"]["rounds"], sides["baseline"]["rounds"])]
+        result["triton_dflash_over_baseline"] = {"median": round(statistics.median(per_round), 3),
+                                                 "rounds": [round(x, 3) for x in per_round]}
     result["command"] = " ".join(["python", "perf/throughput_c16.py", *(argv if argv is not None else sys.argv[1:])])
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, 1-min load average {load:.2f} at start"
     print(json.dumps(result, indent=2))

@@ -127,6 +127,18 @@ def test_cost_model_follows_observed_step_times():
     assert 0 < cost.overhead_s < 0.01
 
 
+def test_one_outlier_step_moves_the_cost_model_a_bounded_amount():
+    """A step that queued (a served verify behind other requests' prefills: seconds instead of milliseconds) moves the
+    estimate by at most alpha of MAX_STEP_RATIO, so it cannot make every width look as dear as the widest."""
+    cost = cpu_like()
+    before = [cost.verify(n) for n in (16, 64)]
+    cost.observe(16, 1000 * before[0])
+    assert cost.verify(16) == pytest.approx(before[0] * (1 + cost.alpha * (adaptive.MAX_STEP_RATIO - 1)))
+    assert cost.verify(64) > 1.5 * cost.verify(16) and cost.verify(64) >= before[1]
+    cost.observe(16, before[0] / 1000)
+    assert cost.verify(16) > before[0] / adaptive.MAX_STEP_RATIO
+
+
 def test_cost_cache_round_trip_and_key(tmp_path):
     calls = []
 

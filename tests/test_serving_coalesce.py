@@ -65,7 +65,7 @@ def test_sequences_in_other_phases_catch_up_and_merge():
         return send.sent
 
     sent = run(main())
-    # the one sequence in another phase goes first (fewest waiting) until it reaches the others' kind; from then on
+    # the one sequence in an earlier phase goes first until it reaches the others' kind; from then on
     # all four step together (the last two requests: sequence 3 made its five calls and left)
     assert [(k, len(rows)) for k, _, rows in sent] == [("inject", 1), ("draft", 1), ("verify", 4), ("inject", 4),
                                                         ("draft", 4), ("verify", 3), ("inject", 3)]

@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 from trtllm_dflash.hardware import cpu_model
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per forward at which costs are calibrated
+MAX_STEP_RATIO = 2.0  # the most one observed step can move the cost model's estimate toward it (× or ÷)
 
 
 def _interp(grid: Sequence[int], values: Sequence[float], n: float) -> tuple[float, int, float]:
@@ -86,7 +87,10 @@ class CostModel:
         predicted, i, w = _interp(GRID, values, n)
         if predicted <= 0 or seconds <= 0:
             return
-        ratio = seconds / predicted  # scale the bracketing points toward the observation, by their weight
+        # scale the bracketing points toward the observation, by their weight; one step moves them at most by a
+        # factor of MAX_STEP_RATIO (a served verify that queued behind other requests' prefills took seconds, and
+        # one such step made every width look as dear as the widest: the policy then verified wide blocks always)
+        ratio = min(max(seconds / predicted, 1 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         values[i] *= 1 + alpha * (1 - w) * (ratio - 1)
         if i + 1 < len(values):
             values[i + 1] *= 1 + alpha * w * (ratio - 1)

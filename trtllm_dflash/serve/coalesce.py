@@ -5,12 +5,17 @@ one, C concurrent sequences reached the step models as many small requests, whic
 partly: several small forwards per step where the in-process runtime runs one over C rows, plus a BLS round trip per
 sequence and call. The coalescer of a loop model instance holds each call until a barrier: every live sequence of the
 instance waits on a step call and no batched call is in flight (the sequences then step together, as the rows of an
-in-process batch do). It then sends the calls of the kind the FEWEST sequences wait on (a sequence in another phase,
-e.g. one that just started, catches up, and the phases merge into one), as one request per shape group, and hands
-each sequence its own row of the results. A live sequence that does not reach a step call within ``max_wait_s`` does
+in-process batch do). It then sends the calls of the EARLIEST phase of a step any sequence waits on (``KINDS``: a
+sequence in another phase, e.g. one that just started, catches up, and the phases merge into one; within a step the
+sequences that draft inject and draft while the others' verify waits, so the step's verifies stay one call), as one
+request per shape group, and hands each sequence its own row of the results. (Until session 27 the kind the fewest
+sequences waited on went first: when one sequence of a step verified prompt lookup's proposal while fifteen drafted,
+its verify went alone, and the step split in two from then on.) A live sequence that does not reach a step call within ``max_wait_s`` does
 not hold the others longer than that. ``enabled=False`` sends every call at once on its own (the former behaviour).
 
 The coalescer knows nothing about Triton: ``send(kind, key, calls)`` does the batched call (``bls.TritonSteps``).
+A ``plan`` call is no model call: the ``auto`` decision of the waiting sequences' next step, made for them together
+(``loop.plan_together``), so that they then draft and verify as one batch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-KINDS = ("inject", "draft", "verify")  # the order among kinds that as many sequences wait on
+KINDS = ("plan", "inject", "draft", "verify")  # a step's phases, in the order a sequence goes through them
 
 
 @dataclass
@@ -85,7 +90,7 @@ class StepCoalescer:
         if len(waiting) < self.live and age < self.max_wait_s:
             self._timer = loop.call_later(self.max_wait_s - age, self._check)
             return
-        kind = min((k for k in KINDS if self.pending[k]), key=lambda k: len(self.pending[k]))
+        kind = next(k for k in KINDS if self.pending[k])  # the earliest phase: the others wait for it to catch up
         calls, self.pending[kind] = self.pending[kind], []
         groups: dict[tuple, list[Call]] = {}
         for call in calls:

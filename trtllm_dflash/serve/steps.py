@@ -138,8 +138,9 @@ class TargetVerifier:
 
     def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool,
                parents: tuple[int, ...] | None = None) -> list[VerifyResult]:
-        """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences; with a tree's
-        ``parents`` each block holds every node's token (node 0 the bonus; −1: no token there, never accepted)."""
+        """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences (−1: padding to the
+        common length, never accepted); with a tree's ``parents`` each block holds every node's token (node 0 the
+        bonus; −1: no token there)."""
         require(len({len(b) for b in blocks}) == 1, "blocks", [len(b) for b in blocks], "must share one length")
         rows = torch.tensor([self.slots.get(s) for s in seq_ids])
         ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
@@ -148,7 +149,7 @@ class TargetVerifier:
             return self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
         positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
         with torch.inference_mode():
-            hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
+            hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else ())
             samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
                                           [g for _, g in params], positions)  # [b, B], [b]
         self.cache.commit(rows, acc + 1)

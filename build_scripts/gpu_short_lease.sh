@@ -14,7 +14,7 @@
 # LEASE_TIMED: the timed steps (default dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu; empty: none, and
 # the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under
 # /tmp/dflash-gpu, and runs them with perf/gpu_session.py itself); LEASE_BLOCK_SIZES, LEASE_LIMIT: dflash_vs_ar's
-# --block-sizes (16,8,16+ngram,16+tree,auto+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
+# --block-sizes (16,8,16+ngram,auto+ngram,16+tree,auto+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
 # (.gpu/prompts, from its --export-prompts); PYTHON, LEASE_DEVICE: the CPU rehearsal's.
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -51,7 +51,7 @@ echo "lease: timed steps with $drafter, $rem s left"
 if ((rem > 40)) && [[ -n $timed ]]; then
     timeout -s INT "$rem" "$py" perf/gpu_session.py --device "$device" --out "$logs/timed" --prompts "$prompts" \
         --target "$home/target" --drafter "$drafter" --steps "$timed" \
-        --block-sizes "${LEASE_BLOCK_SIZES:-16,8,16+ngram,16+tree,auto+tree}" --limit "${LEASE_LIMIT:-8}" \
+        --block-sizes "${LEASE_BLOCK_SIZES:-16,8,16+ngram,auto+ngram,16+tree,auto+tree}" --limit "${LEASE_LIMIT:-8}" \
         --budget-s $((rem - 75)) \
         --commit "$commit"
 fi

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", help="folder with humaneval.jsonl and mtbench.jsonl (from --export-prompts)")
     p.add_argument("--limit", type=int, default=24, help="prompts per dataset for dflash_vs_ar")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-sizes", default="16,8,16+ngram,16+tree,auto+tree",
+    p.add_argument("--block-sizes", default="16,8,16+ngram,auto+ngram,16+tree,auto+tree",
                    help="comma list for bench_runtime --block-size")
     p.add_argument("--steps",
                    default="env,kernel_tests,parity,overhead,bench_kernels,bench_gpu,dflash_vs_ar,verify_cost")

@@ -239,8 +239,10 @@ def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, smollm2
     for step in steps:
         requests = after[step]["requests"] - before.get(step, {}).get("requests", 0)
         rows = after[step]["rows"] - before.get(step, {}).get("rows", 0)
-        # unbatched, every sequence's call would be a request of its own (rows / requests = 1)
-        assert rows >= len(texts) and rows / requests >= 8, (step, rows, requests)
+        # unbatched, every sequence's call would be a request of its own (rows / requests = 1); a sequence whose
+        # start (one prefill each) ends while the others' step is past its inject injects and drafts alone, then
+        # joins their verify, so the verify merges the most
+        assert rows >= len(texts) and rows / requests >= (8 if step == "verify" else 6), (step, rows, requests)
 
 
 def test_io_side_yields_the_cores_to_the_step_models(server):

@@ -10,8 +10,9 @@ sequence in another phase, e.g. one that just started, catches up, and the phase
 sequences that draft inject and draft while the others' verify waits, so the step's verifies stay one call), as one
 request per shape group, and hands each sequence its own row of the results. (Until session 27 the kind the fewest
 sequences waited on went first: when one sequence of a step verified prompt lookup's proposal while fifteen drafted,
-its verify went alone, and the step split in two from then on.) A live sequence that does not reach a step call within ``max_wait_s`` does
-not hold the others longer than that. ``enabled=False`` sends every call at once on its own (the former behaviour).
+its verify went alone, and the step split in two from then on.) A live sequence that does not reach a step call
+within ``max_wait_s`` does not hold the others longer than that. ``enabled=False`` sends every call at once on its
+own (the former behaviour).
 
 The coalescer knows nothing about Triton: ``send(kind, key, calls)`` does the batched call (``bls.TritonSteps``).
 A ``plan`` call is no model call: the ``auto`` decision of the waiting sequences' next step, made for them together

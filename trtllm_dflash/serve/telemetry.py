@@ -3,10 +3,9 @@
 Per BLS model (label ``model``): draft tokens proposed and accepted, steps, finished requests, acceptance-length
 counts (label ``tau``), live sequences (gauge), the drafts verified per step (label ``k``: what ``--block-size auto``
 chose) and where the loop's time went (label ``part``: draft / verify / overhead). τ for a run = (accepted + steps) /
-steps. The step coalescer's batched calls (label ``step``: verify / inject / draft, and plan: the ``auto`` decisions made
-together, no model call): requests sent
-(``dflash_step_requests_total``) and the sequence rows they carried (``dflash_step_rows_total``); rows / requests is
-how many sequences one step-model call served.
+steps. The step coalescer's batched calls (label ``step``: verify / inject / draft, and plan: the ``auto`` decisions
+made together, no model call): requests sent (``dflash_step_requests_total``) and the sequence rows they carried
+(``dflash_step_rows_total``); rows / requests is how many sequences one step-model call served.
 
 The same counts are also exported under the names other servers use, so their dashboards work unchanged (labels
 ``model_name`` and ``model``):

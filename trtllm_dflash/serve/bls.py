@@ -28,7 +28,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.lifecycle import StubWatch
-from trtllm_dflash.serve.loop import Update, plan_together, run_generation
+from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
@@ -50,7 +50,7 @@ class Cancelled(Exception):
     """The client cancelled (or the server is stopping) while the request waited for a slot."""
 
 
-class TritonSteps:
+class TritonSteps(CoalescedSteps):
     """StepClient over BLS calls to the target_verify / kv_inject / drafter models. Taps and K/V are handed to the
     loop as torch tensors (rows of a batched call's outputs; on a GPU they stay in device memory)."""
 
@@ -149,27 +149,9 @@ class TritonSteps:
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64))
         return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
-    async def verify(self, seq_id, block, want_taps, parents=None):
-        return await self.coalescer.submit("verify", (len(block), want_taps, parents), seq_id, block, want_taps)
-
-    async def inject(self, taps, start):
-        return await self.coalescer.submit("inject", (), taps, start)
-
-    async def draft(self, seq_id, k, v, bonus, block_size, top=1):
-        return await self.coalescer.submit("draft", (block_size, top), seq_id, k, v, bonus, block_size)
-
-    async def plan(self, policy, tree, state, lookup_len, last_step):
-        """The sequence's next ``auto`` step, decided with the other live sequences' (``loop.plan_together``)."""
-        return await self.coalescer.submit("plan", (), policy, tree, state, lookup_len, last_step)
-
-    async def _send(self, kind: str, key: tuple, calls: list[Call]) -> list:
+    async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:
         """The coalescer's batched call: one request with a row per sequence, the results split back per row."""
         n = len(calls)
-        if self.on_batch is not None:
-            self.on_batch(kind, n)
-        if kind == "plan":  # no model call: the step's decision for all the waiting sequences
-            policy, tree = calls[0].args[:2]
-            return plan_together(policy, tree, [c.args[2:] for c in calls])
 
         def column(values, dtype):
             return np.array(values, dtype).reshape(n, 1)

@@ -42,6 +42,7 @@ from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, ngram_c
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
+from trtllm_dflash.serve.coalesce import StepCoalescer
 from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
 
 
@@ -81,6 +82,20 @@ class StepReport:
     tree: bool
 
 
+def observe_steps(policy: AdaptivePolicy, tree: TreeShape | None, reports: list[StepReport]) -> None:
+    """The timing of one step of these sequences (one sequence's, or a batched step's) into the cost model, once for
+    its chain rows and once for its tree rows. A sequence's wait at the barrier is in its times: the shortest of each
+    is the batched call's own."""
+    for is_tree in (False, True):
+        group = [r for r in reports if r.tree == is_tree]
+        if group:
+            drafted = [r.draft_s for r in group if r.drafted]
+            policy.observe_step([r.k for r in group], [r.accepted for r in group],
+                                min(drafted or [r.draft_s for r in group]), min(r.verify_s for r in group),
+                                min(r.other_s for r in group), len(drafted),
+                                verify_tokens=len(group) * tree.size if is_tree and tree is not None else None)
+
+
 def plan_together(policy: AdaptivePolicy, tree: TreeShape | None,
                   entries: list[tuple[object, int, StepReport | None]]) -> list[tuple[int, int, bool]]:
     """The next ``auto`` step of several sequences, decided as the in-process decoder decides for a batch. ``entries``:
@@ -89,14 +104,7 @@ def plan_together(policy: AdaptivePolicy, tree: TreeShape | None,
     rows; each sequence's times include its wait for the others', so the shortest of each is the call's own), then
     ``decide`` and ``choose_tree`` run over all the states. Returns per sequence (k, the step's common
     width K = max k, whether it is a tree step)."""
-    done = [r for _, _, r in entries if r is not None]
-    for is_tree in (False, True):
-        group = [r for r in done if r.tree == is_tree]
-        if group:  # a sequence's wait at the barrier is in its times: the shortest is the batched call's own
-            drafted = [r.draft_s for r in group if r.drafted]
-            policy.observe_step([r.k for r in group], [r.accepted for r in group], min(drafted, default=0.0),
-                                min(r.verify_s for r in group), min(r.other_s for r in group), len(drafted),
-                                verify_tokens=len(group) * tree.size if is_tree and tree is not None else None)
+    observe_steps(policy, tree, [r for _, _, r in entries if r is not None])
     states = [state for state, _, _ in entries]
     ks = policy.decide(states, [n for _, n, _ in entries])
     use_tree = tree is not None and policy.choose_tree(states)
@@ -213,9 +221,11 @@ async def run_generation(
             if plan is not None:  # joint: k, the step's common width, tree or not
                 n, width, tree_step = await plan(policy, tree, state, len(lookup), last_step)
                 t0 = time.perf_counter()  # the wait for the other sequences is not this step's cost
+            elif adaptive:
+                (n, width, tree_step), = plan_together(policy, tree, [(state, len(lookup), None)])
             else:
-                n = width = policy.decide([state], [len(lookup)])[0] if adaptive else block_size - 1
-                tree_step = tree is not None and (not adaptive or policy.choose_tree([state]))
+                n = width = block_size - 1
+                tree_step = tree is not None
             if tree_step:
                 k, v = await inject_pending()
                 choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
@@ -249,13 +259,11 @@ async def run_generation(
             elif adaptive:
                 policy.observe(state, n, len(emitted) - 1)
             t3 = time.perf_counter()
-            if plan is not None:  # the next plan feeds it to the cost model, with the other sequences' steps
+            if adaptive:  # alone: into the cost model now; joint: with the other sequences' steps at the next plan
                 last_step = StepReport(tree.k if tree_step else n, len(emitted) - 1, t1 - t0, t2 - t1, t3 - t2,
                                        tree_step or state.source == "drafter", tree_step)
-            elif adaptive and tree_step:
-                policy.observe_step([tree.k], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, 1, verify_tokens=tree.size)
-            elif adaptive:
-                policy.observe_step([n], [len(emitted) - 1], t1 - t0, t2 - t1, t3 - t2, int(state.source == "drafter"))
+                if plan is None:
+                    observe_steps(policy, tree, [last_step])
             p.ks.append(len(drafts))
             for name, sec in zip(("draft", "verify", "overhead"), (t1 - t0, t2 - t1, t3 - t2)):
                 p.seconds[name] += sec
@@ -296,24 +304,14 @@ class LocalSteps:
             self.drafter.free(seq_id)
 
 
-class BatchedLocalSteps(LocalSteps):
-    """A StepClient over in-process step engines that batches the concurrent sequences' calls as the BLS model does
-    (``serve.coalesce.StepCoalescer``: one engine call per kind and shape for every waiting sequence) and, with
-    ``joint``, decides their ``auto`` steps together (``plan``). ``calls`` records (kind, rows) per engine call."""
+class CoalescedSteps:
+    """The step calls of a StepClient whose ``coalescer`` (``serve.coalesce.StepCoalescer(self._send)``) batches
+    the live sequences' calls: each call is submitted with its shape as the key (verify: block length, taps, tree;
+    draft: block size, top), the ``plan`` calls are decided together here (``plan_together``), and ``_step(kind,
+    key, calls)`` makes the batched step-model call. ``on_batch(kind, rows)``: told of every batched call."""
 
-    def __init__(self, verifier, injector, drafter, joint: bool = True, max_wait_s: float = 5.0) -> None:
-        from trtllm_dflash.serve.coalesce import StepCoalescer
-
-        super().__init__(verifier, injector, drafter)
-        self.coalescer = StepCoalescer(self._send, max_wait_s=max_wait_s)
-        self.calls: list[tuple[str, int]] = []
-        if not joint:
-            self.plan = None  # run_generation then decides each sequence's step alone
-
-    async def start(self, seq_id, prompt_ids, sampling, want_taps):
-        started = await super().start(seq_id, prompt_ids, sampling, want_taps)
-        self.coalescer.join()
-        return started
+    coalescer: StepCoalescer
+    on_batch: Callable[[str, int], None] | None = None
 
     async def plan(self, policy, tree, state, lookup_len, last_step):
         return await self.coalescer.submit("plan", (), policy, tree, state, lookup_len, last_step)
@@ -327,14 +325,40 @@ class BatchedLocalSteps(LocalSteps):
     async def draft(self, seq_id, k, v, bonus, block_size, top=1):
         return await self.coalescer.submit("draft", (block_size, top), seq_id, k, v, bonus)
 
+    async def _send(self, kind: str, key: tuple, calls: list) -> list:
+        if self.on_batch is not None:
+            self.on_batch(kind, len(calls))
+        if kind == "plan":  # no model call: the step's decision for all the waiting sequences
+            return plan_together(*calls[0].args[:2], [c.args[2:] for c in calls])
+        return await self._step(kind, key, calls)
+
+    async def _step(self, kind: str, key: tuple, calls: list) -> list:
+        raise NotImplementedError
+
+
+class BatchedLocalSteps(CoalescedSteps, LocalSteps):
+    """A StepClient over in-process step engines that batches the concurrent sequences' calls as the BLS model does
+    (one engine call per kind and shape for every waiting sequence) and, with ``joint``, decides their ``auto`` steps
+    together (``plan``). ``calls`` records (kind, rows) per batched call."""
+
+    def __init__(self, verifier, injector, drafter, joint: bool = True, max_wait_s: float = 5.0) -> None:
+        LocalSteps.__init__(self, verifier, injector, drafter)
+        self.coalescer = StepCoalescer(self._send, max_wait_s=max_wait_s)
+        self.calls: list[tuple[str, int]] = []
+        self.on_batch = lambda kind, rows: self.calls.append((kind, rows))
+        if not joint:
+            self.plan = None  # run_generation then decides each sequence's step alone
+
+    async def start(self, seq_id, prompt_ids, sampling, want_taps):
+        started = await LocalSteps.start(self, seq_id, prompt_ids, sampling, want_taps)
+        self.coalescer.join()
+        return started
+
     async def free(self, seq_id, drafter):
         self.coalescer.leave()
-        await super().free(seq_id, drafter)
+        await LocalSteps.free(self, seq_id, drafter)
 
-    async def _send(self, kind, key, calls) -> list:
-        self.calls.append((kind, len(calls)))
-        if kind == "plan":
-            return plan_together(*calls[0].args[:2], [c.args[2:] for c in calls])
+    async def _step(self, kind, key, calls) -> list:
         if kind == "inject":
             return [self.injector(*c.args) for c in calls]
         seqs = [c.args[0] for c in calls]

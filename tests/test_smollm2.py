@@ -75,3 +75,40 @@ def test_demo_drafter_runs_lossless(real):
         [Request(tuple(prompts[0]), 24, stop_token_ids=stops)])
     assert [out[0].token_ids] == ref
     assert all(1 <= t <= drafter.spec.block_size for t in out[0].acceptance_lengths)
+
+
+def test_a_ragged_batch_computes_only_each_rows_tokens(real):
+    """Rows of different lengths right-padded to the longest (a batched prefill): with ``widths`` the layers compute
+    the real tokens only, and hidden states, taps, the next-token argmax and the cache's K/V at the real slots are the
+    padded forward's. ``perf/results/adaptive/s28``: 16 MT-Bench prompts (1,319 real tokens of 2,208 slots) prefill
+    in 1.76 s instead of 3.27 s on this 2-core CPU."""
+    target, _, _, prompts = real
+    widths = torch.tensor([len(p) for p in prompts] + [1, 3])  # the chat prompts, a one-token row, a short one
+    b, s = len(widths), int(widths.max())
+    ids = torch.randint(0, target.spec.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    seen = []
+    hook = target.model.layers[0].mlp.gate_proj.register_forward_hook(lambda m, i, o: seen.append(i[0].shape))
+    try:
+        outs = []
+        for w in (None, widths):
+            cache = target.new_cache(b, s + 8)
+            cache.lengths[-2:] = torch.tensor([4, 7])  # two rows continue after committed (zero) context
+            with torch.inference_mode():
+                hidden, taps = target(ids, cache, tap_layers=(1, 14, 27), widths=w)
+            outs.append((hidden, taps, cache))
+    finally:
+        hook.remove()
+    assert seen[0][:2] == (b, s) and seen[1] == (int(widths.sum()), target.spec.hidden_size)
+    real_slot = torch.arange(s)[None, :] < widths[:, None]  # [b, S]
+    (h0, t0, c0), (h1, t1, c1) = outs
+    torch.testing.assert_close(h1[real_slot], h0[real_slot], atol=1e-5, rtol=0)
+    torch.testing.assert_close(t1[real_slot], t0[real_slot], atol=1e-4, rtol=0)
+    assert not h1[~real_slot].any(), "padding slots are not computed"
+    last = torch.arange(b), widths - 1
+    assert torch.equal(target.logits(h1[last]).argmax(-1), target.logits(h0[last]).argmax(-1))
+    for r in range(b):
+        at = slice(int(c0.lengths[r]), int(c0.lengths[r] + widths[r]))
+        torch.testing.assert_close(c1.k[:, r, at], c0.k[:, r, at], atol=1e-5, rtol=0)
+        torch.testing.assert_close(c1.v[:, r, at], c0.v[:, r, at], atol=1e-5, rtol=0)

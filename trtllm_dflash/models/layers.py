@@ -179,6 +179,35 @@ class KVCache:
             self.lengths[rows] = lengths
 
 
+class Packing:
+    """The real tokens of a [b, S] forward whose rows hold only a prefix of their S slots (``widths`` [b]): a batched
+    prefill of prompts of different lengths, right-padded to the longest. The projections and MLPs (nearly all of a
+    forward's time on a CPU) run over the ``sum(widths)`` real tokens only, as TensorRT-LLM does with
+    ``remove_input_padding``; RoPE, the cache writes and attention keep the [b, S] layout (a padding slot's K/V lands
+    in scratch past the row's real tokens, where no real query looks: the causal mask ends at each query)."""
+
+    def __init__(self, widths: torch.Tensor, s: int, device) -> None:
+        self.b, self.s = len(widths), s
+        real = torch.arange(s)[None, :] < widths[:, None]  # [b, S]
+        self.index = real.flatten().nonzero().squeeze(1).to(device)  # [N] flat positions of the real tokens
+
+    @classmethod
+    def of(cls, widths: torch.Tensor | None, s: int, device) -> "Packing | None":
+        """A packing when some row is shorter than ``s``, else None (nothing to skip). ``widths`` is read on the
+        host (the caller knows its rows' lengths): deciding and indexing cost no device sync."""
+        if widths is None:
+            return None
+        widths = widths.cpu()
+        return cls(widths, s, device) if int(widths.min()) < s else None
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:  # [b, S, f] -> [N, f]
+        return x.reshape(self.b * self.s, -1).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:  # [N, f] -> [b, S, f], zeros in the padding
+        out = x.new_zeros(self.b * self.s, x.shape[-1])
+        return out.index_copy_(0, self.index, x).view(self.b, self.s, -1)
+
+
 def attention(
     q: torch.Tensor,  # [b, num_heads, S, head_dim]
     k: torch.Tensor,  # [b, num_kv_heads, L, head_dim]

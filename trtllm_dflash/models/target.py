@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
+from trtllm_dflash.models.layers import MLP, KVCache, Packing, RMSNorm, RopeAt, Rotary, attention
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -32,17 +32,23 @@ class TargetAttention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
-    def forward(self, x, rope: RopeAt, slots, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len):
-        b, s, _ = x.shape  # x: [b, S, hidden]
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+    def forward(self, x, rope: RopeAt, slots, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len,
+                packing: Packing | None = None):
+        # x: [b, S, hidden], or [N, hidden] the real tokens of a ``packing``
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if packing is not None:
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        b, s = q.shape[:2]
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)
         cache.write(layer, rows, slots, k, v, row_idx)  # slots: the tokens' positions, but in a runtime.tree step
         k_all, v_all = cache.read(layer, rows, kv_len)  # [b, num_kv_heads, kv_len, head_dim]
-        return self.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed, blocked))
+        out = attention(q.transpose(1, 2), k_all, v_all, allowed, blocked)  # [b, S, heads * head_dim]
+        return self.o_proj(out if packing is None else packing.pack(out))
 
 
 class TargetLayer(nn.Module):
@@ -117,11 +123,13 @@ class TargetModel(nn.Module):
         rows: torch.Tensor | None = None,  # [b] cache rows of the batch; None = all rows in order
         tap_layers: tuple[int, ...] = (),
         layout=None,  # runtime.tree.StepLayout: positions, cache slots and mask of a step that is not one run
+        widths: torch.Tensor | None = None,  # [b] real tokens per row (a prefix, the rest padding); default all S
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [b, S, hidden], taps [b, S, len(tap_layers) * hidden] or None).
 
         Writes K/V for the S tokens into ``cache`` without committing them (see layers.KVCache): by default at the
-        rows' next S slots, causally; with ``layout`` where and as it says.
+        rows' next S slots, causally; with ``layout`` where and as it says. With ``widths`` the layers compute only
+        each row's first ``widths[row]`` tokens (``layers.Packing``); hidden states and taps past them are zero.
         """
         b, s = input_ids.shape
         if layout is None:
@@ -135,8 +143,11 @@ class TargetModel(nn.Module):
             cache.require_capacity(kv_len)
         # what every layer shares, computed once: RoPE tables, cache rows, the mask's complement
         step = (self.rotary.at(positions), slots, cache)
-        shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len)
+        packing = Packing.of(widths, s, input_ids.device) if layout is None else None
+        shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len, packing)
         x = self.embed(input_ids)
+        if packing is not None:
+            x = packing.pack(x)  # [N, hidden]: the residual stream of the real tokens
         wanted = {layer: i for i, layer in enumerate(tap_layers)}
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
         for i, layer in enumerate(self.model.layers):
@@ -144,4 +155,7 @@ class TargetModel(nn.Module):
             if i in wanted:
                 taps[wanted[i]] = x
         tapped = torch.cat(taps, dim=-1) if tap_layers else None  # type: ignore[arg-type]
-        return self.model.norm(x), tapped
+        x = self.model.norm(x)
+        if packing is None:
+            return x, tapped
+        return packing.unpack(x), (packing.unpack(tapped) if tapped is not None else None)

@@ -258,11 +258,12 @@ class SpeculativeDecoder:
         dcache = self.drafter.new_cache(n, max_len) if self.taps else None
 
         # Prefill: right-padded prompts; padding only ever sits after a row's real tokens, so causal masks keep it
-        # invisible, and positions >= lengths are scratch anyway.
+        # invisible, and positions >= lengths are scratch anyway; the layers compute the real tokens only.
         ids = torch.zeros(n, int(prompt_lens.max()), dtype=torch.long, device=dev)  # [n, P_max]
         for i, r in enumerate(requests):
             ids[i, : len(r.prompt_ids)] = torch.tensor(r.prompt_ids, device=dev)
-        hidden, taps = self.target(ids, tcache, tap_layers=self.taps)  # [n, P_max, H], [n, P_max, K·H]
+        hidden, taps = self.target(ids, tcache, tap_layers=self.taps,  # [n, P_max, H], [n, P_max, K·H]
+                                   widths=torch.tensor([len(r.prompt_ids) for r in requests]))  # padding: skipped
         last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
         first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
                                [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]

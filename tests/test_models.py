@@ -1,6 +1,8 @@
 """The torch target and drafter against Hugging Face transformers, checkpoint loading and the cache model."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +129,29 @@ def test_drafter_block_is_noncausal_and_context_is_committed_only(tiny_models):
     out2 = drafter.draft(emb2, cache)
     assert not torch.allclose(out1[:, 0], out2[:, 0])
     torch.testing.assert_close(drafter.draft(emb, cache), out1, atol=1e-12, rtol=0)
+
+
+def test_consecutive_cache_rows_are_read_as_views():
+    """A batch whose cache rows run consecutively (a served batch sorted by slot) reads K/V through slices, at most a
+    few runs; rows out of order or scattered are gathered as before. Both give the same forward."""
+    from trtllm_dflash.models.layers import KVCache
+
+    assert KVCache.view_rows(None) is None
+    assert KVCache.view_rows(torch.tensor([3, 4, 5])) == [(slice(3, 6), slice(0, 3))]
+    assert KVCache.view_rows(torch.tensor([0, 1, 5, 6, 7])) == [(slice(0, 2), slice(0, 2)), (slice(5, 8), slice(2, 5))]
+    for gathered in ([2, 1], [0, 2, 4, 6, 8]):  # out of order; more runs than max_runs (4)
+        rows = torch.tensor(gathered)
+        assert KVCache.view_rows(rows) is rows
+    target = TargetModel.from_pretrained(write_tiny_target(Path(tempfile.mkdtemp()) / "t", num_layers=2),
+                                         torch.float64)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 256, (8, 12), generator=g)
+    step = torch.randint(0, 256, (3, 2), generator=g)
+    out = {}
+    for name, order in (("views", [0, 1, 2]), ("gather", [2, 0, 1])):  # sequences at cache rows 1, 2, 6
+        cache = target.new_cache(8, 32)
+        target(prompts, cache)
+        cache.commit(None, torch.arange(4, 12))  # rows hold 4..11 committed tokens
+        hidden, _ = target(step[order], cache, torch.tensor([1, 2, 6])[order])
+        out[name] = hidden[torch.tensor(order).argsort()]  # back in the order of rows 1, 2, 6
+    torch.testing.assert_close(out["views"], out["gather"], atol=1e-12, rtol=0)

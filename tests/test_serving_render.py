@@ -260,3 +260,22 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
     assert rendered == {"dflash", "baseline", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing"}
     with pytest.raises(ConfigError, match="--io-nice"):
         make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")
+
+
+def test_verify_takes_its_rows_in_slot_order_and_answers_in_the_callers(tiny_models):
+    """``TargetVerifier.verify`` sorts a batch by cache slot (consecutive slots are read as views) and returns the
+    results in the caller's order: the same tokens and taps as the batch sent in slot order."""
+    target, drafter = tiny_models["qwen3"]
+    prompts = {10: [9, 8, 7, 6], 11: [1, 2, 3], 12: [5, 5, 5, 5, 5]}
+    blocks = {10: [4, 3, 2], 11: [7, 7, 7], 12: [1, 1, 1]}
+    got = {}
+    for order in ([10, 11, 12], [12, 10, 11]):
+        verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 4, 64, 4)
+        for seq in (10, 11, 12):  # slots 0, 1, 2
+            verifier.start(seq, prompts[seq], SamplingParams(), True)
+        results = verifier.verify(order, [blocks[s] for s in order], True)
+        got[tuple(order)] = {s: r for s, r in zip(order, results)}
+    for seq in (10, 11, 12):
+        a, b = got[(10, 11, 12)][seq], got[(12, 10, 11)][seq]
+        assert a.emitted == b.emitted
+        torch.testing.assert_close(a.taps, b.taps, atol=1e-12, rtol=0)

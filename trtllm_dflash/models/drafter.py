@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary, attention
+from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
 
@@ -142,7 +142,7 @@ class DrafterModel(nn.Module):
         q_pos = positions[:, :, None]  # [b, B, 1]
         in_range = key_pos <= positions[:, -1:, None]  # [b, 1, kv_len]: committed context + this block
         x = block_embeds.to(self.dtype)
-        rope, row_idx = self.rotary.at(positions), cache.row_index(rows)
+        rope, row_idx, read_rows = self.rotary.at(positions), cache.row_index(rows), KVCache.view_rows(rows)
         for i, layer in enumerate(self.layers):
             allowed = in_range.expand(b, bs, kv_len)
             if self.spec.layer_causal[i]:
@@ -152,8 +152,7 @@ class DrafterModel(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.block_qkv(layer.input_layernorm(x), rope)
             cache.write(i, rows, positions, k, v, row_idx)  # scratch: past ctx_len, never committed
-            k_all, v_all = cache.read(i, rows, kv_len)
-            x = x + attn.o_proj(attention(q.transpose(1, 2), k_all, v_all, allowed))
+            x = x + attn.o_proj(cache.attend(i, q.transpose(1, 2), read_rows, kv_len, allowed))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

@@ -157,8 +157,36 @@ class KVCache:
         self.k[layer][row_idx, positions] = k.to(self.k.dtype)
         self.v[layer][row_idx, positions] = v.to(self.v.dtype)
 
-    def read(self, layer: int, rows: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the first ``kv_len`` slots of the selected rows, each [b, num_kv_heads, kv_len, head_dim]."""
+    @staticmethod
+    def view_rows(rows: torch.Tensor | None, max_runs: int = 4) -> "torch.Tensor | list[tuple[slice, slice]] | None":
+        """How ``attend`` reads the selected rows: ``rows`` on the host that form at most ``max_runs`` runs of
+        consecutive cache rows in order (a served batch sorted by slot) as [(cache rows, batch rows)] slices, each
+        read as a view; else unchanged (an index tensor copies the rows' K and V, every layer, every step: at 16
+        rows × 300 tokens on this CPU, 168 ms a decode step against 70 ms through a view)."""
+        if rows is None or rows.device.type != "cpu" or not len(rows):
+            return rows
+        r = rows.tolist()
+        starts = [0] + [j for j in range(1, len(r)) if r[j] != r[j - 1] + 1] + [len(r)]
+        if len(starts) - 1 > max_runs or any(b < a for a, b in zip(r, r[1:])):
+            return rows
+        return [(slice(r[a], r[a] + b - a), slice(a, b)) for a, b in zip(starts, starts[1:])]
+
+    def attend(self, layer: int, q: torch.Tensor, rows, kv_len: int, allowed: torch.Tensor,
+               blocked: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention`` of q [b, heads, S, head_dim] over the first ``kv_len`` cached slots of ``rows`` (None, an
+        index tensor, or ``view_rows``' runs: each run attends over a view of its rows)."""
+        if not isinstance(rows, list):
+            k, v = self.read(layer, rows, kv_len)
+            return attention(q, k, v, allowed, blocked)
+        outs = []
+        for cache_rows, batch in rows:
+            k, v = self.read(layer, cache_rows, kv_len)  # a slice: views
+            outs.append(attention(q[batch], k, v, allowed[batch], None if blocked is None else blocked[batch]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def read(self, layer: int, rows: torch.Tensor | slice | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the first ``kv_len`` slots of the selected rows, each [b, num_kv_heads, kv_len, head_dim] (copies
+        for an index tensor, views for a slice)."""
         k, v = self.k[layer, :, :kv_len], self.v[layer, :, :kv_len]
         if rows is not None:
             k, v = k[rows], v[rows]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, Packing, RMSNorm, RopeAt, Rotary, attention
+from trtllm_dflash.models.layers import MLP, KVCache, Packing, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -46,8 +46,7 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)
         cache.write(layer, rows, slots, k, v, row_idx)  # slots: the tokens' positions, but in a runtime.tree step
-        k_all, v_all = cache.read(layer, rows, kv_len)  # [b, num_kv_heads, kv_len, head_dim]
-        out = attention(q.transpose(1, 2), k_all, v_all, allowed, blocked)  # [b, S, heads * head_dim]
+        out = cache.attend(layer, q.transpose(1, 2), rows, kv_len, allowed, blocked)  # [b, S, heads * head_dim]
         return self.o_proj(out if packing is None else packing.pack(out))
 
 
@@ -144,7 +143,7 @@ class TargetModel(nn.Module):
         # what every layer shares, computed once: RoPE tables, cache rows, the mask's complement
         step = (self.rotary.at(positions), slots, cache)
         packing = Packing.of(widths, s, input_ids.device) if layout is None else None
-        shared = (rows, cache.row_index(rows), allowed, ~allowed, kv_len, packing)
+        shared = (KVCache.view_rows(rows), cache.row_index(rows), allowed, ~allowed, kv_len, packing)
         x = self.embed(input_ids)
         if packing is not None:
             x = packing.pack(x)  # [N, hidden]: the residual stream of the real tokens

@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.models.weights import write_json
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer
 
     torch.set_num_threads(args.threads)
@@ -72,11 +73,8 @@ def main(argv=None) -> int:
     text = json.dumps(res, indent=1) + "\n"
     print(text, end="")
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(res, args.out)
     return 0
 
 

@@ -1,8 +1,6 @@
 """The torch target and drafter against Hugging Face transformers, checkpoint loading and the cache model."""
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -131,7 +129,7 @@ def test_drafter_block_is_noncausal_and_context_is_committed_only(tiny_models):
     torch.testing.assert_close(drafter.draft(emb, cache), out1, atol=1e-12, rtol=0)
 
 
-def test_consecutive_cache_rows_are_read_as_views():
+def test_consecutive_cache_rows_are_read_as_views(tiny_models):
     """A batch whose cache rows run consecutively (a served batch sorted by slot) reads K/V through slices, at most a
     few runs; rows out of order or scattered are gathered as before. Both give the same forward."""
     from trtllm_dflash.models.layers import KVCache
@@ -142,8 +140,7 @@ def test_consecutive_cache_rows_are_read_as_views():
     for gathered in ([2, 1], [0, 2, 4, 6, 8]):  # out of order; more runs than max_runs (4)
         rows = torch.tensor(gathered)
         assert KVCache.view_rows(rows) is rows
-    target = TargetModel.from_pretrained(write_tiny_target(Path(tempfile.mkdtemp()) / "t", num_layers=2),
-                                         torch.float64)
+    target = tiny_models["llama"][0]
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (8, 12), generator=g)
     step = torch.randint(0, 256, (3, 2), generator=g)

@@ -142,11 +142,15 @@ class TargetVerifier:
         common length, never accepted); with a tree's ``parents`` each block holds every node's token (node 0 the
         bonus; −1: no token there)."""
         require(len({len(b) for b in blocks}) == 1, "blocks", [len(b) for b in blocks], "must share one length")
-        order = sorted(range(len(seq_ids)), key=lambda j: self.slots.get(seq_ids[j]))
-        if order != sorted(order):  # by slot: consecutive slots read the cache as a view (KVCache.view_rows)
+        slots = [self.slots.get(s) for s in seq_ids]
+        order = sorted(range(len(seq_ids)), key=slots.__getitem__)
+        if slots != sorted(slots):  # by slot: consecutive slots read the cache as a view (KVCache.view_rows)
             got = self.verify([seq_ids[j] for j in order], [blocks[j] for j in order], want_taps, parents)
-            return [got[order.index(j)] for j in range(len(order))]
-        rows = torch.tensor([self.slots.get(s) for s in seq_ids])
+            back: list = [None] * len(order)
+            for result, j in zip(got, order):
+                back[j] = result
+            return back
+        rows = torch.tensor(slots)
         ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
         params = [self.sampling[s] for s in seq_ids]
         if parents is not None:

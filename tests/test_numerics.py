@@ -40,6 +40,26 @@ def test_float64_paths_stay_float64():
     assert processed_probs(logits, SamplingParams(temperature=0.7)).dtype == torch.float64
 
 
+@pytest.mark.parametrize("s", [1, 5])
+def test_attention_over_cache_views_equals_the_batched_path(s):
+    """K/V read from the cache as views ([rows, max_len, kv, d] sliced to [b, kv, L, d]) go one KV head at a time
+    (a batched matmul over (b, kv) would copy them whole every layer); the result equals the batched path's on the
+    same values, with each query head on its own KV head as in HF's ``repeat_kv``."""
+    g = torch.Generator().manual_seed(0)
+    cache_k, cache_v = (torch.randn(3, 40, 2, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = cache_k[:, :25].transpose(1, 2), cache_v[:, :25].transpose(1, 2)  # views: (b, kv) do not merge
+    assert k.stride(0) != k.shape[1] * k.stride(1)
+    q = torch.randn(3, 6, s, 16, dtype=torch.float64, generator=g)
+    allowed = torch.rand(3, s, 25, generator=g) > 0.3
+    allowed[..., 0] = True
+    out = attention(q, k, v, allowed)
+    ref = attention(q, k.contiguous(), v.contiguous(), allowed)  # mergeable: the batched path
+    torch.testing.assert_close(out, ref, atol=1e-14, rtol=0)
+    scores = (q @ k.repeat_interleave(3, 1).transpose(-1, -2) / 4.0).masked_fill(~allowed[:, None], float("-inf"))
+    want = torch.softmax(scores, -1) @ v.repeat_interleave(3, 1)
+    torch.testing.assert_close(out, want.permute(0, 2, 1, 3).reshape(3, s, 96), atol=1e-14, rtol=0)
+
+
 CROP = """
 import json, sys, torch
 from trtllm_dflash.checkpoints import load_pair

@@ -9,11 +9,23 @@ known greedy outputs, at every response position.
 Prints one JSON object: the fraction of positions with a proposal, and p_j = P(slot j accepted | slots before it
 were), j = 1..B−1, with the number of proposals that reached each slot. ``NGRAM_PRIOR`` in runtime/adaptive.py is this
 script's output on regenerated training data (pool prompts, never the evaluation sets).
+
+``--by-match`` adds what ``runtime.adaptive.Lookup.prior`` is fitted from: P(slot 1 accepted) by the match's length
+bin and whether the n-gram's two latest occurrences were followed by different tokens, and the later slots'
+conditional acceptance by bin (``LOOKUP_FIRST``, ``LOOKUP_NEXT``); and how well each way of predicting a step's
+lookup forecasts it along the decoder's own walk (every step proposes; log-loss per verified slot): the sequence's
+history with ``NGRAM_PRIOR`` (before session 29) against the match's features held at several strengths.
+Greedy outputs of the training pool (the fit's source, never the evaluation sets):
+
+    python perf/ngram_acceptance.py --generate trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash/\
+training_prompts.jsonl.gz --every 200 --by-match artifacts/lookup/greedy-pool.json   # writes it, then analyses it
+    python perf/ngram_acceptance.py --generate humaneval --every 1 --by-match artifacts/lookup/greedy-humaneval.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -55,16 +67,136 @@ def acceptance(seqs, block_size: int = 16) -> dict:
             "reached": reached}
 
 
+def match_bin(match: int) -> int:
+    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS
+
+    return next((i for i, top in enumerate(LOOKUP_MATCH_BINS) if match <= top), len(LOOKUP_MATCH_BINS))
+
+
+def by_match(seqs, block_size: int = 16) -> dict:
+    """P(slot 1 accepted) per (match bin, split) and the later slots' conditional acceptance per bin, at every
+    response position that has a proposal."""
+    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS, LOOKUP_MIN_N, ngram_lookup
+
+    nb = len(LOOKUP_MATCH_BINS) + 1
+    first = [[[0, 0] for _ in range(nb)] for _ in range(2)]  # [split][bin] = [accepted, proposals]
+    later = [[0, 0] for _ in range(nb)]  # [bin] = [accepted, reached] over slots 2..
+    for ids, prompt_len in seqs:
+        for a in range(prompt_len, len(ids) - 1):
+            lk = ngram_lookup(ids[: a + 1], block_size - 1, min_n=LOOKUP_MIN_N)
+            if not lk.tokens:
+                continue
+            b, acc = match_bin(lk.match), 0
+            for tok, real in zip(lk.tokens, ids[a + 1:]):
+                if tok != real:
+                    break
+                acc += 1
+            reach = min(len(lk.tokens), len(ids) - a - 1)
+            first[int(lk.split)][b][0] += acc > 0
+            first[int(lk.split)][b][1] += 1
+            if acc:
+                later[b][0] += acc - 1
+                later[b][1] += acc - 1 + (acc < reach)
+    ratio = lambda c: round(c[0] / c[1], 3) if c[1] else None  # noqa: E731
+    return {"match_bins_upper": list(LOOKUP_MATCH_BINS) + [None],
+            "first": [[ratio(c) for c in row] for row in first], "first_n": [[c[1] for c in row] for row in first],
+            "next": [ratio(c) for c in later], "next_n": [c[1] for c in later]}
+
+
+def forecast_loss(seqs, block_size: int = 16, strengths=(0.5, 2.0, 8.0, 1e6)) -> dict:
+    """Log-loss per verified slot of each predictor along the decoder's walk (a step proposes the lookup where there
+    is one and moves past its accepted tokens and the bonus), all of slot 1's and all slots'."""
+    import math
+
+    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, NGRAM_PRIOR, NGRAM_PRIOR_STRENGTH, AcceptanceModel, \
+        ngram_lookup
+
+    k = block_size - 1
+    ways = {"history": None, **{f"match x{s:g}": s for s in strengths}}
+    loss = {w: [0.0, 0, 0.0, 0] for w in ways}  # all slots: sum, n; slot 1: sum, n
+    for ids, prompt_len in seqs:
+        models = {w: AcceptanceModel(k, list(NGRAM_PRIOR), NGRAM_PRIOR_STRENGTH) for w in ways}
+        a = prompt_len
+        while a < len(ids) - 1:
+            lk = ngram_lookup(ids[: a + 1], k, min_n=LOOKUP_MIN_N)
+            if not lk.tokens:
+                a += 1
+                for m in models.values():
+                    m.relax()
+                continue
+            reach = min(len(lk.tokens), len(ids) - a - 1)
+            acc = next((j for j in range(reach) if lk.tokens[j] != ids[a + 1 + j]), reach)
+            for w, s in ways.items():
+                probs = models[w].probabilities(*(() if s is None else (lk.prior(k), s)))
+                for j in range(min(acc + 1, reach)):
+                    p = min(max(probs[j], 1e-3), 1 - 1e-3)
+                    nll = -math.log(p if j < acc else 1 - p)
+                    loss[w][0] += nll
+                    loss[w][1] += 1
+                    if j == 0:
+                        loss[w][2] += nll
+                        loss[w][3] += 1
+                models[w].observe(reach, acc)
+            a += acc + 1
+    return {w: {"all_slots": round(v[0] / max(v[1], 1), 4), "slot_1": round(v[2] / max(v[3], 1), 4), "steps": v[3]}
+            for w, v in loss.items()}
+
+
+def generate(prompts: str, every: int, out: Path, max_new_tokens: int = 128, batch_size: int = 16) -> None:
+    """Greedy outputs (target only, the demo SmolLM2) of every ``every``-th prompt of a JSONL file, written as a
+    greedy-reference JSON (atomically)."""
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import Prompt, load_prompts
+    from trtllm_dflash.models.weights import write_json
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    assets = prepare_demo_assets()
+    target, _ = load_pair(assets["target"], None, dtype=torch.float32)
+    tok = load_tokenizer(assets["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    if prompts in ("humaneval", "mtbench"):
+        chosen = load_prompts(prompts)[::every]
+    else:
+        opener = gzip.open if prompts.endswith(".gz") else open
+        with opener(prompts, "rt") as f:  # the training prompts: gzipped JSONL with an "id" and "chat" per line
+            lines = [json.loads(line) for line in f if line.strip()]
+        chosen = [Prompt(d.get("id", str(i)), d["prompt"], d.get("chat", True)) for i, d in enumerate(lines)][::every]
+    ar, rows = SpeculativeDecoder(target, None, 1), []
+    for i in tqdm(range(0, len(chosen), batch_size), desc="greedy"):
+        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), max_new_tokens, stop_token_ids=stops)
+                for p in chosen[i : i + batch_size]]
+        for p, r, o in zip(chosen[i : i + batch_size], reqs, ar.generate(reqs)):
+            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(o.token_ids)})
+    write_json(rows, out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("source", help="a folder of regenerated shards or a greedy-reference JSON file")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--by-match", action="store_true", help="also the match-feature table and the forecast losses")
+    p.add_argument("--generate", metavar="PROMPTS.jsonl[.gz]|humaneval|mtbench",
+                   help="first write greedy outputs (128 tokens) of every --every-th of these prompts to SOURCE")
+    p.add_argument("--every", type=int, default=200)
     args = p.parse_args(argv)
     src = Path(args.source)
+    if args.generate:
+        if args.every < 1:
+            print(f"--every={args.every}: must be >= 1", file=sys.stderr)
+            return 2
+        generate(args.generate, args.every, src)
     if not src.exists():
         print(f"source={str(src)!r}: does not exist; pass a shard folder or a greedy-*.json file", file=sys.stderr)
         return 2
     res = acceptance(sequences(src), args.block_size)
+    if args.by_match:
+        res.update(by_match=by_match(sequences(src), args.block_size),
+                   forecast_loss=forecast_loss(sequences(src), args.block_size))
     print(json.dumps({"source": str(src), "block_size": args.block_size, **res}))
     return 0
 

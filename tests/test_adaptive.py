@@ -349,6 +349,38 @@ def test_ngram_continuation_is_prompt_lookup():
     assert adaptive.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 1, max_n=2, per_n=2) == [[9, 9]]
 
 
+def test_ngram_lookup_reports_what_predicts_acceptance():
+    """The same proposal as ``ngram_continuation``, with how far back the matched occurrence agrees with the
+    context's end and whether the n-gram's two latest occurrences were followed by different tokens."""
+    lk = adaptive.ngram_lookup([1, 2, 3, 9, 9, 1, 2, 3], 4)
+    assert lk == adaptive.Lookup([9, 9, 1, 2], match=3, split=False)
+    # (1 2 3) occurred twice before, followed by 9 (latest) and by 5: split; the latest match goes back 5 tokens
+    lk = adaptive.ngram_lookup([1, 2, 3, 5, 4, 0, 1, 2, 3, 9, 7, 4, 0, 1, 2, 3], 3)
+    assert lk == adaptive.Lookup([9, 7, 4], match=5, split=True)
+    assert adaptive.ngram_lookup([1, 2, 3], 5) == adaptive.Lookup([])
+    rng = random.Random(0)
+    for _ in range(500):
+        ctx = [rng.randint(0, 3) for _ in range(rng.randint(1, 30))]
+        for min_n in (1, 2):
+            assert adaptive.ngram_lookup(ctx, 5, 3, min_n).tokens == adaptive.ngram_continuation(ctx, 5, 3, min_n)
+            assert adaptive.ngram_lookup(ctx, 5, 3, min_n).match <= adaptive.MAX_MATCH
+    # a long match is likelier to be accepted than a short one, a split n-gram less than an unsplit one
+    long, short, split = (adaptive.Lookup([1], m, sp).prior(15) for m, sp in ((24, False), (2, False), (2, True)))
+    assert len(long) == 15 and long[0] > short[0] > split[0] and long[1] > short[1]
+
+
+def test_policy_follows_the_lookups_features():
+    """A 6-token lookup after a long unsplit match is verified, one after a short split match is not (the same
+    fresh sequence history); without features the two look alike."""
+    policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)  # verify(7) = 2.2 × verify(1)
+    good, poor = policy.new_sequence(), policy.new_sequence()
+    good.lookup, poor.lookup = adaptive.Lookup([5] * 6, 24), adaptive.Lookup([5] * 6, 2, split=True)
+    assert policy.decide([good], [6]) == [6] and good.source == "ngram"
+    assert policy.decide([poor], [6]) == [0] and poor.source is None
+    good.lookup = poor.lookup = None
+    assert policy.lookup_expectation(good) == policy.lookup_expectation(poor)
+
+
 def test_policy_verifies_a_good_ngram_without_a_draft_pass():
     """Prompt lookup that is always right, drafter always wrong: steps verify the n-gram (no draft pass); with the
     n-gram always wrong too, the policy goes back to k = 0."""

@@ -34,7 +34,7 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_continuation
+from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_lookup
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
@@ -297,11 +297,14 @@ class SpeculativeDecoder:
             t_step = time.perf_counter()
             lookups = None
             if self.ngram and dcache is not None and (not self.tree or policy is not None):
-                lookups = [ngram_continuation(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1,
-                                              min_n=LOOKUP_MIN_N) for i in active]
+                found = [ngram_lookup(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1, min_n=LOOKUP_MIN_N)
+                         for i in active]
+                lookups = [lk.tokens for lk in found]
             ks = None
             if policy is not None:
                 states = [seqs[i].policy for i in active]
+                for j, s in enumerate(states):
+                    s.lookup = found[j] if lookups else None
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
             if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once

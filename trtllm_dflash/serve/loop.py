@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, ngram_continuation
+from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, Lookup, ngram_lookup
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
@@ -216,8 +216,11 @@ async def run_generation(
             t0 = time.perf_counter()
             context = req.input_ids + tuple(p.tokens)
             use_lookup = policy.ngram if adaptive else ngram and want_taps
-            lookup = ngram_continuation(context, block_size - 1 if not adaptive else policy.max_k,
-                                        min_n=LOOKUP_MIN_N) if use_lookup and (tree is None or adaptive) else []
+            found = ngram_lookup(context, block_size - 1 if not adaptive else policy.max_k, min_n=LOOKUP_MIN_N) \
+                if use_lookup and (tree is None or adaptive) else Lookup([])
+            lookup = found.tokens
+            if adaptive:
+                state.lookup = found  # what predicts its acceptance (``AdaptivePolicy.lookup_expectation``)
             if plan is not None:  # joint: k, the step's common width, tree or not
                 n, width, tree_step = await plan(policy, tree, state, len(lookup), last_step)
                 t0 = time.perf_counter()  # the wait for the other sequences is not this step's cost

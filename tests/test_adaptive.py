@@ -381,6 +381,22 @@ def test_policy_follows_the_lookups_features():
     assert policy.lookup_expectation(good) == policy.lookup_expectation(poor)
 
 
+def test_a_static_batch_values_the_rows_that_set_its_length():
+    """In-process, a batch takes as many steps as its furthest-behind row: a row ahead of it gets weight
+    ``AHEAD_WEIGHT``, and its good lookup no longer pays for widening the critical row's verify too."""
+    assert AdaptivePolicy.batch_weights([40, 39, 30, 38]) == [1.0, 1.0, adaptive.AHEAD_WEIGHT, 1.0]
+    assert AdaptivePolicy.batch_weights([]) == []
+
+    def plan(weight_ahead):
+        policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)
+        behind, ahead = policy.new_sequence(), policy.new_sequence()
+        ahead.lookup, ahead.weight = adaptive.Lookup([5] * 6, 24), weight_ahead
+        return policy.decide([behind, ahead], [0, 6])
+
+    assert plan(1.0) == [0, 6]  # serving: every token counts
+    assert plan(adaptive.AHEAD_WEIGHT) == [0, 0]
+
+
 def test_policy_verifies_a_good_ngram_without_a_draft_pass():
     """Prompt lookup that is always right, drafter always wrong: steps verify the n-gram (no draft pass); with the
     n-gram always wrong too, the policy goes back to k = 0."""

@@ -303,8 +303,10 @@ class SpeculativeDecoder:
             ks = None
             if policy is not None:
                 states = [seqs[i].policy for i in active]
+                weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active])
                 for j, s in enumerate(states):
                     s.lookup = found[j] if lookups else None
+                    s.weight = weights[j]
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
             if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once

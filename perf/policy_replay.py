@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Replay ``--block-size auto``'s prompt-lookup decisions on known greedy outputs, without the machine's noise.
+
+A static batch of greedy outputs (``perf/ngram_acceptance.py --generate``'s JSON) is decoded again on paper: every
+step the policy decides from its cost model and each row's lookup (``runtime.adaptive.ngram_lookup``), a row accepts
+what its proposal shares with the known output, and the step costs what the cost model says. The drafter is left out
+(its acceptance needs the model); so are the machine's timing swings, which on a shared 2-core VM move an in-process
+batch-16 run by ±10 % and hide policy changes worth a few per cent. Prints JSON: simulated seconds, steps and τ per
+variant, and the same for autoregressive decoding (one token per row and step).
+
+    python perf/policy_replay.py artifacts/lookup/greedy-mtbench.json --batch-size 16 --max-new-tokens 48
+    python perf/policy_replay.py artifacts/lookup/greedy-humaneval.json \
+        --policy-cost perf/results/adaptive/s29/cost-cache-2threads-amd.json   # the decoder's own starting belief
+
+The policy's cost model is pulled toward each step's true cost as the decoder pulls it toward the step it timed.
+Variants: the lookup's acceptance from the sequence's history (``NGRAM_PRIOR``, before session 29) or from the
+match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# the cost of a verify over n tokens at batch 16 on the 2-core development machine (AMD EPYC, 2 threads), ms: one
+# forward of 16 rows × (K + 1) tokens after 300 tokens of context, median of 10 (session 29's scratch timing)
+DEFAULT_COST = {1: 6.0, 2: 11.0, 4: 20.0, 8: 36.0, 16: 65.0, 32: 86.0, 64: 180.0, 128: 270.0, 256: 430.0}
+
+
+def replay(rows, policy_factory, truth, batch_size: int, max_new: int, weights: bool) -> dict:
+    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_lookup
+
+    seconds = steps = tokens = row_steps = 0
+    for i in range(0, len(rows), batch_size):
+        batch = rows[i:i + batch_size]
+        policy = policy_factory()
+        states = [policy.new_sequence() for _ in batch]
+        done = [0] * len(batch)  # output tokens emitted per row
+        want = [min(max_new, len(r["token_ids"])) for r in batch]
+        while True:
+            active = [j for j in range(len(batch)) if done[j] < want[j]]
+            if not active:
+                break
+            found = [ngram_lookup(batch[j]["prompt_ids"] + batch[j]["token_ids"][:done[j]], policy.max_k,
+                                  min_n=LOOKUP_MIN_N) for j in active]
+            st = [states[j] for j in active]
+            w = policy.batch_weights([want[j] - done[j] for j in active]) if weights else [1.0] * len(active)
+            for s, lk, wj in zip(st, found, w):
+                s.lookup, s.weight = lk, wj
+            ks = policy.decide(st, [len(lk.tokens) for lk in found])
+            accepted = []
+            for j, lk, k in zip(active, found, ks):
+                out = batch[j]["token_ids"]
+                a = 0
+                if st[active.index(j)].source == "ngram":
+                    while a < k and done[j] + a < len(out) and lk.tokens[a] == out[done[j] + a]:
+                        a += 1
+                a = min(a, want[j] - done[j] - 1)  # the step's last token is the bonus
+                accepted.append(max(a, 0))
+            for s, k, a in zip(st, ks, accepted):
+                policy.observe(s, k, a)
+            kmax = max(ks)
+            width = len(active) * (kmax + 1)
+            seconds += truth.step(len(active), kmax, 0)
+            policy.cost.observe(width, truth.verify(width))  # as the decoder feeds back the step it timed
+            steps += 1
+            for j, a in zip(active, accepted):
+                done[j] += a + 1
+                tokens += a + 1
+                row_steps += 1
+    return {"seconds": round(seconds, 4), "steps": steps, "tokens": tokens, "tau": round(tokens / row_steps, 4)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("greedy", help="greedy outputs JSON (perf/ngram_acceptance.py --generate)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--true-cost", metavar="FILE", help="what steps really cost, as a cost cache file (default: "
+                   "DEFAULT_COST, measured at batch 16; at batch 1 the decoder's own calibration is the truth)")
+    p.add_argument("--policy-cost", metavar="FILE",
+                   help="what the policy believes steps cost: a cost cache file (the decoder's calibration, "
+                        "$TRTLLM_DFLASH_CACHE/adaptive/cost-*.json); default: the true cost below")
+    args = p.parse_args(argv)
+    from trtllm_dflash.runtime import adaptive
+    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+
+    path = Path(args.greedy)
+    if not path.is_file():
+        print(f"greedy={str(path)!r}: not a file; write one with perf/ngram_acceptance.py --generate", file=sys.stderr)
+        return 2
+    rows = json.loads(path.read_text())[: args.limit or None]
+    verify = [DEFAULT_COST[n] / 1e3 for n in GRID]
+    truth = CostModel.from_json(json.loads(Path(args.true_cost).read_text())) if args.true_cost else \
+        CostModel(verify, [v / 2 for v in verify])
+    belief = CostModel.from_json(json.loads(Path(args.policy_cost).read_text())) if args.policy_cost else truth
+
+    def factory(features: bool):
+        def make():
+            policy = AdaptivePolicy(CostModel(list(belief.verify_s), list(belief.draft_s)), 16, prior=[0.02] * 15,
+                                    probe_every=10**6, max_probe_every=10**6, ngram=True)
+            if not features:  # the sequence's lookup history only (before session 29)
+                policy.lookup_expectation = lambda state: state.ngram.expected_accepted_all()
+            return policy
+        return make
+
+    out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size,
+           "max_new_tokens": args.max_new_tokens, "true_cost_ms": [round(v * 1e3, 1) for v in truth.verify_s],
+           "policy_cost_ms": [round(v * 1e3, 1) for v in belief.verify_s]}
+    ar = 0.0
+    for i in range(0, len(rows), args.batch_size):
+        batch = rows[i:i + args.batch_size]
+        want = sorted(min(args.max_new_tokens, len(r["token_ids"])) for r in batch)
+        ar += sum(truth.step(sum(1 for w in want if w > t), 0, 0) for t in range(want[-1]))
+    out["autoregressive_seconds"] = round(ar, 4)
+    for name, features, weights in (("history", False, False), ("match", True, False),
+                                    ("match+weights", True, True), ("history+weights", False, True)):
+        res = replay(rows, factory(features), truth, args.batch_size, args.max_new_tokens, weights)
+        res["speedup"] = round(ar / res["seconds"], 4)
+        out[name] = res
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -143,8 +143,8 @@ def forecast_loss(seqs, block_size: int = 16, strengths=(0.5, 2.0, 8.0, 1e6)) ->
 
 
 def generate(prompts: str, every: int, out: Path, max_new_tokens: int = 128, batch_size: int = 16) -> None:
-    """Greedy outputs (target only, the demo SmolLM2) of every ``every``-th prompt of a JSONL file, written as a
-    greedy-reference JSON (atomically)."""
+    """Greedy outputs (target only, the demo SmolLM2) of every ``every``-th prompt of a JSONL(.gz) file, HumanEval or
+    MT-Bench, written as a greedy-reference JSON (atomically)."""
     import torch
     from tqdm import tqdm
 
@@ -172,6 +172,7 @@ def generate(prompts: str, every: int, out: Path, max_new_tokens: int = 128, bat
                 for p in chosen[i : i + batch_size]]
         for p, r, o in zip(chosen[i : i + batch_size], reqs, ar.generate(reqs)):
             rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(o.token_ids)})
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_json(rows, out)
 
 

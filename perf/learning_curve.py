@@ -380,22 +380,13 @@ def cmd_train(args) -> None:
 def greedy_reference(args, target, tok, stops, dataset: str) -> list[dict]:
     """Cached greedy outputs (target only) of the first --limit prompts (prompt lookup is replayed per block size)."""
     from trtllm_dflash.datasets import load_prompts
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.text import encode_prompt
+    from trtllm_dflash.train.audit import greedy_rows
 
     path = Path(args.work) / "eval" / f"greedy-{dataset}-{args.limit}-{args.max_new_tokens}.json"
     if path.is_file():
         return read_json(path)
-    from tqdm import tqdm
-
-    prompts = load_prompts(dataset, args.limit)
-    ar = SpeculativeDecoder(target, None, 1)
-    rows = []
-    for i in tqdm(range(0, len(prompts), args.batch_size), desc=f"greedy {dataset} (batches of {args.batch_size})"):
-        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.max_new_tokens, stop_token_ids=stops)
-                for p in prompts[i : i + args.batch_size]]
-        for p, r, out in zip(prompts[i : i + args.batch_size], reqs, ar.generate(reqs)):
-            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(out.token_ids)})
+    rows = greedy_rows(target, tok, stops, load_prompts(dataset, args.limit), args.max_new_tokens, args.batch_size,
+                       f"greedy {dataset} (batches of {args.batch_size})")
     write_json(path, rows)
     return rows
 

@@ -67,16 +67,11 @@ def acceptance(seqs, block_size: int = 16) -> dict:
             "reached": reached}
 
 
-def match_bin(match: int) -> int:
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS
-
-    return next((i for i, top in enumerate(LOOKUP_MATCH_BINS) if match <= top), len(LOOKUP_MATCH_BINS))
-
-
 def by_match(seqs, block_size: int = 16) -> dict:
     """P(slot 1 accepted) per (match bin, split) and the later slots' conditional acceptance per bin, at every
     response position that has a proposal."""
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS, LOOKUP_MIN_N, ngram_lookup
+    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS, LOOKUP_MIN_N, lookup_bin, ngram_lookup
+    from trtllm_dflash.train.audit import accepted_prefix
 
     nb = len(LOOKUP_MATCH_BINS) + 1
     first = [[[0, 0] for _ in range(nb)] for _ in range(2)]  # [split][bin] = [accepted, proposals]
@@ -86,11 +81,7 @@ def by_match(seqs, block_size: int = 16) -> dict:
             lk = ngram_lookup(ids[: a + 1], block_size - 1, min_n=LOOKUP_MIN_N)
             if not lk.tokens:
                 continue
-            b, acc = match_bin(lk.match), 0
-            for tok, real in zip(lk.tokens, ids[a + 1:]):
-                if tok != real:
-                    break
-                acc += 1
+            b, acc = lookup_bin(lk.match), accepted_prefix(lk.tokens, ids, a + 1)
             reach = min(len(lk.tokens), len(ids) - a - 1)
             first[int(lk.split)][b][0] += acc > 0
             first[int(lk.split)][b][1] += 1
@@ -110,6 +101,7 @@ def forecast_loss(seqs, block_size: int = 16, strengths=(0.5, 2.0, 8.0, 1e6)) ->
 
     from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, NGRAM_PRIOR, NGRAM_PRIOR_STRENGTH, AcceptanceModel, \
         ngram_lookup
+    from trtllm_dflash.train.audit import accepted_prefix
 
     k = block_size - 1
     ways = {"history": None, **{f"match x{s:g}": s for s in strengths}}
@@ -125,7 +117,7 @@ def forecast_loss(seqs, block_size: int = 16, strengths=(0.5, 2.0, 8.0, 1e6)) ->
                     m.relax()
                 continue
             reach = min(len(lk.tokens), len(ids) - a - 1)
-            acc = next((j for j in range(reach) if lk.tokens[j] != ids[a + 1 + j]), reach)
+            acc = accepted_prefix(lk.tokens[:reach], ids, a + 1)
             for w, s in ways.items():
                 probs = models[w].probabilities(*(() if s is None else (lk.prior(k), s)))
                 for j in range(min(acc + 1, reach)):
@@ -146,14 +138,13 @@ def generate(prompts: str, every: int, out: Path, max_new_tokens: int = 128, bat
     """Greedy outputs (target only, the demo SmolLM2) of every ``every``-th prompt of a JSONL(.gz) file, HumanEval or
     MT-Bench, written as a greedy-reference JSON (atomically)."""
     import torch
-    from tqdm import tqdm
 
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import Prompt, load_prompts
     from trtllm_dflash.models.weights import write_json
-    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
+    from trtllm_dflash.train.audit import greedy_rows
 
     assets = prepare_demo_assets()
     target, _ = load_pair(assets["target"], None, dtype=torch.float32)
@@ -166,12 +157,7 @@ def generate(prompts: str, every: int, out: Path, max_new_tokens: int = 128, bat
         with opener(prompts, "rt") as f:  # the training prompts: gzipped JSONL with an "id" and "chat" per line
             lines = [json.loads(line) for line in f if line.strip()]
         chosen = [Prompt(d.get("id", str(i)), d["prompt"], d.get("chat", True)) for i, d in enumerate(lines)][::every]
-    ar, rows = SpeculativeDecoder(target, None, 1), []
-    for i in tqdm(range(0, len(chosen), batch_size), desc="greedy"):
-        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), max_new_tokens, stop_token_ids=stops)
-                for p in chosen[i : i + batch_size]]
-        for p, r, o in zip(chosen[i : i + batch_size], reqs, ar.generate(reqs)):
-            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(o.token_ids)})
+    rows = greedy_rows(target, tok, stops, chosen, max_new_tokens, batch_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(rows, out)
 

@@ -26,13 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# the cost of a verify over n tokens at batch 16 on the 2-core development machine (AMD EPYC, 2 threads), ms: one
-# forward of 16 rows × (K + 1) tokens after 300 tokens of context, median of 10 (session 29's scratch timing)
+# the cost of a verify over n tokens on the 2-core development machine (AMD EPYC, 2 threads), ms: one forward of
+# 16 rows × (K + 1) tokens after 300 tokens of context (session 29's scratch timings: 16 and 32 the median of 10, 64,
+# 128 and 256 of 7, noisier); below 16 tokens (a batch whose rows have finished) scaled down by hand, not measured
 DEFAULT_COST = {1: 6.0, 2: 11.0, 4: 20.0, 8: 36.0, 16: 65.0, 32: 86.0, 64: 180.0, 128: 270.0, 256: 430.0}
 
 
-def replay(rows, policy_factory, truth, batch_size: int, max_new: int, weights: bool) -> dict:
+def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features: bool, weights: bool) -> dict:
+    """Simulated seconds, steps, tokens and τ of decoding ``rows`` in static batches; ``features``: the policy sees
+    each lookup's match (``SeqState.lookup``; without it, the sequence's lookup history decides)."""
     from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_lookup
+    from trtllm_dflash.train.audit import accepted_prefix
 
     seconds = steps = tokens = row_steps = 0
     for i in range(0, len(rows), batch_size):
@@ -50,17 +54,12 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, weights: 
             st = [states[j] for j in active]
             w = policy.batch_weights([want[j] - done[j] for j in active]) if weights else [1.0] * len(active)
             for s, lk, wj in zip(st, found, w):
-                s.lookup, s.weight = lk, wj
+                s.lookup, s.weight = (lk if features else None), wj
             ks = policy.decide(st, [len(lk.tokens) for lk in found])
             accepted = []
-            for j, lk, k in zip(active, found, ks):
-                out = batch[j]["token_ids"]
-                a = 0
-                if st[active.index(j)].source == "ngram":
-                    while a < k and done[j] + a < len(out) and lk.tokens[a] == out[done[j] + a]:
-                        a += 1
-                a = min(a, want[j] - done[j] - 1)  # the step's last token is the bonus
-                accepted.append(max(a, 0))
+            for j, s, lk, k in zip(active, st, found, ks):
+                a = accepted_prefix(lk.tokens[:k], batch[j]["token_ids"], done[j]) if s.source == "ngram" else 0
+                accepted.append(max(min(a, want[j] - done[j] - 1), 0))  # the step's last token is the bonus
             for s, k, a in zip(st, ks, accepted):
                 policy.observe(s, k, a)
             kmax = max(ks)
@@ -100,14 +99,9 @@ def main(argv=None) -> int:
         CostModel(verify, [v / 2 for v in verify])
     belief = CostModel.from_json(json.loads(Path(args.policy_cost).read_text())) if args.policy_cost else truth
 
-    def factory(features: bool):
-        def make():
-            policy = AdaptivePolicy(CostModel(list(belief.verify_s), list(belief.draft_s)), 16, prior=[0.02] * 15,
-                                    probe_every=10**6, max_probe_every=10**6, ngram=True)
-            if not features:  # the sequence's lookup history only (before session 29)
-                policy.lookup_expectation = lambda state: state.ngram.expected_accepted_all()
-            return policy
-        return make
+    def make():
+        return AdaptivePolicy(CostModel(list(belief.verify_s), list(belief.draft_s)), 16, prior=[0.02] * 15,
+                              probe_every=10**6, max_probe_every=10**6, ngram=True)
 
     out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size,
            "max_new_tokens": args.max_new_tokens, "true_cost_ms": [round(v * 1e3, 1) for v in truth.verify_s],
@@ -120,7 +114,7 @@ def main(argv=None) -> int:
     out["autoregressive_seconds"] = round(ar, 4)
     for name, features, weights in (("history", False, False), ("match", True, False),
                                     ("match+weights", True, True), ("history+weights", False, True)):
-        res = replay(rows, factory(features), truth, args.batch_size, args.max_new_tokens, weights)
+        res = replay(rows, make, truth, args.batch_size, args.max_new_tokens, features, weights)
         res["speedup"] = round(ar / res["seconds"], 4)
         out[name] = res
     print(json.dumps(out))

@@ -251,28 +251,20 @@ def attention(
     g = h // kv
     qg = q.reshape(b, kv, g * s, d)  # [b, kv, g·S, d]: rows ordered (group member, query)
     blocked = ~allowed if blocked is None else blocked
+    mask = blocked[:, None].expand(b, g, s, blocked.shape[-1]).reshape(b, 1, g * s, -1)  # [b, 1, g·S, L]
     if q.device.type == "cpu" and kv > 1 and (k.stride(0) != kv * k.stride(1) or v.stride(0) != kv * v.stride(1)):
-        return _attention_per_kv_head(qg, k, v, blocked, s)
-    scores = torch.matmul(qg, k.to(q.dtype).transpose(-1, -2)) * d**-0.5  # [b, kv, g·S, L]
-    mask = blocked[:, None, None].expand(b, kv, g, s, blocked.shape[-1]).reshape(b, kv, g * s, -1)
-    scores = widen(scores).masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.to(q.dtype))  # [b, kv, g·S, d]
+        # K/V read from the cache as views ([b, kv, L, d] slices of its [rows, max_len, kv, d] layout): their (b, kv)
+        # dimensions do not merge into one batch dimension, so a matmul over both would copy K and V whole, every
+        # layer and step (a fifth of a 16-row decode step on a 2-core CPU); one KV head's [b, L, d] slice is a
+        # strided view a batched GEMM reads in place
+        out = torch.stack([_attend(qg[:, j], k[:, j], v[:, j], mask[:, 0]) for j in range(kv)], 1)
+    else:
+        out = _attend(qg, k, v, mask)  # [b, kv, g·S, d]
     return out.view(b, kv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h * d)
 
 
-def _attention_per_kv_head(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor,
-                           s: int) -> torch.Tensor:
-    """``attention`` one KV head at a time, for K/V read from the cache as views ([b, kv, L, d] slices of its
-    [rows, max_len, kv, d] layout): their (b, kv) dimensions do not merge into one batch dimension, so a batched
-    matmul over both copies K and V whole, every layer and step (a fifth of a 16-row decode step on a 2-core CPU);
-    each head's [b, L, d] slice is a strided view a batched GEMM reads in place."""
-    b, kv, gs, d = qg.shape
-    mask = blocked[:, None].expand(b, gs // s, s, blocked.shape[-1]).reshape(b, gs, -1)  # [b, g·S, L]
-    outs = []
-    for j in range(kv):
-        scores = torch.bmm(qg[:, j], k[:, j].to(qg.dtype).transpose(-1, -2)) * d**-0.5  # [b, g·S, L]
-        probs = torch.softmax(widen(scores).masked_fill(mask, float("-inf")), dim=-1).to(qg.dtype)
-        outs.append(torch.bmm(probs, v[:, j].to(qg.dtype)))  # [b, g·S, d]
-    out = torch.stack(outs, 1)  # [b, kv, g·S, d]
-    return out.view(b, kv, gs // s, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, kv * d * (gs // s))
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d, masked) v over the trailing two dimensions (leading ones batched, ``mask`` broadcast)."""
+    scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = torch.softmax(widen(scores).masked_fill(mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v.to(q.dtype))

@@ -246,13 +246,18 @@ LOOKUP_FIRST = ((0.63, 0.77, 0.85, 0.90, 0.93, 0.97), (0.17, 0.16, 0.24, 0.36, 0
 LOOKUP_NEXT = (0.81, 0.84, 0.88, 0.91, 0.94, 0.97)
 
 
+def clip_prior(prior: Sequence[float]) -> list[float]:
+    """A prior's probabilities kept within [0.02, 0.98], so observations can always move them."""
+    return [min(max(p, 0.02), 0.98) for p in prior]
+
+
 class AcceptanceModel:
     """p_j = P(draft j accepted | drafts before it were), j = 1..B−1, from decayed counts plus a prior."""
 
     def __init__(self, num_drafts: int, prior: Sequence[float] | None = None, strength: float = 2.0,
                  decay: float = 0.92) -> None:
         prior = list(prior) if prior else [DEFAULT_PRIOR] * num_drafts
-        self.prior = [min(max(p, 0.02), 0.98) for p in (prior + [prior[-1]] * num_drafts)[:num_drafts]]
+        self.prior = clip_prior((prior + [prior[-1]] * num_drafts)[:num_drafts])
         self.strength, self.decay = strength, decay
         self.hits = [0.0] * num_drafts
         self.misses = [0.0] * num_drafts
@@ -265,7 +270,7 @@ class AcceptanceModel:
         before it, so a sequence that keeps accepting whole blocks expects the next position to be accepted too (and
         the decision lengthens its blocks quickly); the counts then correct it. ``prior``/``strength``: this
         proposal's own (``Lookup.prior``) instead of the model's."""
-        base = self.prior if prior is None else [min(max(p, 0.02), 0.98) for p in prior]
+        base = self.prior if prior is None else clip_prior(prior)
         strength = self.strength if strength is None else strength
         out: list[float] = []
         for j in range(len(self.prior)):
@@ -372,8 +377,13 @@ class Lookup:
 
     def prior(self, num_drafts: int) -> list[float]:
         """P(slot j accepted | slots before it were), j = 1..num_drafts, for this match (``LOOKUP_FIRST``)."""
-        b = next((i for i, top in enumerate(LOOKUP_MATCH_BINS) if self.match <= top), len(LOOKUP_MATCH_BINS))
+        b = lookup_bin(self.match)
         return [LOOKUP_FIRST[int(self.split)][b]] + [LOOKUP_NEXT[b]] * (num_drafts - 1)
+
+
+def lookup_bin(match: int) -> int:
+    """The index of a match length's bin in ``LOOKUP_FIRST`` / ``LOOKUP_NEXT`` (``LOOKUP_MATCH_BINS`` upper bounds)."""
+    return next((i for i, top in enumerate(LOOKUP_MATCH_BINS) if match <= top), len(LOOKUP_MATCH_BINS))
 
 
 MAX_MATCH = 32  # a match is extended backwards at most this far (the last bin of LOOKUP_MATCH_BINS starts at 20)

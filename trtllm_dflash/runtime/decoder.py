@@ -295,7 +295,7 @@ class SpeculativeDecoder:
             b = len(active)
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
-            lookups = None
+            found = lookups = None
             if self.ngram and dcache is not None and (not self.tree or policy is not None):
                 found = [ngram_lookup(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1, min_n=LOOKUP_MIN_N)
                          for i in active]
@@ -305,7 +305,7 @@ class SpeculativeDecoder:
                 states = [seqs[i].policy for i in active]
                 weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active])
                 for j, s in enumerate(states):
-                    s.lookup = found[j] if lookups else None
+                    s.lookup = found[j] if found else None
                     s.weight = weights[j]
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))

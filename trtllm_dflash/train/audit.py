@@ -87,6 +87,32 @@ def output_taus(acceptance_lengths: Sequence[int], num_tokens: int) -> list[int]
     return out
 
 
+def accepted_prefix(draft: Sequence[int], ids: Sequence[int], start: int) -> int:
+    """How many of ``draft``'s tokens equal the known output ``ids`` from position ``start`` on (the verify's greedy
+    acceptance of a proposal at that anchor)."""
+    acc = 0
+    while acc < len(draft) and start + acc < len(ids) and draft[acc] == ids[start + acc]:
+        acc += 1
+    return acc
+
+
+def greedy_rows(target: TargetModel, tok, stops: tuple[int, ...], prompts, max_new_tokens: int,
+                batch_size: int = 16, desc: str = "greedy") -> list[dict]:
+    """Greedy outputs (target only) of ``datasets.Prompt``s under their chat templates, in batches, as the
+    greedy-reference rows the replays read: {"id", "prompt_ids", "token_ids"}."""
+    from tqdm import tqdm
+
+    from trtllm_dflash.runtime.text import encode_prompt
+
+    ar, rows = SpeculativeDecoder(target, None, 1), []
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc):
+        reqs = [Request(tuple(encode_prompt(tok, p.text, p.chat)), max_new_tokens, stop_token_ids=stops)
+                for p in prompts[i : i + batch_size]]
+        for p, r, out in zip(prompts[i : i + batch_size], reqs, ar.generate(reqs)):
+            rows.append({"id": p.id, "prompt_ids": list(r.prompt_ids), "token_ids": list(out.token_ids)})
+    return rows
+
+
 def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngram: int = 3,
                       min_ngram: int = 1, tree: TreeShape | None = None, datastore: Datastore | None = None,
                       main: torch.Tensor | None = None) -> list[tuple[int, int]]:
@@ -100,18 +126,12 @@ def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngra
     if tree is not None and tree.grafts and main is None:
         raise ValueError("a tree with grafted lookup chains needs the drafter's greedy blocks (main=)")
 
-    def accepted(draft: list[int], start: int) -> int:
-        acc = 0
-        while acc < len(draft) and start + acc < len(ids) and draft[acc] == ids[start + acc]:
-            acc += 1
-        return acc
-
     out = []
     for a in range(prompt_len, len(ids) - 1):
         context = ids[: a + 1]
         drafts = lookup_chains(tree, context, datastore) if tree is not None else \
             [ngram_continuation(context, block_size - 1, max_ngram, min_ngram)]
-        best = max((accepted(d, a + 1) for d in drafts), default=0)
+        best = max((accepted_prefix(d, ids, a + 1) for d in drafts), default=0)
         proposed = max(map(len, drafts), default=0)
         if tree is not None and tree.grafts:
             blocks = main[a - prompt_len].tolist()
@@ -122,7 +142,7 @@ def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngra
                     if cont:
                         proposed = max(proposed, depth + len(cont))
                         if right:
-                            best = max(best, depth + accepted(cont, a + 1 + depth))
+                            best = max(best, depth + accepted_prefix(cont, ids, a + 1 + depth))
         out.append((best, proposed))
     return out
 

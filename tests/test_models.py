@@ -152,3 +152,25 @@ def test_consecutive_cache_rows_are_read_as_views(tiny_models):
         hidden, _ = target(step[order], cache, torch.tensor([1, 2, 6])[order])
         out[name] = hidden[torch.tensor(order).argsort()]  # back in the order of rows 1, 2, 6
     torch.testing.assert_close(out["views"], out["gather"], atol=1e-12, rtol=0)
+
+
+def test_the_lm_head_runs_as_one_gemm_over_every_row(tiny_models):
+    """``draft_block`` hands the head its slots as one matrix and ``TargetModel.logits`` flattens any view: a [b, S, H]
+    view whose rows do not merge (slots 1..B−1 of a block) would go through one GEMM per row, each reading the whole
+    LM head. The logits are those of each row alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trtllm_dflash.models.drafter import draft_block
+
+    target, drafter = tiny_models["llama"]
+    hidden = torch.randn(4, 6, 64, dtype=torch.float64)[:, 1:]  # rows 5 · 64 apart in a 6 · 64 stride: no merge
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = target.logits(hidden)
+    assert "aten::bmm" not in {e.key for e in prof.key_averages()}
+    torch.testing.assert_close(logits, torch.stack([target.lm_head(h) for h in hidden]), atol=1e-12, rtol=0)
+    assert target.logits(hidden[:, :0]).shape == (4, 0, target.spec.vocab_size)
+    seen = []
+    cache = drafter.new_cache(3, 8)
+    drafts = draft_block(torch.tensor([1, 2, 3]), 5, drafter.spec.mask_token_id, target.embed,
+                         lambda e: drafter.draft(e, cache), lambda h: seen.append(h.is_contiguous()) or target.logits(h))
+    assert seen == [True] and drafts.shape == (3, 4)

@@ -171,5 +171,8 @@ def draft_block(
     the head come from; the in-process decoder and the Triton drafter model both draft through this one function."""
     block = torch.full((bonus.shape[0], block_size), mask_token_id, dtype=torch.long, device=bonus.device)
     block[:, 0] = bonus
-    logits = head(forward(embed(block))[:, 1:])
+    # slots 1..B−1 made contiguous first: with b > 1 rows the [:, 1:] view's rows do not merge into one matrix, and
+    # torch.matmul of such a view with a weight that needs no grad runs one GEMM per row, each reading the whole LM
+    # head (SmolLM2's 49k × 576): 16 rows took 134 ms on 2 CPU cores against 75 ms as one GEMM (the copy: 0.5 MB)
+    logits = head(forward(embed(block))[:, 1:].contiguous())
     return logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices

@@ -113,7 +113,9 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (final-normed): [..., hidden] -> [..., vocab]
-        return self.lm_head(hidden)
+        # one GEMM over all positions: a view whose leading dimensions do not merge (hidden[:, :1] of a wider step)
+        # would otherwise go through one GEMM per row, each reading the whole head (``draft_block``)
+        return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], self.spec.vocab_size)
 
     def forward(
         self,

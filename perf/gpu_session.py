@@ -256,13 +256,15 @@ def step_overhead(args, log) -> dict:
 def step_verify_cost(args, log) -> dict:
     """perf/verify_cost.py on the real target: what a verify of n consecutive tokens and of the decoder's trees (B = 16
     and 8, with and without the datastore's chain) costs against one autoregressive step, at batch 1 and 8 — how wide
-    a verify may be on this device before it costs more than the tokens it gains."""
+    a verify may be on this device before it costs more than the tokens it gains; on CUDA over 256 and 2,048 tokens of
+    context, interleaved (what attending over a context adds: ``CostModel.context``)."""
     if not args.target:
         return {"skipped": "needs --target"}
     cuda = args.device == "cuda"
     out = run([sys.executable, "perf/verify_cost.py", "--target", str(args.target), "--device", args.device,
                "--dtype", "bfloat16" if cuda else "float32", "--sizes", "1,16,32,64,128,256" if cuda else "1,16",
-               "--trees", "15,7" if cuda else "7", "--batch", "1,8" if cuda else "1", "--context", "256",
+               "--trees", "15,7" if cuda else "7", "--batch", "1,8" if cuda else "1",
+               "--context", "256,2048" if cuda else "256",
                "--repeats", "10" if cuda else "2"], log, 240)
     return {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
 

@@ -13,8 +13,10 @@ variant, and the same for autoregressive decoding (one token per row and step).
         --policy-cost perf/results/adaptive/s29/cost-cache-2threads-amd.json   # the decoder's own starting belief
 
 The policy's cost model is pulled toward each step's true cost as the decoder pulls it toward the step it timed.
+Steps cost more as the rows' contexts grow (``CostModel.context``: each row's prompt and the tokens it has so far).
 Variants: the lookup's acceptance from the sequence's history (``NGRAM_PRIOR``, before session 29) or from the
-match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``).
+match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``); and
+"match+weights" with a belief blind to the context (α = β = 0: before session 30).
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# the cost of a verify over n tokens on the 2-core development machine (AMD EPYC, 2 threads), ms: one forward of
-# 16 rows × (K + 1) tokens after 300 tokens of context (session 29's scratch timings: 16 and 32 the median of 10, 64,
-# 128 and 256 of 7, noisier); below 16 tokens (a batch whose rows have finished) scaled down by hand, not measured
-DEFAULT_COST = {1: 6.0, 2: 11.0, 4: 20.0, 8: 36.0, 16: 65.0, 32: 86.0, 64: 180.0, 128: 270.0, 256: 430.0}
+# the cost of a verify over n tokens on the 2-core development machine (AMD EPYC, 2 threads), ms, over an empty
+# cache, each row's first slot through the LM head: 16 rows × (K + 1) tokens from 16 tokens up; below, the rows left
+# in a finishing batch, one token each (1 and 8 rows measured, 2 interpolated, 4 set to 8's: 4 rows measured 62.2,
+# above 8 rows, noise); and what attending over the rows' contexts adds, per context token, α per row and β per
+# verified token (least squares over the same runs over 300 tokens of context, 1 to 16 rows × 1 to 16 tokens).
+# perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head first --context 0,300
+# --repeats 12 (perf/results/adaptive/s30/verify-cost-context.json; medians, sizes and contexts interleaved)
+DEFAULT_COST = {1: 39.7, 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8, 64: 128.8, 128: 209.6, 256: 341.5}
+DEFAULT_CONTEXT_S = (2.7e-6, 0.31e-6)
 
 
-def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features: bool, weights: bool) -> dict:
+def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features: bool, weights: bool,
+           extra_context: int = 0) -> dict:
     """Simulated seconds, steps, tokens and τ of decoding ``rows`` in static batches; ``features``: the policy sees
     each lookup's match (``SeqState.lookup``; without it, the sequence's lookup history decides)."""
     from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_lookup
@@ -53,8 +61,9 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features:
                                   min_n=LOOKUP_MIN_N) for j in active]
             st = [states[j] for j in active]
             w = policy.batch_weights([want[j] - done[j] for j in active]) if weights else [1.0] * len(active)
-            for s, lk, wj in zip(st, found, w):
+            for j, s, lk, wj in zip(active, st, found, w):
                 s.lookup, s.weight = (lk if features else None), wj
+                s.context = extra_context + len(batch[j]["prompt_ids"]) + done[j]
             ks = policy.decide(st, [len(lk.tokens) for lk in found])
             accepted = []
             for j, s, lk, k in zip(active, st, found, ks):
@@ -63,9 +72,10 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features:
             for s, k, a in zip(st, ks, accepted):
                 policy.observe(s, k, a)
             kmax = max(ks)
-            width = len(active) * (kmax + 1)
-            seconds += truth.step(len(active), kmax, 0)
-            policy.cost.observe(width, truth.verify(width))  # as the decoder feeds back the step it timed
+            width, context = len(active) * (kmax + 1), policy.context
+            seconds += truth.step(len(active), kmax, 0, context=context)
+            # as the decoder feeds back the step it timed
+            policy.cost.observe(width, truth.verify(width, len(active), context), rows=len(active), context=context)
             steps += 1
             for j, a in zip(active, accepted):
                 done[j] += a + 1
@@ -80,6 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--extra-context", type=int, default=0, metavar="N",
+                   help="N more cached tokens before every prompt (a long system prompt): what its verifies cost")
     p.add_argument("--true-cost", metavar="FILE", help="what steps really cost, as a cost cache file (default: "
                    "DEFAULT_COST, measured at batch 16; at batch 1 the decoder's own calibration is the truth)")
     p.add_argument("--policy-cost", metavar="FILE",
@@ -96,25 +108,37 @@ def main(argv=None) -> int:
     rows = json.loads(path.read_text())[: args.limit or None]
     verify = [DEFAULT_COST[n] / 1e3 for n in GRID]
     truth = CostModel.from_json(json.loads(Path(args.true_cost).read_text())) if args.true_cost else \
-        CostModel(verify, [v / 2 for v in verify])
+        CostModel(verify, [v / 2 for v in verify], context_row_s=DEFAULT_CONTEXT_S[0],
+                  context_token_s=DEFAULT_CONTEXT_S[1])
     belief = CostModel.from_json(json.loads(Path(args.policy_cost).read_text())) if args.policy_cost else truth
 
-    def make():
-        return AdaptivePolicy(CostModel(list(belief.verify_s), list(belief.draft_s)), 16, prior=[0.02] * 15,
-                              probe_every=10**6, max_probe_every=10**6, ngram=True)
+    def policy_factory(context: bool):
+        def make():
+            cost = CostModel(list(belief.verify_s), list(belief.draft_s),
+                             context_row_s=belief.context_row_s if context else 0.0,
+                             context_token_s=belief.context_token_s if context else 0.0)
+            return AdaptivePolicy(cost, 16, prior=[0.02] * 15, probe_every=10**6, max_probe_every=10**6, ngram=True)
+        return make
 
-    out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size,
+    out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size, "extra_context": args.extra_context,
            "max_new_tokens": args.max_new_tokens, "true_cost_ms": [round(v * 1e3, 1) for v in truth.verify_s],
-           "policy_cost_ms": [round(v * 1e3, 1) for v in belief.verify_s]}
+           "policy_cost_ms": [round(v * 1e3, 1) for v in belief.verify_s],
+           "true_context_us": [round(truth.context_row_s * 1e6, 3), round(truth.context_token_s * 1e6, 3)],
+           "policy_context_us": [round(belief.context_row_s * 1e6, 3), round(belief.context_token_s * 1e6, 3)]}
     ar = 0.0
     for i in range(0, len(rows), args.batch_size):
         batch = rows[i:i + args.batch_size]
-        want = sorted(min(args.max_new_tokens, len(r["token_ids"])) for r in batch)
-        ar += sum(truth.step(sum(1 for w in want if w > t), 0, 0) for t in range(want[-1]))
+        want = [min(args.max_new_tokens, len(r["token_ids"])) for r in batch]
+        for t in range(max(want)):
+            live = [args.extra_context + len(r["prompt_ids"]) + t for r, w in zip(batch, want) if w > t]
+            ar += truth.step(len(live), 0, 0, context=sum(live))
     out["autoregressive_seconds"] = round(ar, 4)
-    for name, features, weights in (("history", False, False), ("match", True, False),
-                                    ("match+weights", True, True), ("history+weights", False, True)):
-        res = replay(rows, make, truth, args.batch_size, args.max_new_tokens, features, weights)
+    for name, features, weights, context in (("history", False, False, True), ("match", True, False, True),
+                                             ("match+weights", True, True, True),
+                                             ("history+weights", False, True, True),
+                                             ("match+weights, context-blind", True, True, False)):
+        res = replay(rows, policy_factory(context), truth, args.batch_size, args.max_new_tokens, features, weights,
+                     args.extra_context)
         res["speedup"] = round(ar / res["seconds"], 4)
         out[name] = res
     print(json.dumps(out))

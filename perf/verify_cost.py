@@ -9,6 +9,14 @@ then compared with the ratio of the floors: where measured ≫ floor, the runtim
 ``--trees K,...`` also times the decoder's tree verifies for K drafts per chain (``runtime.tree.tree_for``, with and
 without the datastore's chain: their node count under the tree mask), and ``--batch 1,8`` repeats everything with
 that many sequences verified together (a GPU lease reads how wide a verify may be before it costs more than a step).
+``--head first`` takes the LM head over each row's first slot only: what a verify whose first draft is rejected
+pays on a CPU, where the decoder's head runs lazily (``runtime.sampling.verify_samples``); the calibration of
+``--block-size auto`` times verifies the same way. Session 30's batch-16 costs, over an empty cache and over 300
+tokens of context (``perf/policy_replay.py``'s DEFAULT_COST and DEFAULT_CONTEXT_S; several contexts are timed
+interleaved, as the sizes are: on a shared machine separate runs drift by more than the context's share):
+
+    python perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head first \
+        --context 0,300 --repeats 12 --out perf/results/adaptive/s30/verify-cost-context.json
 
     python perf/verify_cost.py --dtype float32,bfloat16 --threads 1 --out perf/results/adaptive/verify-cost.json
     python perf/verify_cost.py --device cuda --dtype bfloat16 --sizes 1,16,32,64,128,256 --trees 15,7 --batch 1,8
@@ -53,32 +61,40 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> flo
 
 
 @torch.inference_mode()
-def measure(target, sizes: list, context: int, repeats: int, batch: int = 1) -> dict:
-    """Median seconds of a verify per size: an int n is n consecutive tokens (n = 1: an autoregressive step), a
-    ``runtime.tree.Topology`` its nodes under the tree mask; ``batch`` sequences at a time."""
+def measure(target, sizes: list, contexts: list[int], repeats: int, batch: int = 1,
+            first_head: bool = False) -> dict:
+    """Median seconds of a verify per (context, size): an int n is n consecutive tokens (n = 1: an autoregressive
+    step), a ``runtime.tree.Topology`` its nodes under the tree mask; ``batch`` sequences at a time over each of
+    ``contexts`` committed tokens (interleaved); ``first_head``: the LM head over each row's first slot only."""
     widths = [s if isinstance(s, int) else s.size for s in sizes]
     dev = target.device
-    cache = target.new_cache(batch, context + max(widths) + 1)
     vocab = target.spec.vocab_size
-    target(torch.randint(0, vocab, (batch, context), device=dev), cache)
-    committed = torch.full((batch,), context, device=dev)
-    cache.commit(None, committed)
+    caches = {}
+    for context in contexts:
+        cache = target.new_cache(batch, context + max(widths) + 1)
+        if context:
+            target(torch.randint(0, vocab, (batch, context), device=dev), cache)
+        cache.commit(None, torch.full((batch,), context, device=dev))
+        caches[context] = cache
     sync = _sync(str(dev))
-    times: dict = {s: [] for s in sizes}
+    plan = [(c, s, n) for c in contexts for s, n in zip(sizes, widths)]
+    times: dict = {(c, s): [] for c, s, _ in plan}
     for r in range(repeats + 1):
-        for s, n in (zip(sizes, widths) if r % 2 == 0 else reversed(list(zip(sizes, widths)))):
+        for c, s, n in (plan if r % 2 == 0 else reversed(plan)):
+            cache = caches[c]
+            committed = cache.lengths.clone()
             x = torch.randint(0, vocab, (batch, n), device=dev)
             layout = None if isinstance(s, int) else s.layout(committed)
             sync()
             t = time.perf_counter()
             hidden, _ = target(x, cache, layout=layout)
-            target.logits(hidden)
+            target.logits(hidden[:, :1] if first_head else hidden)
             sync()
             dt = time.perf_counter() - t
             cache.crop(None, committed)  # the verify is rolled back: same context every time
             if r:
-                times[s].append(dt)
-    return {s: statistics.median(v) for s, v in times.items()}
+                times[c, s].append(dt)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -87,13 +103,17 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sizes", default="1,2,3,4,8,16")
-    p.add_argument("--context", type=int, default=256, help="committed tokens before the verify")
+    p.add_argument("--context", default="256",
+                   help="committed tokens before the verify; a comma list is timed interleaved, the first one "
+                        "reported at the top (the others under ms_by_context)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--trees", default="",
                    help="comma list of K: also time the decoder's trees for K drafts per chain (with and without "
                         "the datastore's chain), e.g. 15,7")
     p.add_argument("--batch", default="1", help="comma list of sequences verified together (default 1)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    p.add_argument("--head", choices=("all", "first"), default="all",
+                   help="the LM head over every verified slot (default) or each row's first only")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from trtllm_dflash.assets import prepare_demo_assets
@@ -103,6 +123,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target_dir = args.target or prepare_demo_assets()["target"]
     sizes = [int(s) for s in args.sizes.split(",")]
+    contexts = [int(c) for c in args.context.split(",")]
     if 1 not in sizes:
         sizes.insert(0, 1)  # the autoregressive step every ratio is against
     trees = {f"tree k={k}{' + datastore' if ds else ''}": tree_for(k, True, ds).topology
@@ -110,7 +131,8 @@ def main(argv=None) -> int:
     bandwidth = copy_bandwidth(device=args.device)
     res = {"machine": f"{os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads",
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-           "context": args.context, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2), "dtypes": {}}
+           "context": contexts[0], "head": args.head, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+           "dtypes": {}}
     for name in args.dtype.split(","):
         dtype = getattr(torch, name)
         target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=args.device)
@@ -119,7 +141,9 @@ def main(argv=None) -> int:
         size = torch.finfo(dtype).bits // 8
         per_batch = {}
         for batch in (int(b) for b in args.batch.split(",")):
-            got = measure(target, sizes + list(trees.values()), args.context, args.repeats, batch)
+            timed_all = measure(target, sizes + list(trees.values()), contexts, args.repeats, batch,
+                                args.head == "first")
+            got = {s: v for (c, s), v in timed_all.items() if c == contexts[0]}
             floor = {n: max(2 * params * n * batch / rate, params * size / bandwidth) for n in sizes}
             per_batch[batch] = {
                 "ms": {n: round(got[n] * 1e3, 2) for n in sizes},
@@ -130,6 +154,8 @@ def main(argv=None) -> int:
                 **({"trees": {label: {"nodes": t.size, "ms": round(got[t] * 1e3, 2),
                                       "ratio_to_step1": round(got[t] / got[1], 3)} for label, t in trees.items()}}
                    if trees else {}),
+                **({"ms_by_context": {c: {n: round(timed_all[c, n] * 1e3, 2) for n in sizes} for c in contexts}}
+                   if len(contexts) > 1 else {}),
             }
         # the first --batch at the top level (the document's shape before --batch), the others under "batch"
         first = int(args.batch.split(",")[0])

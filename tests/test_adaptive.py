@@ -139,6 +139,41 @@ def test_one_outlier_step_moves_the_cost_model_a_bounded_amount():
     assert cost.verify(16) > before[0] / adaptive.MAX_STEP_RATIO
 
 
+def test_verifies_are_priced_by_the_context_they_attend_over():
+    """The context-free curve plus α per row and β per verified token for each cached token; an observed step teaches
+    the curve only its time beyond the context's share, so one long-context K = 0 step does not make K = 1 (the
+    curve's next point, raised to it) look free."""
+    alpha, beta = 2e-6, 0.5e-6
+    aware, blind = cpu_like(), cpu_like()
+    aware.context_row_s, aware.context_token_s = alpha, beta
+    rows, context = 16, 16 * 2000
+    assert aware.verify(32, rows, context) == pytest.approx(blind.verify(32) + context * (alpha + beta * 2))
+    assert aware.step(rows, 1, 0, context=context) - aware.step(rows, 0, 0, context=context) == pytest.approx(
+        blind.verify(32) - blind.verify(16) + context * beta)
+    seconds = aware.verify(16, rows, context)  # the machine as ``aware`` describes it: the context's share dominates
+    for cost in (aware, blind):  # observed at K = 0 for a while
+        for _ in range(40):
+            cost.observe(16, seconds, rows=rows, context=context)
+    assert aware.verify(16) == pytest.approx(cpu_like().verify(16), rel=1e-6)
+    assert blind.verify(32) == pytest.approx(blind.verify(16), rel=0.02), "the curve's flat segment: K = 1 looks free"
+    assert aware.step(rows, 1, 0, context=context) / aware.step(rows, 0, 0, context=context) > 1.1
+    doc = CostModel.from_json(json.loads(json.dumps(aware.to_json())))
+    assert (doc.context_row_s, doc.context_token_s) == (alpha, beta)
+
+
+def test_the_context_calibration_recovers_its_coefficients():
+    calls = []
+
+    def measure(rows, width, context):  # 1 ms + 2 µs per token, and the context's share
+        calls.append((rows, width, context))
+        return 1e-3 + 2e-6 * rows * width + context * (3e-6 * rows + 0.7e-6 * rows * width)
+
+    alpha, beta = adaptive.calibrate_context(measure, context=512, rows=16, repeats=2)
+    assert alpha == pytest.approx(3e-6) and beta == pytest.approx(0.7e-6)
+    assert {c[2] for c in calls} == {0, 512} and {c[:2] for c in calls} == {(16, 1), (1, 16)}
+    assert adaptive.calibrate_context(lambda r, w, c: 1e-3, repeats=1) == (0.0, 0.0), "never negative"
+
+
 def test_cost_cache_round_trip_and_key(tmp_path):
     calls = []
 
@@ -216,7 +251,11 @@ def test_auto_with_an_always_right_oracle_picks_long_blocks(tiny_models, cost_ro
         # (step times observed on a shared machine feed the cost model, so not every step is B − 1)
         assert first <= 8 and sum(k >= 8 for k in ks[first + 1:]) >= len(ks[first + 1:]) // 2, ks
     ks = [k for r in out for k in r.draft_lengths]
-    assert list(cost_root.glob("adaptive/cost-*.json")), "the calibration is cached on disk"
+    cached = list(cost_root.glob("adaptive/cost-*.json"))
+    assert cached, "the calibration is cached on disk"
+    doc = json.loads(cached[0].read_text())
+    assert doc["context_row_s"] >= 0 and doc["context_token_s"] >= 0, "with what attending over a context costs"
+    assert dec.policy.context >= sum(len(p) for p in prompts), "the rows' contexts priced the last step"
     tel = dec.policy.telemetry.to_json()
     assert sum(tel["k_distribution"].values()) == len(ks) and tel["num_accepted_tokens"] > 0
 

@@ -4,12 +4,16 @@ One policy for every loop (the in-process decoder and the serving loop over any 
 emitted tokens per second of the next step:
 
     tokens(k_1..k_b) = Σ_i (1 + E_i[a | k_i])            E_i[a | k] = Σ_{n=1..k} Π_{j≤n} p_i,j
-    seconds          = verify(b · (K + 1)) + draft(m · (K + 1)) + overhead           (K = max k_i, m rows draft)
+    seconds          = verify(b · (K + 1)) + context + draft(m · (K + 1)) + overhead  (K = max k_i, m rows draft)
+    context          = C · (α + β · (K + 1))                                          (C = Σ_i context tokens of row i)
 
 - **Cost model** (``CostModel``): seconds of one verify forward and of one draft pass as piecewise-linear functions
   of the tokens they process (all rows together, so a batch pays the verify once per step), measured on the device
   by a short calibration, cached on disk keyed by device, dtype, threads and model, and pulled toward the step times
-  actually observed.
+  actually observed. The verify curve is timed without context; attending over the rows' cached tokens adds α per
+  row and β per verified token for each context token (``CostModel.context``, calibrated by timing the same shapes
+  over an empty and a filled cache): without it a batch's K = 0 step, which reads all its rows' K/V, looked as cheap
+  as one row's, and once observed at its true price the curve's flat segment above it made K = 1 look free.
 - **Acceptance model** (``AcceptanceModel``, one per sequence): p_j = P(draft j accepted | drafts 1..j−1 were), from
   decayed success/failure counts plus a prior (the drafter's held-out per-slot accuracy from its training log).
 - **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
@@ -69,18 +73,25 @@ class CostModel:
     overhead_s: float = 0.0  # per step, outside draft and verify (acceptance, KV injection, bookkeeping)
     key: dict = field(default_factory=dict)
     alpha: float = 0.2  # weight of one observed step time
+    context_row_s: float = 0.0  # α: seconds a verify spends per row and per context token it attends over
+    context_token_s: float = 0.0  # β: seconds per verified token and per context token of its row
 
-    def verify(self, n: float) -> float:
-        return _interp(GRID, self.verify_s, n)[0]
+    def context(self, n: float, rows: int, context: float) -> float:
+        """Seconds a verify of n tokens over ``rows`` rows spends attending over ``context`` cached tokens (all
+        rows together) beyond what the context-free curve says."""
+        return context * (self.context_row_s + self.context_token_s * n / rows) if rows > 0 and context > 0 else 0.0
+
+    def verify(self, n: float, rows: int = 1, context: float = 0.0) -> float:
+        return _interp(GRID, self.verify_s, n)[0] + self.context(n, rows, context)
 
     def draft(self, n: float) -> float:
         return 0.0 if n <= 0 else _interp(GRID, self.draft_s, n)[0]
 
-    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True) -> float:
+    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True, context: float = 0.0) -> float:
         """Seconds of a step verifying k proposed tokens (k + 1 slots) for ``rows`` rows, ``drafting`` of which went
-        through the draft pass."""
+        through the draft pass; ``context``: the rows' cached tokens, all together."""
         draft = self.draft(drafting * (k + 1)) if (k > 0 and drafting and draft_pass) else 0.0
-        return self.verify(rows * (k + 1)) + draft + self.overhead_s
+        return self.verify(rows * (k + 1), rows, context) + draft + self.overhead_s
 
     @staticmethod
     def _observe(values: list[float], n: float, seconds: float, alpha: float) -> None:
@@ -98,9 +109,11 @@ class CostModel:
             values[j] = max(values[j], values[j - 1])
 
     def observe(self, verify_tokens: int, verify_s: float, draft_tokens: int = 0, draft_s: float = 0.0,
-                overhead_s: float | None = None) -> None:
-        """Pull the model toward one observed step."""
-        self._observe(self.verify_s, verify_tokens, verify_s, self.alpha)
+                overhead_s: float | None = None, rows: int = 1, context: float = 0.0) -> None:
+        """Pull the model toward one observed step (its verify over ``rows`` rows with ``context`` cached tokens: the
+        curve learns the time beyond the context's share)."""
+        ctx = self.context(verify_tokens, rows, context)
+        self._observe(self.verify_s, verify_tokens, max(verify_s - ctx, 1e-3 * verify_s), self.alpha)  # > 0
         if draft_tokens > 0:
             self._observe(self.draft_s, draft_tokens, draft_s, self.alpha)
         if overhead_s is not None:
@@ -108,14 +121,17 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"key": self.key, "grid": list(GRID), "verify_s": self.verify_s, "draft_s": self.draft_s,
-                "overhead_s": self.overhead_s}
+                "overhead_s": self.overhead_s, "context_row_s": self.context_row_s,
+                "context_token_s": self.context_token_s}
 
     @classmethod
     def from_json(cls, doc: dict) -> CostModel:
         if doc.get("grid") != list(GRID) or len(doc["verify_s"]) != len(GRID) or len(doc["draft_s"]) != len(GRID):
             raise ValueError("cost cache has another grid")
         return cls([float(x) for x in doc["verify_s"]], [float(x) for x in doc["draft_s"]],
-                   float(doc.get("overhead_s", 0.0)), dict(doc.get("key", {})))
+                   float(doc.get("overhead_s", 0.0)), dict(doc.get("key", {})),
+                   context_row_s=float(doc.get("context_row_s", 0.0)),
+                   context_token_s=float(doc.get("context_token_s", 0.0)))
 
     def save(self, path: Path) -> None:
         """Atomic write (a concurrent reader sees the old file or the new one)."""
@@ -169,10 +185,30 @@ def calibrate(measure_verify: Callable[[int], float], measure_draft: Callable[[i
     return out[0], out[1]
 
 
+def calibrate_context(measure: Callable[[int, int, int], float], context: int = 512, rows: int = 16,
+                      repeats: int = 5) -> tuple[float, float]:
+    """(α, β) of ``CostModel.context`` from ``measure(rows, width, context)`` (seconds of a verify of ``rows`` ×
+    ``width`` tokens over ``context`` cached tokens a row): ``rows`` rows of one token and one row of ``rows`` tokens,
+    each over an empty cache and over ``context`` tokens, interleaved, the fastest of ``repeats``. The first pair's
+    difference is rows · (α + β) per context token, the second's α + rows · β."""
+    shapes = [(rows, 1, 0), (rows, 1, context), (1, rows, 0), (1, rows, context)]
+    for shape in shapes:
+        measure(*shape)  # warm-up
+    best = {shape: math.inf for shape in shapes}
+    for _ in range(repeats):
+        for shape in shapes:
+            best[shape] = min(best[shape], measure(*shape))
+    per_row_tokens = (best[shapes[1]] - best[shapes[0]]) / context  # rows · (α + β)
+    one_row = (best[shapes[3]] - best[shapes[2]]) / context  # α + rows · β
+    alpha = max((per_row_tokens - one_row) / (rows - 1), 0.0)
+    return alpha, max((one_row - alpha) / rows, 0.0)
+
+
 def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int, root: Path | None = None,
-                      refresh: bool = False, check: int = 0) -> CostModel:
+                      refresh: bool = False, check: int = 0, measure_context=None) -> CostModel:
     """The cached cost model for ``key``, or a fresh calibration (then cached). ``check`` > 0: spot-check a cached
-    model with that many runs of the smallest verify and draft (``rescale_to_spot_check``)."""
+    model with that many runs of the smallest verify and draft (``rescale_to_spot_check``). ``measure_context``:
+    ``calibrate_context``'s measure (without it verifies are priced as if over an empty cache)."""
     path = cache_path(key, root)
     if path.is_file() and not refresh:
         try:
@@ -185,6 +221,8 @@ def load_or_calibrate(key: dict, measure_verify, measure_draft, max_tokens: int,
             pass  # stale or foreign file: calibrate again
     verify_s, draft_s = calibrate(measure_verify, measure_draft, max_tokens)
     model = CostModel(verify_s, draft_s, key=key)
+    if measure_context is not None:
+        model.context_row_s, model.context_token_s = calibrate_context(measure_context)
     model.save(path)
     return model
 
@@ -201,6 +239,9 @@ def rescale_to_spot_check(model: CostModel, measure_verify, measure_draft, repea
         ratio = min(measure(n) for _ in range(repeats)) / _interp(GRID, values, n)[0]
         if not 1 / tolerance <= ratio <= tolerance:
             values[:] = [v * ratio for v in values]
+            if values is model.verify_s:
+                model.context_row_s *= ratio
+                model.context_token_s *= ratio
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:
@@ -333,6 +374,7 @@ class SeqState:
     source: str | None = None  # this step's proposal: "drafter", "ngram", "tree" or None (k = 0)
     lookup: Lookup | None = None  # this step's prompt-lookup proposal (set by the loop before ``decide``)
     weight: float = 1.0  # what this row's tokens are worth to the batch (``batch_weights``; 1 when serving)
+    context: int = 0  # tokens the row's next verify attends over (its committed length; set by the loop)
     tree: float | None = None  # average tokens accepted by this row's tree steps (exponential; None: none yet)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
@@ -485,6 +527,7 @@ class AdaptivePolicy:
         self.tree_nodes = tree_nodes  # > 0: a tree step of this many tokens per row is an option (choose_tree)
         self.tree_wait = 0  # steps since the last tree step
         self.last_rate = 0.0  # expected tokens per second of decide's latest plan
+        self.context = 0  # the cached tokens of the rows of decide's latest step (all together): its verify's price
         self.telemetry = Telemetry()
 
     def new_sequence(self) -> SeqState:
@@ -499,6 +542,7 @@ class AdaptivePolicy:
         b = len(states)
         for s in states:
             s.source = None
+        self.context = sum(s.context for s in states)
         if self.max_k <= 0 or b == 0:
             return [0] * b
         floor = self.min_probe_interval(b)
@@ -509,7 +553,7 @@ class AdaptivePolicy:
         free_exp = [self.lookup_expectation(s) if (s.ngram is not None and lens[i]) else None
                     for i, s in enumerate(states)]
         w = [s.weight for s in states]
-        best_rate, best = sum(w) / self.cost.step(b, 0, 0), (0, [], [])
+        best_rate, best = sum(w) / self.cost.step(b, 0, 0, context=self.context), (0, [], [])
         for k in range(1, self.max_k + 1):
             free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
             extra = sorted((((expected[i][k] - free[i]) * w[i], i) for i in range(b)
@@ -524,7 +568,7 @@ class AdaptivePolicy:
                 ngram_rows = [i for i in range(b) if i not in rows and free[i] > 0]
                 if not rows and not ngram_rows:
                     continue
-                rate = tokens / self.cost.step(b, k, len(rows), bool(rows))
+                rate = tokens / self.cost.step(b, k, len(rows), bool(rows), self.context)
                 if rate > best_rate:
                     best_rate, best = rate, (k, list(rows), ngram_rows)
         k, rows, ngram_rows = best
@@ -560,12 +604,13 @@ class AdaptivePolicy:
     def tree_step_cost(self, rows: int) -> float:
         """Seconds of a tree step: every row drafts a full block and verifies ``tree_nodes`` tokens."""
         cost = self.cost
-        return cost.verify(rows * self.tree_nodes) + cost.draft(rows * (self.max_k + 1)) + cost.overhead_s
+        return cost.verify(rows * self.tree_nodes, rows, self.context) + cost.draft(rows * (self.max_k + 1)) + \
+            cost.overhead_s
 
     def tree_probe_interval(self, rows: int) -> int:
         """Steps between tree steps taken only to refresh the rows' estimates, keeping their extra cost over a plain
         step within ``probe_budget`` of the decoding time."""
-        plain = self.cost.step(rows, 0, 0)
+        plain = self.cost.step(rows, 0, 0, context=self.context)
         extra = max(self.tree_step_cost(rows) - plain, 0.0)
         return max(self.probe_every, min(self.max_probe_every, math.ceil(extra / (self.probe_budget * plain))))
 
@@ -601,8 +646,8 @@ class AdaptivePolicy:
         draft pass and a longer verify to a batch step) within ``probe_budget`` of the time of plain steps."""
         if self.probe_budget <= 0:
             return self.probe_every
-        plain = self.cost.step(rows, 0, 0)
-        extra = self.cost.step(rows, self.probe_k, 1) - plain
+        plain = self.cost.step(rows, 0, 0, context=self.context)
+        extra = self.cost.step(rows, self.probe_k, 1, context=self.context) - plain
         return max(self.probe_every, min(self.max_probe_every, math.ceil(rows * extra / (self.probe_budget * plain))))
 
     def observe(self, state: SeqState, k: int, accepted: int) -> None:
@@ -633,7 +678,8 @@ class AdaptivePolicy:
         rows, kmax = len(ks), max(ks, default=0)
         drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
         width = rows * (kmax + 1) if verify_tokens is None else verify_tokens
-        self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s)
+        self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s, rows,
+                          self.context)
         t = self.telemetry
         t.tree_steps += int(verify_tokens is not None)  # only tree steps give their width
         t.steps += 1

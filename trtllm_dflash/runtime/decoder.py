@@ -304,9 +304,10 @@ class SpeculativeDecoder:
             if policy is not None:
                 states = [seqs[i].policy for i in active]
                 weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active])
-                for j, s in enumerate(states):
+                for j, (i, s) in enumerate(zip(active, states)):
                     s.lookup = found[j] if found else None
                     s.weight = weights[j]
+                    s.context = len(seqs[i].request.prompt_ids) + len(seqs[i].tokens)
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
             if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
@@ -521,5 +522,17 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
             lambda h: target.logits(h.to(target.dtype))), sync)
 
-    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh, check=3)
+    caches = {}
+
+    @torch.inference_mode()
+    def over_context(rows: int, width: int, context: int) -> float:
+        if (rows, width, context) not in caches:  # the cached K/V's values do not change the time: zeros
+            caches[rows, width, context] = target.new_cache(rows, context + width + 1)
+            caches[rows, width, context].lengths.fill_(context)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
+        return adaptive.timed(lambda: target.logits(
+            target(ids, caches[rows, width, context], tap_layers=decoder.taps)[0][:, :1]), sync)
+
+    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh, check=3,
+                                      measure_context=over_context)
     return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

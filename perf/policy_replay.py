@@ -60,10 +60,13 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features:
             found = [ngram_lookup(batch[j]["prompt_ids"] + batch[j]["token_ids"][:done[j]], policy.max_k,
                                   min_n=LOOKUP_MIN_N) for j in active]
             st = [states[j] for j in active]
-            w = policy.batch_weights([want[j] - done[j] for j in active]) if weights else [1.0] * len(active)
-            for j, s, lk, wj in zip(active, st, found, w):
-                s.lookup, s.weight = (lk if features else None), wj
+            for j, s, lk in zip(active, st, found):
+                s.lookup = lk if features else None
                 s.context = extra_context + len(batch[j]["prompt_ids"]) + done[j]
+            w = policy.batch_weights([want[j] - done[j] for j in active], sum(s.context for s in st)) if weights \
+                else [1.0] * len(active)
+            for s, wj in zip(st, w):
+                s.weight = wj
             ks = policy.decide(st, [len(lk.tokens) for lk in found])
             accepted = []
             for j, s, lk, k in zip(active, st, found, ks):

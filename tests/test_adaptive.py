@@ -421,10 +421,17 @@ def test_policy_follows_the_lookups_features():
 
 
 def test_a_static_batch_values_the_rows_that_set_its_length():
-    """In-process, a batch takes as many steps as its furthest-behind row: a row ahead of it gets weight
-    ``AHEAD_WEIGHT``, and its good lookup no longer pays for widening the critical row's verify too."""
-    assert AdaptivePolicy.batch_weights([40, 39, 30, 38]) == [1.0, 1.0, adaptive.AHEAD_WEIGHT, 1.0]
-    assert AdaptivePolicy.batch_weights([]) == []
+    """In-process, a batch takes as many steps as its furthest-behind row: a row ahead of it gets what one row's
+    leaving saves a plain step (``row_share``), and its good lookup no longer pays for widening the critical row's
+    verify too."""
+    policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)
+    share = policy.row_share(4, 4 * 300)
+    assert 0 < share < 0.5 and policy.batch_weights([40, 39, 30, 38], 4 * 300) == [1.0, 1.0, share, 1.0]
+    assert policy.batch_weights([]) == [] and policy.row_share(1) == 1.0
+    flat = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-3] * len(GRID)), 16)  # a GPU: a row costs nothing
+    assert flat.row_share(16) == 0.0
+    policy.cost.context_row_s = 1e-4  # the rows' contexts dominate the step: a row's leaving saves its share
+    assert policy.row_share(4, 4 * 300) == pytest.approx(0.25, abs=0.05)
 
     def plan(weight_ahead):
         policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)
@@ -433,7 +440,7 @@ def test_a_static_batch_values_the_rows_that_set_its_length():
         return policy.decide([behind, ahead], [0, 6])
 
     assert plan(1.0) == [0, 6]  # serving: every token counts
-    assert plan(adaptive.AHEAD_WEIGHT) == [0, 0]
+    assert plan(share) == [0, 0]
 
 
 def test_policy_verifies_a_good_ngram_without_a_draft_pass():

@@ -507,9 +507,6 @@ TREE_PRIOR_GAIN = 1.5
 TREE_EMA = 0.3  # weight of a row's latest tree step in its estimate
 
 
-# In a static batch (every row decoded until it ends, nothing joining), what a token of a row that is ahead is worth:
-# it only shortens that row, whose leaving makes the remaining steps ~1/16 cheaper at batch 16 on the CPU.
-AHEAD_WEIGHT = 0.25
 
 
 class AdaptivePolicy:
@@ -584,14 +581,25 @@ class AdaptivePolicy:
             s.probing = s.source == "drafter" and i in due
         return ks
 
-    @staticmethod
-    def batch_weights(remaining: Sequence[int], slack: int = 2, ahead: float = AHEAD_WEIGHT) -> list[float]:
-        """Weights of a static batch's rows (``SeqState.weight``) from the tokens each still has to make: the batch
-        takes as many steps as its furthest-behind row, so a token of a row within ``slack`` of the most remaining
-        is worth a full token; a row ahead gains the batch only the cheaper steps after it finishes, and its tokens
-        are worth ``ahead`` of one."""
+    def batch_weights(self, remaining: Sequence[int], context: float = 0.0, slack: int = 2) -> list[float]:
+        """Weights of a static batch's rows (``SeqState.weight``) from the tokens each still has to make (``context``:
+        the rows' cached tokens, all together): the batch takes as many steps as its furthest-behind row, so a token
+        of a row within ``slack`` of the most remaining is worth a full token; a token of a row ahead only brings
+        that row's leaving a step closer, and is worth ``row_share`` of one."""
         most = max(remaining, default=0)
+        ahead = self.row_share(len(remaining), context)
         return [1.0 if r >= most - slack else ahead for r in remaining]
+
+    def row_share(self, rows: int, context: float = 0.0) -> float:
+        """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on
+        the 2-core CPU ~0.03 at batch 16 (a row adds ~1.5 ms to a ~75 ms step; session 29 guessed 0.25, and
+        ``perf/policy_replay.py`` replays HumanEval at batch 16 1.064 -> 1.078 x autoregressive with this), on a
+        GPU, where a batch's plain step costs about one row's, about 0."""
+        if rows <= 1:
+            return 1.0
+        full = self.cost.step(rows, 0, 0, context=context)
+        less = self.cost.step(rows - 1, 0, 0, context=context * (rows - 1) / rows)
+        return min(max((full - less) / full, 0.0), 1.0) if full > 0 else 0.0
 
     def lookup_expectation(self, state: SeqState) -> list[float]:
         """[k] = E[accepted | k of this step's lookup tokens verified]: from the proposal's own features

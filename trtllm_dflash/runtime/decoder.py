@@ -303,11 +303,13 @@ class SpeculativeDecoder:
             ks = None
             if policy is not None:
                 states = [seqs[i].policy for i in active]
-                weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active])
                 for j, (i, s) in enumerate(zip(active, states)):
                     s.lookup = found[j] if found else None
-                    s.weight = weights[j]
                     s.context = len(seqs[i].request.prompt_ids) + len(seqs[i].tokens)
+                weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active],
+                                               sum(s.context for s in states))
+                for s, w in zip(states, weights):
+                    s.weight = w
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
             if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once

@@ -133,3 +133,22 @@ def test_triton_concurrent_auto_streams_step_as_one_batch(smollm2, tmp_path):
     assert batching["plan"]["requests"] > 0 and batching["verify"]["requests"] <= batching["plan"]["requests"], batching
     assert batching["verify"]["rows_per_request"] > 1.5, batching  # starts are one prefill each: the first steps are
     # those of the sequences that started first
+
+
+def test_a_step_is_observed_with_its_own_rows_contexts():
+    """``observe_steps`` prices a step by the contexts its reports carry, not by whichever ``decide`` ran last (served
+    sequences that plan alone interleave): the curve learns the time beyond the context's share."""
+    from dataclasses import replace
+
+    from trtllm_dflash.serve.loop import observe_steps
+
+    aware, blind = _policy(), _policy()
+    for p in (aware, blind):
+        p.cost.alpha, p.cost.context_row_s = 1.0, 1e-7
+        p.decide([p.new_sequence() for _ in range(4)])  # another plan in between, over rows without context
+    plain = aware.cost.verify(4)
+    reports = [StepReport(0, 0, 0.0, 1.5 * plain + 4000 * 1e-7, 0.0, False, False, 1000) for _ in range(4)]
+    observe_steps(aware, None, reports)
+    observe_steps(blind, None, [replace(r, context=0) for r in reports])  # a loop that did not say
+    assert aware.cost.verify(4) == pytest.approx(1.5 * plain)
+    assert blind.cost.verify(4) == pytest.approx(1.5 * plain + 4000 * 1e-7)

@@ -679,15 +679,17 @@ class AdaptivePolicy:
         state.probing = False
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,
-                     overhead_s: float, drafting: int | None = None, verify_tokens: int | None = None) -> None:
+                     overhead_s: float, drafting: int | None = None, verify_tokens: int | None = None,
+                     context: float | None = None) -> None:
         """The whole step's timing (all rows), fed back into the cost model and the telemetry. ``drafting``: rows
         that went through the draft pass (default: every row with k > 0); ``verify_tokens``: the verify's width
-        (default rows · (max k + 1); a tree step's rows · tree_nodes)."""
+        (default rows · (max k + 1); a tree step's rows · tree_nodes); ``context``: the rows' cached tokens, all
+        together (default: those of the latest ``decide``)."""
         rows, kmax = len(ks), max(ks, default=0)
         drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
         width = rows * (kmax + 1) if verify_tokens is None else verify_tokens
         self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s, rows,
-                          self.context)
+                          self.context if context is None else context)
         t = self.telemetry
         t.tree_steps += int(verify_tokens is not None)  # only tree steps give their width
         t.steps += 1

@@ -80,6 +80,7 @@ class StepReport:
     other_s: float
     drafted: bool
     tree: bool
+    context: int = 0  # the cached tokens its verify attended over (``CostModel.context``)
 
 
 def observe_steps(policy: AdaptivePolicy, tree: TreeShape | None, reports: list[StepReport]) -> None:
@@ -93,7 +94,8 @@ def observe_steps(policy: AdaptivePolicy, tree: TreeShape | None, reports: list[
             policy.observe_step([r.k for r in group], [r.accepted for r in group],
                                 min(drafted or [r.draft_s for r in group]), min(r.verify_s for r in group),
                                 min(r.other_s for r in group), len(drafted),
-                                verify_tokens=len(group) * tree.size if is_tree and tree is not None else None)
+                                verify_tokens=len(group) * tree.size if is_tree and tree is not None else None,
+                                context=sum(r.context for r in group))
 
 
 def plan_together(policy: AdaptivePolicy, tree: TreeShape | None,
@@ -265,7 +267,7 @@ async def run_generation(
             t3 = time.perf_counter()
             if adaptive:  # alone: into the cost model now; joint: with the other sequences' steps at the next plan
                 last_step = StepReport(tree.k if tree_step else n, len(emitted) - 1, t1 - t0, t2 - t1, t3 - t2,
-                                       tree_step or state.source == "drafter", tree_step)
+                                       tree_step or state.source == "drafter", tree_step, len(context))
                 if plan is None:
                     observe_steps(policy, tree, [last_step])
             p.ks.append(len(drafts))

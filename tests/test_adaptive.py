@@ -170,7 +170,10 @@ def test_the_context_calibration_recovers_its_coefficients():
 
     alpha, beta = adaptive.calibrate_context(measure, context=512, rows=16, repeats=2)
     assert alpha == pytest.approx(3e-6) and beta == pytest.approx(0.7e-6)
-    assert {c[2] for c in calls} == {0, 512} and {c[:2] for c in calls} == {(16, 1), (1, 16)}
+    assert {c[2] for c in calls} == {0, 512} and {c[:2] for c in calls} == {(16, 1), (16, 4)}
+    # a share of the step that does not grow with its rows stays out of β (and adds to α only its per-row part)
+    alpha, beta = adaptive.calibrate_context(lambda r, w, c: measure(r, w, c) + 2e-3 * c / 300, repeats=1)
+    assert beta == pytest.approx(0.7e-6) and alpha == pytest.approx(3e-6 + 2e-3 / 300 / 16)
     assert adaptive.calibrate_context(lambda r, w, c: 1e-3, repeats=1) == (0.0, 0.0), "never negative"
 
 

@@ -152,7 +152,8 @@ def device_name(device) -> str:
 
 
 # Raised when what a calibration times changes, so caches written before are calibrated again. 2: a draft pass of
-# several rows takes one GEMM through the LM head instead of one per row (``draft_block``), a third less at 16 rows.
+# several rows takes one GEMM through the LM head instead of one per row (``draft_block``), a third less at 16 rows;
+# and the context's coefficients (``calibrate_context``) are part of a calibration.
 CALIBRATION_VERSION = 2
 
 
@@ -509,8 +510,6 @@ TREE_PRIOR_GAIN = 1.5
 TREE_EMA = 0.3  # weight of a row's latest tree step in its estimate
 
 
-
-
 class AdaptivePolicy:
     """Chooses k per sequence and step from the cost model and each sequence's acceptance model."""
 
@@ -595,7 +594,7 @@ class AdaptivePolicy:
     def row_share(self, rows: int, context: float = 0.0) -> float:
         """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on
         the 2-core CPU ~0.03 at batch 16 (a row adds ~1.5 ms to a ~75 ms step; session 29 guessed 0.25, and
-        ``perf/policy_replay.py`` replays HumanEval at batch 16 1.064 -> 1.078 x autoregressive with this), on a
+        ``perf/policy_replay.py`` replays HumanEval at batch 16 1.064 -> 1.076 x autoregressive with this), on a
         GPU, where a batch's plain step costs about one row's, about 0."""
         if rows <= 1:
             return 1.0

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=args.block_size, max_seq_len=1024,
                                     max_sequences=args.concurrency + 2, **knobs), Path(tmp) / "repo")
         with TritonServer(repo, log_path=Path(tmp) / "server.log") as server:
-            triton_outputs(server.grpc_url, "baseline", texts[:2], 4)  # warm-up
+            for model in args.models.split(","):  # warm-up: every measured model and the step models behind it (16
+                triton_outputs(server.grpc_url, model, texts[:2], 16)  # tokens: `auto` probes the drafter after 8)
             for model in args.models.split(","):
                 dec = decoders[model]
                 rounds, same = [], 0

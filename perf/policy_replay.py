@@ -39,6 +39,11 @@ DEFAULT_COST = {1: 39.7, 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8, 64: 128.
 DEFAULT_CONTEXT_S = (2.7e-6, 0.31e-6)
 
 
+def row_context(row: dict, emitted: int, extra_context: int) -> int:
+    """The tokens a row's next verify attends over: the extra context, its prompt and what it has emitted."""
+    return extra_context + len(row["prompt_ids"]) + emitted
+
+
 def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features: bool, weights: bool,
            extra_context: int = 0) -> dict:
     """Simulated seconds, steps, tokens and τ of decoding ``rows`` in static batches; ``features``: the policy sees
@@ -62,7 +67,7 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features:
             st = [states[j] for j in active]
             for j, s, lk in zip(active, st, found):
                 s.lookup = lk if features else None
-                s.context = extra_context + len(batch[j]["prompt_ids"]) + done[j]
+                s.context = row_context(batch[j], done[j], extra_context)
             w = policy.batch_weights([want[j] - done[j] for j in active], sum(s.context for s in st)) if weights \
                 else [1.0] * len(active)
             for s, wj in zip(st, w):
@@ -96,12 +101,11 @@ def main(argv=None) -> int:
     p.add_argument("--extra-context", type=int, default=0, metavar="N",
                    help="N more cached tokens before every prompt (a long system prompt): what its verifies cost")
     p.add_argument("--true-cost", metavar="FILE", help="what steps really cost, as a cost cache file (default: "
-                   "DEFAULT_COST, measured at batch 16; at batch 1 the decoder's own calibration is the truth)")
+                   "DEFAULT_COST and DEFAULT_CONTEXT_S, timed on the 2-core development machine)")
     p.add_argument("--policy-cost", metavar="FILE",
                    help="what the policy believes steps cost: a cost cache file (the decoder's calibration, "
                         "$TRTLLM_DFLASH_CACHE/adaptive/cost-*.json); default: the true cost below")
     args = p.parse_args(argv)
-    from trtllm_dflash.runtime import adaptive
     from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
 
     path = Path(args.greedy)
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
         batch = rows[i:i + args.batch_size]
         want = [min(args.max_new_tokens, len(r["token_ids"])) for r in batch]
         for t in range(max(want)):
-            live = [args.extra_context + len(r["prompt_ids"]) + t for r, w in zip(batch, want) if w > t]
+            live = [row_context(r, t, args.extra_context) for r, w in zip(batch, want) if w > t]
             ar += truth.step(len(live), 0, 0, context=sum(live))
     out["autoregressive_seconds"] = round(ar, 4)
     for name, features, weights, context in (("history", False, False, True), ("match", True, False, True),

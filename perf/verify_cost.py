@@ -69,20 +69,20 @@ def measure(target, sizes: list, contexts: list[int], repeats: int, batch: int =
     widths = [s if isinstance(s, int) else s.size for s in sizes]
     dev = target.device
     vocab = target.spec.vocab_size
-    caches = {}
+    caches = {}  # context -> (cache, its committed lengths)
     for context in contexts:
         cache = target.new_cache(batch, context + max(widths) + 1)
         if context:
             target(torch.randint(0, vocab, (batch, context), device=dev), cache)
-        cache.commit(None, torch.full((batch,), context, device=dev))
-        caches[context] = cache
+        committed = torch.full((batch,), context, device=dev)
+        cache.commit(None, committed)
+        caches[context] = cache, committed
     sync = _sync(str(dev))
     plan = [(c, s, n) for c in contexts for s, n in zip(sizes, widths)]
     times: dict = {(c, s): [] for c, s, _ in plan}
     for r in range(repeats + 1):
         for c, s, n in (plan if r % 2 == 0 else reversed(plan)):
-            cache = caches[c]
-            committed = cache.lengths.clone()
+            cache, committed = caches[c]
             x = torch.randint(0, vocab, (batch, n), device=dev)
             layout = None if isinstance(s, int) else s.layout(committed)
             sync()

@@ -509,10 +509,17 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     key = adaptive.cost_key(adaptive.device_name(dev), str(target.dtype).removeprefix("torch."),
                             torch.get_num_threads(), model.hexdigest()[:16])
 
+    caches = {}  # (rows, context) -> a cache whose first ``context`` slots of every row count as committed
+
     @torch.inference_mode()
-    def verify(n: int) -> float:
-        cache = target.new_cache(1, n + 1)
-        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+    def verify_over(rows: int, width: int, context: int) -> float:
+        """One verify of ``rows`` × ``width`` tokens over ``context`` cached tokens a row (the head on the first slot,
+        as a verify that rejects d_1). Nothing is committed, so a cache serves every width that fits."""
+        cache = caches.get((rows, context))
+        if cache is None or cache.max_len < context + width + 1:  # the cached K/V's values do not change the time
+            cache = caches[rows, context] = target.new_cache(rows, context + max(width, bsz) + 1)
+            cache.lengths.fill_(context)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
         return adaptive.timed(lambda: target.logits(target(ids, cache, tap_layers=decoder.taps)[0][:, :1]), sync)
 
     @torch.inference_mode()
@@ -524,17 +531,6 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
             lambda h: target.logits(h.to(target.dtype))), sync)
 
-    caches = {}
-
-    @torch.inference_mode()
-    def over_context(rows: int, width: int, context: int) -> float:
-        if (rows, width, context) not in caches:  # the cached K/V's values do not change the time: zeros
-            caches[rows, width, context] = target.new_cache(rows, context + width + 1)
-            caches[rows, width, context].lengths.fill_(context)
-        ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        return adaptive.timed(lambda: target.logits(
-            target(ids, caches[rows, width, context], tap_layers=decoder.taps)[0][:, :1]), sync)
-
-    cost = adaptive.load_or_calibrate(key, verify, draft, max_rows * bsz, refresh=refresh, check=3,
-                                      measure_context=over_context)
+    cost = adaptive.load_or_calibrate(key, lambda n: verify_over(1, n, 0), draft, max_rows * bsz, refresh=refresh,
+                                      check=3, measure_context=verify_over)
     return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

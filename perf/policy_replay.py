@@ -127,7 +127,8 @@ def main(argv=None) -> int:
             return AdaptivePolicy(cost, 16, prior=[0.02] * 15, probe_every=10**6, max_probe_every=10**6, ngram=True)
         return make
 
-    out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size, "extra_context": args.extra_context,
+    out = {"greedy": str(path), "prompts": len(rows), "batch_size": args.batch_size,
+           "extra_context": args.extra_context,
            "max_new_tokens": args.max_new_tokens, "true_cost_ms": [round(v * 1e3, 1) for v in truth.verify_s],
            "policy_cost_ms": [round(v * 1e3, 1) for v in belief.verify_s],
            "true_context_us": [round(truth.context_row_s * 1e6, 3), round(truth.context_token_s * 1e6, 3)],

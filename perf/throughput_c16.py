@@ -11,10 +11,10 @@ how many Triton outputs equal the in-process ones, and the step coalescer's sequ
 the Triton runs. Starts its own server (demo assets unless --target/--drafter) and warms up every measured model
 (2 texts × 16 tokens each, so `auto` has probed the drafter and every step model has run once); --no-coalesce,
 --queue-delay-us, --torch-threads, --instances and --io-nice render it with those make-repo options (the cheap
-knobs); --block-size auto and --ngram render and decode in-process with those; --tree renders `make-repo --tree` (with the drafter
-directory's datastore) and decodes in-process with the same tree. With both entry models measured it also reports
-dflash's Triton tokens/s over the baseline's, round by round (``triton_dflash_over_baseline``; the models run one
-after the other, so on a shared machine load drift lands in it).
+knobs); --block-size auto and --ngram render and decode in-process with those; --tree renders `make-repo --tree`
+(with the drafter directory's datastore) and decodes in-process with the same tree. With both entry models measured
+it also reports dflash's Triton tokens/s over the baseline's, round by round (``triton_dflash_over_baseline``; the
+models run one after the other, so on a shared machine load drift lands in it).
 """
 
 from __future__ import annotations

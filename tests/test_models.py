@@ -172,5 +172,6 @@ def test_the_lm_head_runs_as_one_gemm_over_every_row(tiny_models):
     seen = []
     cache = drafter.new_cache(3, 8)
     drafts = draft_block(torch.tensor([1, 2, 3]), 5, drafter.spec.mask_token_id, target.embed,
-                         lambda e: drafter.draft(e, cache), lambda h: seen.append(h.is_contiguous()) or target.logits(h))
+                         lambda e: drafter.draft(e, cache),
+                         lambda h: seen.append(h.is_contiguous()) or target.logits(h))
     assert seen == [True] and drafts.shape == (3, 4)

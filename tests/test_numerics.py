@@ -94,3 +94,44 @@ def test_float64_cache_crop_exact_under_every_cpu_kernel_set(tiny_dirs):
     h0 = torch.tensor(runs[0]["h"], dtype=torch.float64)
     for cap, run in zip(caps[1:], runs[1:]):
         torch.testing.assert_close(torch.tensor(run["h"], dtype=torch.float64), h0, atol=1e-12, rtol=0, msg=cap)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_cpu_products_run_weight_major(threads, monkeypatch):
+    """``layers.Linear``: a float32 product of a few rows on a CPU is W · xᵀ over the rows padded as
+    ``weight_major_rows`` says (bit for bit), equal to ``F.linear`` up to rounding, in x's shape and contiguous; a
+    larger one, float64 (the oracle), autograd and ``CPU_WEIGHT_MAJOR`` off are ``F.linear`` bit for bit."""
+    import torch.nn.functional as F
+
+    from trtllm_dflash.models import layers
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(0)
+    lin = layers.Linear(48, 96, bias=True).requires_grad_(False)
+    lin.weight.copy_(torch.randn(96, 48, generator=g))
+    lin.bias.copy_(torch.randn(96, generator=g))
+    limit = 4 if threads == 1 else 96
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, limit, limit + 1):
+        x = torch.randn(1, m, 48, generator=g)
+        y = lin(x)
+        assert y.shape == (1, m, 96) and y.is_contiguous()
+        rows = layers.weight_major_rows(m, threads)
+        if m <= limit:
+            assert rows >= max(m, 2) and (rows == max(m, 2) if m <= 8 else rows % 8 == 0)
+            padded = torch.cat([x[0], x.new_zeros(rows - m, 48)])
+            assert torch.equal(y[0], torch.mm(lin.weight, padded.T)[:, :m].T + lin.bias)
+            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+        else:
+            assert rows == 0 and torch.equal(y, F.linear(x, lin.weight, lin.bias))
+    assert layers.weight_major_rows(0, threads) == 0 and lin(torch.zeros(0, 48)).shape == (0, 96)
+
+    x = torch.randn(3, 48, generator=g)
+    wide = layers.Linear(48, 96).double().requires_grad_(False)
+    assert torch.equal(wide(x.double()), F.linear(x.double(), wide.weight, wide.bias))  # the float64 oracle
+    trained = layers.Linear(48, 96)  # autograd keeps F.linear (and its gradients)
+    out = trained(x)
+    assert torch.equal(out, F.linear(x, trained.weight, trained.bias))
+    out.sum().backward()
+    assert trained.weight.grad is not None
+    monkeypatch.setattr(layers, "CPU_WEIGHT_MAJOR", False)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, RMSNorm, RopeAt, Rotary
+from trtllm_dflash.models.layers import MLP, KVCache, Linear, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
 
@@ -31,10 +31,10 @@ class DrafterAttention(nn.Module):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=spec.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=spec.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
@@ -69,7 +69,7 @@ class DrafterModel(nn.Module):
         super().__init__()
         self.spec = spec
         h = spec.hidden_size
-        self.fc = nn.Linear(spec.num_taps * h, h, bias=False)
+        self.fc = Linear(spec.num_taps * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(spec) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)

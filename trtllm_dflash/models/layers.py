@@ -11,6 +11,7 @@ not advancing (or lowering) ``lengths`` — no copy, and the result equals recom
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,51 @@ def stack_padded(xs: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return out
 
 
+# A float32 product of a few rows with a weight on a CPU runs weight-major, W · xᵀ: PyTorch's x · Wᵀ (``F.linear``, MKL
+# on x86) takes about as long per row as a whole matrix-vector product for 2 or 3 rows (and for 7), and gains nothing
+# from a second thread. On the 2-core AMD EPYC VM (``perf/bench_cpu_gemm.py``, ``perf/results/cpu-gemm/``), 2 threads:
+# the 49,152 × 576 LM head over 1 / 2 / 3 / 8 / 16 rows 7.1 / 14.7 / 21.9 / 11.3 / 14.0 ms -> 2.9 / 3.1 / 3.7 / 6.3 /
+# 11.7; a SmolLM2 verify forward of 1 / 4 tokens 43.3 / 56.1 -> 25.6 / 27.0 ms, of 16 rows × 1 token 78.8 -> 77.6; a
+# one-row draft pass of 4 slots 28.2 -> 6.9 ms. One thread: verify of 1 / 4 tokens 41.0 / 53.6 -> 32.9 / 36.8 ms, but
+# 8 rows were slower weight-major (a 1 × 8 verify 61 -> 66 ms), so one thread uses it up to 4 rows. Larger products,
+# other dtypes (bf16 goes through oneDNN, already fast), autograd and other devices keep ``F.linear``.
+# ``TRTLLM_DFLASH_CPU_GEMM=linear`` turns it off. The logits differ from ``F.linear``'s in the last bits (as they
+# already differ between row counts); every path of the runtime goes through the same function.
+CPU_WEIGHT_MAJOR = os.environ.get("TRTLLM_DFLASH_CPU_GEMM", "weight-major") != "linear"
+
+
+def weight_major_rows(rows: int, threads: int) -> int:
+    """The row count a CPU float32 product of ``rows`` rows is padded to when it runs weight-major (0: run
+    ``F.linear``): rows as they are up to 8 (at least 2: one row alone is a slow matrix-vector product), above that
+    a multiple of 8 (the weight-major time climbs from 9 to 15 rows and drops back at 16); up to 96 rows with two or
+    more threads, up to 4 with one."""
+    if rows <= 0 or rows > (4 if threads <= 1 else 96):
+        return 0
+    return max(rows, 2) if rows <= 8 else -(-rows // 8) * 8
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) whose small float32 products on a CPU run weight-major
+    (``CPU_WEIGHT_MAJOR``, ``weight_major_rows``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not CPU_WEIGHT_MAJOR or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 \
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return super().forward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        m = flat.shape[0]
+        rows = weight_major_rows(m, torch.get_num_threads())
+        if rows == 0:
+            return super().forward(x)
+        if rows > m:
+            flat = torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])])
+        out = torch.mm(w, flat.T)[:, :m].T.contiguous()
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], w.shape[0])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -59,9 +105,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

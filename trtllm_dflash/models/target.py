@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, Packing, RMSNorm, RopeAt, Rotary
+from trtllm_dflash.models.layers import MLP, KVCache, Linear, Packing, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -24,10 +24,10 @@ class TargetAttention(nn.Module):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=spec.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=spec.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=spec.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -79,7 +79,7 @@ class TargetModel(nn.Module):
         self.spec = spec
         with torch.device("meta"):
             self.model = TargetBody(spec)
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.to_empty(device=device)
         self.to(dtype)
         if spec.tie_word_embeddings:

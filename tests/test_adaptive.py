@@ -80,6 +80,35 @@ def test_probes_stay_within_their_time_budget():
     assert AdaptivePolicy(flat, 16).min_probe_interval(1) == AdaptivePolicy(flat, 16).probe_every
 
 
+def test_a_first_probe_needs_the_tokens_to_pay_for_it(tiny_models, cost_root, one_thread):
+    """A row that never drafted is probed after ``probe_every`` steps only with at least the budget's probe interval
+    of tokens left (``SeqState.remaining``; None: no limit); the decoder sets it from each request's length limit,
+    so short requests on a CPU-like cost curve never probe and long ones do."""
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.1] * 15)
+    floor = policy.min_probe_interval(16)
+    assert floor > policy.probe_every
+    states = [policy.new_sequence() for _ in range(16)]
+    for i, s in enumerate(states):
+        s.idle_steps = policy.probe_every
+        s.remaining = (floor - 1, floor, None)[i % 3]
+    ks = policy.decide(states)
+    assert [k > 0 for k in ks] == [i % 3 > 0 for i in range(16)], ks
+
+    target, drafter = tiny_models["llama"]
+    prompts = prompts_for(3, lengths=(5, 9))
+    fixed = cpu_like()
+    fixed.alpha = 0.0  # the tiny model's timings do not move the interval under test
+    need = AdaptivePolicy(fixed, 4).min_probe_interval(1)
+    for extra, probed in ((-1, False), (2, True)):
+        for p in prompts:  # one request at a time: the interval of one row
+            policy = AdaptivePolicy(fixed, 4, prior=[0.02] * 3)
+            n = policy.probe_every + need + extra
+            out = SpeculativeDecoder(target, drafter, "auto", max_block_size=4, policy=policy).generate(
+                [Request(tuple(p), n)])[0]
+            assert (max(out.draft_lengths) > 0) == probed, (n, out.draft_lengths)
+            assert list(out.token_ids) == list(greedy_reference(target, [p], n)[0])
+
+
 def test_batch_drafts_shorter_where_verify_is_compute_bound():
     """Same acceptance (p = 0.7 per position), same per-token costs: 8 rows fill the flat part of the cost curve,
     so the batch verifies fewer drafts than one sequence would."""

@@ -23,7 +23,9 @@ emitted tokens per second of the next step:
   batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
   decoding time by the cost model (on a CPU, where a probe costs about one whole step, ~50 steps at 2 %; on a GPU,
   where it is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
-  row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``.
+  row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``,
+  if it has at least that interval's worth of tokens left (``SeqState.remaining``): at batch 16 on a CPU, where
+  the first probe of every row costs about two plain steps, a 48-token reply would not earn it back.
 - **Tree** (``tree_nodes`` > 0: ``--block-size auto --tree``): after ``decide`` has its best plan, ``choose_tree``
   compares it with a tree step for every row (``runtime.tree``: the drafter's block, its runner-ups and the lookup
   chains, ``tree_nodes`` tokens per row in one verify): expected tokens per second with each row's tree estimate (an
@@ -379,6 +381,7 @@ class SeqState:
     lookup: Lookup | None = None  # this step's prompt-lookup proposal (set by the loop before ``decide``)
     weight: float = 1.0  # what this row's tokens are worth to the batch (``batch_weights``; 1 when serving)
     context: int = 0  # tokens the row's next verify attends over (its committed length; set by the loop)
+    remaining: int | None = None  # tokens the row may still emit (its length limit; set by the loop; None: no limit)
     tree: float | None = None  # average tokens accepted by this row's tree steps (exponential; None: none yet)
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)
 
@@ -546,7 +549,8 @@ class AdaptivePolicy:
             return [0] * b
         floor = self.min_probe_interval(b)
         due = [i for i, s in enumerate(states)
-               if s.idle_steps >= (max(s.probe_interval, floor) if s.drafted else s.probe_interval)]
+               if (s.idle_steps >= max(s.probe_interval, floor) if s.drafted
+                   else s.idle_steps >= s.probe_interval and (s.remaining is None or s.remaining >= floor))]
         expected = [s.acceptance.expected_accepted_all() for s in states]  # [row][k]
         lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
         free_exp = [self.lookup_expectation(s) if (s.ngram is not None and lens[i]) else None

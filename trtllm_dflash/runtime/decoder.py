@@ -306,8 +306,8 @@ class SpeculativeDecoder:
                 for j, (i, s) in enumerate(zip(active, states)):
                     s.lookup = found[j] if found else None
                     s.context = len(seqs[i].request.prompt_ids) + len(seqs[i].tokens)
-                weights = policy.batch_weights([seqs[i].request.max_new_tokens - len(seqs[i].tokens) for i in active],
-                                               sum(s.context for s in states))
+                    s.remaining = seqs[i].request.max_new_tokens - len(seqs[i].tokens)
+                weights = policy.batch_weights([s.remaining for s in states], sum(s.context for s in states))
                 for s, w in zip(states, weights):
                     s.weight = w
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])

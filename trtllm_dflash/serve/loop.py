@@ -224,6 +224,7 @@ async def run_generation(
             if adaptive:
                 state.lookup = found  # what predicts its acceptance (``AdaptivePolicy.lookup_expectation``)
                 state.context = len(context)  # what its verify attends over (``CostModel.context``)
+                state.remaining = req.max_tokens - len(p.tokens)  # whether a first probe can pay (``decide``)
             if plan is not None:  # joint: k, the step's common width, tree or not
                 n, width, tree_step = await plan(policy, tree, state, len(lookup), last_step)
                 t0 = time.perf_counter()  # the wait for the other sequences is not this step's cost

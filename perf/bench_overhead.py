@@ -49,7 +49,12 @@ def main(argv=None) -> int:
     from trtllm_dflash.runtime.tree import TreeShape
     from trtllm_dflash.specs import TargetSpec
 
+    from trtllm_dflash.models import layers
+
     torch.set_num_threads(args.threads)
+    # the counts stand for a GPU's launches: the CPU's weight-major products (a row padded, a transposed result made
+    # contiguous: models.layers.Linear) are not what a GPU runs
+    layers.CPU_WEIGHT_MAJOR = False
     phase = ["loop"]
 
     class Count(TorchDispatchMode):

@@ -70,12 +70,13 @@ def test_emulating_loader_hooks_every_quantized_linear_and_nothing_else(variant,
     # q, k, v read one input, so they carry one scale (the fused qkv's)
     layer = "model.layers.1.self_attn."
     assert emu.input_scales[layer + "q_proj"] == emu.input_scales[layer + "k_proj"] == emu.input_scales[layer + "v_proj"]
-    # a hooked linear computes W_deq @ fake_quant(x)
+    # a hooked linear computes W_deq @ fake_quant(x) (its own product, without the hook: weight-major on a CPU)
     proj = model.get_submodule("model.layers.0.mlp.down_proj")
     x = torch.randn(3, proj.in_features, generator=torch.Generator().manual_seed(1))
     s = emu.input_scales["model.layers.0.mlp.down_proj"]
     fake = quant.fp8_fake_quant(x, s) if variant == "fp8" else quant.nvfp4_fake_quant(x, s)
-    assert torch.equal(proj(x), F.linear(fake, proj.weight))
+    assert torch.equal(proj(x), proj.forward(fake))
+    torch.testing.assert_close(proj(x), F.linear(fake, proj.weight))
     assert not torch.equal(fake, x)
 
 

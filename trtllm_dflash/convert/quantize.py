@@ -61,6 +61,7 @@ from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.convert.loader import load_trtllm_drafter_state, load_trtllm_target_state, read_config
 from trtllm_dflash.errors import ArtifactError, ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel
+from trtllm_dflash.models.layers import plain_linears
 from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.models.weights import load_into, write_json, write_state_dict
 
@@ -184,7 +185,7 @@ def calibrate(model: TargetModel, calib: list[torch.Tensor], modelopt_config: st
             if tap_layers:
                 taps.append(tapped[0])
 
-    mtq.quantize(model, getattr(mtq, modelopt_config), forward_loop)
+    mtq.quantize(plain_linears(model), getattr(mtq, modelopt_config), forward_loop)
     return _input_amax(model), kv_amax, taps
 
 
@@ -208,7 +209,7 @@ def calibrate_drafter(drafter: DrafterModel, embedding: torch.Tensor, calib: lis
                 block[0, 0] = ids[c]
                 d.draft(torch.nn.functional.embedding(block, embedding), cache)
 
-    mtq.quantize(drafter, getattr(mtq, modelopt_config), forward_loop)
+    mtq.quantize(plain_linears(drafter), getattr(mtq, modelopt_config), forward_loop)
     return _input_amax(drafter)
 
 

@@ -87,6 +87,16 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], w.shape[0])
 
 
+def plain_linears(model: nn.Module) -> nn.Module:
+    """``model`` with every ``Linear`` turned back into a plain ``nn.Linear`` in place (same parameters; ``Linear``
+    adds no state): for tools that convert modules by their exact type — modelopt's ``mtq.quantize`` knows
+    ``nn.Linear``, not a subclass, and quantizes nothing otherwise."""
+    for module in model.modules():
+        if type(module) is Linear:
+            module.__class__ = nn.Linear
+    return model
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

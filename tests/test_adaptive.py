@@ -132,6 +132,25 @@ def test_rows_that_do_not_pay_stay_out_of_a_batch_draft():
     assert sum(ks[2] + ks[3] > 0 for ks in late) <= 6  # only the occasional re-probe
 
 
+def test_the_workload_can_lower_the_training_prior_but_not_raise_it():
+    """Every row's drafter outcomes pool into ``AdaptivePolicy.workload``; a row's prior is the training log's
+    accuracy, lowered to the pooled estimate where that is less: after a batch's rows all fail their first drafts, a
+    new sequence expects far less than the log says and does not draft; rows that accept everything leave the others'
+    prior where the log put it."""
+    policy = AdaptivePolicy(cpu_like(), 16, prior=[0.6] * 15)
+    fresh = policy.drafter_expectation(policy.new_sequence())
+    history = simulate(policy, 4, lambda t, i, k: 0, 3)
+    assert all(k > 0 for k in history[0]), "the prior alone makes every row draft at first"
+    assert history[1:] == [[0] * 4] * 2
+    assert policy.drafter_expectation(policy.new_sequence())[1] < 0.5 * fresh[1]
+    assert policy.decide([policy.new_sequence()]) == [0]
+    rich = AdaptivePolicy(cpu_like(), 16, prior=[0.3] * 15)
+    simulate(rich, 2, lambda t, i, k: k, 20)
+    assert rich.workload.probabilities()[0] > 0.9
+    new = rich.new_sequence()
+    assert rich.drafter_expectation(new) == new.acceptance.expected_accepted_all()
+
+
 def test_acceptance_model_conditional_estimates_and_decay():
     m = AcceptanceModel(4, prior=[0.5] * 4, strength=1.0, decay=1.0)
     for _ in range(9):

@@ -16,7 +16,7 @@ import pytest
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, build_inputs
 from trtllm_dflash.perf.health import stub_processes
 from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import SHM_DIR, STOP_GRACE_S, free_port, remove_shm_regions
+from trtllm_dflash.serve.server import SHM_DIR, STOP_GRACE_S, free_ports, remove_shm_regions
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -49,7 +49,7 @@ def sixteen_streams(url: str):
 def test_serve_reloads_a_killed_model_and_sigterm_leaves_nothing_behind(smollm2, tmp_path):
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
                                 max_sequences=16), tmp_path / "repo")
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash", "serve", "--repo", str(repo), "--http-port",
                              str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--log",
                              str(tmp_path / "server.log")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,9 +108,9 @@ def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_pat
     (PR_SET_PDEATHSIG) and every stub within seconds (serve/lifecycle.py), none left computing."""
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
                                 max_sequences=16), tmp_path / "repo")
-    grpc = free_port()
+    http, grpc, metrics = free_ports(3)
     proc = subprocess.Popen([sys.executable, "-m", "trtllm_dflash", "serve", "--repo", str(repo), "--http-port",
-                             str(free_port()), "--grpc-port", str(grpc), "--metrics-port", str(free_port())],
+                             str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert json.loads(proc.stdout.readline())["grpc"] == f"127.0.0.1:{grpc}", "serve did not start"

@@ -76,10 +76,17 @@ def remove_shm_regions(prefix: str | None = None, shm_dir: Path = SHM_DIR) -> li
     return removed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets stay bound until all are picked (one at a time, the OS may hand the same
+    port out twice: a server asked to listen for gRPC and metrics on one port exits at start-up)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +175,10 @@ class TritonServer:
         if not (self.repo / "manifest.json").is_file() and not any(self.repo.glob("*/config.pbtxt")):
             raise ArtifactError(self.repo, "is not a model repository", "render one with trtllm-dflash make-repo")
         self.host = host
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        picked = iter(free_ports(3))
+        self.http_port = http_port or next(picked)
+        self.grpc_port = grpc_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
         self._stubs: dict[str, set[int]] = {}  # python model -> its stub pids last seen alive (dead_models)

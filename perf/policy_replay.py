@@ -30,13 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the cost of a verify over n tokens on the 2-core development machine (AMD EPYC, 2 threads), ms, over an empty
 # cache, each row's first slot through the LM head: 16 rows × (K + 1) tokens from 16 tokens up; below, the rows left
-# in a finishing batch, one token each (1 and 8 rows measured, 2 interpolated, 4 set to 8's: 4 rows measured 62.2,
-# above 8 rows, noise); and what attending over the rows' contexts adds, per context token, α per row and β per
-# verified token (least squares over the same runs over 300 tokens of context, 1 to 16 rows × 1 to 16 tokens).
-# perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head first --context 0,300
-# --repeats 12 (perf/results/adaptive/s30/verify-cost-context.json; medians, sizes and contexts interleaved)
-DEFAULT_COST = {1: 39.7, 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8, 64: 128.8, 128: 209.6, 256: 341.5}
-DEFAULT_CONTEXT_S = (2.7e-6, 0.31e-6)
+# in a finishing batch, one token each (1, 4 and 8 rows measured, 2 interpolated); and what attending over the rows'
+# contexts adds, per context token, α per row and β per verified token (least squares over the same runs over 300
+# tokens of context, 1 to 16 rows × 1 to 16 tokens). Since session 31 (small products weight-major on a CPU,
+# models.layers.Linear): perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head
+# first --context 0,300 --repeats 12 (perf/results/cpu-gemm/verify-cost-context.json; medians, sizes and contexts
+# interleaved). Session 30's table, before that change: {1: 39.7, 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8,
+# 64: 128.8, 128: 209.6, 256: 341.5}, α 2.7 µs, β 0.31 µs.
+DEFAULT_COST = {1: 22.4, 2: 22.7, 4: 23.3, 8: 41.3, 16: 60.9, 32: 81.2, 64: 123.1, 128: 211.9, 256: 357.0}
+DEFAULT_CONTEXT_S = (2.55e-6, 0.55e-6)
 
 
 def row_context(row: dict, emitted: int, extra_context: int) -> int:

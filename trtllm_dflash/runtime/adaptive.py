@@ -25,8 +25,8 @@ emitted tokens per second of the next step:
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
   re-probed (``probe_k`` drafts) now and then, so a good stretch of text is picked up again. A probe costs the
   batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
-  decoding time by the cost model (on a CPU, where a probe costs about one whole step, ~50 steps at 2 %; on a GPU,
-  where it is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
+  decoding time by the cost model (on the 2-core development CPU at 2 %: ~20 steps at batch 1, the cap at batch 16;
+  on a GPU, where a probe is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
   row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``,
   if it has at least that interval's worth of tokens left (``SeqState.remaining``): at batch 16 on a CPU, where
   the first probe of every row costs about two plain steps, a 48-token reply would not earn it back.

@@ -26,10 +26,10 @@ emitted tokens per second of the next step:
   re-probed (``probe_k`` drafts) now and then, so a good stretch of text is picked up again. A probe costs the
   batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
   decoding time by the cost model (on the 2-core development CPU at 2 %: ~20 steps at batch 1, the cap at batch 16;
-  on a GPU, where a probe is nearly free, ``probe_every``), and it doubles after every failed probe up to ``max_probe_every``. A
-  row that never drafted (its acceptance is only the prior's guess) gets its first probe after ``probe_every``,
-  if it has at least that interval's worth of tokens left (``SeqState.remaining``): at batch 16 on a CPU, where
-  the first probe of every row costs about two plain steps, a 48-token reply would not earn it back.
+  on a GPU, where a probe is nearly free, ``probe_every``), and it doubles after every failed probe up to
+  ``max_probe_every``. A row that never drafted (its acceptance is only the prior's guess) gets its first probe after
+  ``probe_every``, if it has at least that interval's worth of tokens left (``SeqState.remaining``): at batch 16 on a
+  CPU, where the first probe of every row costs about two plain steps, a 48-token reply would not earn it back.
 - **Tree** (``tree_nodes`` > 0: ``--block-size auto --tree``): after ``decide`` has its best plan, ``choose_tree``
   compares it with a tree step for every row (``runtime.tree``: the drafter's block, its runner-ups and the lookup
   chains, ``tree_nodes`` tokens per row in one verify): expected tokens per second with each row's tree estimate (an

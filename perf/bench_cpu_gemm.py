@@ -89,7 +89,7 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
     assets = prepare_demo_assets() if target_dir is None or drafter_dir is None else {}
     target = TargetModel.from_pretrained(target_dir or assets["target"], dtype=torch.float32)
     drafter = DrafterModel.from_pretrained(drafter_dir or assets["drafter"], dtype=torch.float32, device="cpu")
-    dec = SpeculativeDecoder(target, drafter, "auto")
+    dec = SpeculativeDecoder(target, drafter, drafter.spec.block_size)  # a fixed block: no policy to calibrate
     caches: dict = {}
 
     def cache(kind: str, rows: int):

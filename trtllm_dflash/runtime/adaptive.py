@@ -561,7 +561,8 @@ class AdaptivePolicy:
         due = [i for i, s in enumerate(states)
                if (s.idle_steps >= max(s.probe_interval, floor) if s.drafted
                    else s.idle_steps >= s.probe_interval and (s.remaining is None or s.remaining >= floor))]
-        expected = [self.drafter_expectation(s) for s in states]  # [row][k]
+        prior = self.drafter_prior()  # the same for every row: pooled once per step
+        expected = [self.drafter_expectation(s, prior) for s in states]  # [row][k]
         lens = list(ngram_lens) if (self.ngram and ngram_lens is not None) else [0] * b
         free_exp = [self.lookup_expectation(s) if (s.ngram is not None and lens[i]) else None
                     for i, s in enumerate(states)]
@@ -617,12 +618,16 @@ class AdaptivePolicy:
         less = self.cost.step(rows - 1, 0, 0, context=context * (rows - 1) / rows)
         return min(max((full - less) / full, 0.0), 1.0) if full > 0 else 0.0
 
-    def drafter_expectation(self, state: SeqState) -> list[float]:
-        """[k] = E[accepted | k drafts of the drafter's block verified]: the sequence's own outcomes over a prior
-        that is the training log's accuracy, lowered where the workload's pooled outcomes say less (never raised: a
-        few rows that accept everything would pull the rows that accept nothing back into every other step)."""
-        pooled = self.workload.probabilities()
-        return state.acceptance.expected_accepted_all([min(p, w) for p, w in zip(state.acceptance.prior, pooled)])
+    def drafter_prior(self) -> list[float]:
+        """Every sequence's prior for the drafter's blocks: the training log's accuracy, lowered where the workload's
+        pooled outcomes say less (never raised: a few rows that accept everything would pull the rows that accept
+        nothing back into every other step)."""
+        return [min(p, w) for p, w in zip(self.workload.prior, self.workload.probabilities())]
+
+    def drafter_expectation(self, state: SeqState, prior: list[float] | None = None) -> list[float]:
+        """[k] = E[accepted | k drafts of the drafter's block verified]: the sequence's own outcomes over
+        ``drafter_prior`` (``prior``: it, computed once for a step's rows)."""
+        return state.acceptance.expected_accepted_all(self.drafter_prior() if prior is None else prior)
 
     def lookup_expectation(self, state: SeqState) -> list[float]:
         """[k] = E[accepted | k of this step's lookup tokens verified]: from the proposal's own features
@@ -650,10 +655,10 @@ class AdaptivePolicy:
         more tokens per second, or a refresh of the rows' tree estimates is due. Marks the rows' source "tree"."""
         if self.tree_nodes <= 0 or not states:
             return False
-        expected = []
+        expected, prior = [], self.drafter_prior()
         for s in states:
             if s.tree is None:  # no tree step yet: a multiple of the best its chain proposals expect
-                chain = self.drafter_expectation(s)[self.max_k]
+                chain = self.drafter_expectation(s, prior)[self.max_k]
                 if s.ngram is not None:
                     chain = max(chain, s.ngram.expected_accepted(self.max_k))
                 expected.append(TREE_PRIOR_GAIN * (1 + chain) - 1)

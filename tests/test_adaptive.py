@@ -187,6 +187,26 @@ def test_one_outlier_step_moves_the_cost_model_a_bounded_amount():
     assert cost.verify(16) > before[0] / adaptive.MAX_STEP_RATIO
 
 
+def test_a_cost_per_call_observed_at_one_width_keeps_what_wider_verifies_add():
+    """Served steps pay a cost per call (the BLS round trip, the step barrier): 16 sequences observed only at 16
+    tokens, each step three times the calibrated time, must leave a 64-token verify dearer by what the calibration
+    says the 48 further tokens cost (moved locally and kept monotone, the 32- and 64-token points rose to the 16-token
+    one's and K = 3 for the whole batch looked free), and the points below untouched."""
+    cost, calibrated = cpu_like(), cpu_like()
+    for _ in range(80):
+        cost.observe(16, 3 * calibrated.verify(16), rows=16)
+    assert cost.verify(16) == pytest.approx(3 * calibrated.verify(16), rel=0.02)
+    for n in (32, 64, 256):
+        assert cost.verify(n) - cost.verify(16) == pytest.approx(calibrated.verify(n) - calibrated.verify(16),
+                                                                 rel=0.02), n
+    assert [cost.verify(n) for n in (1, 4, 8)] == [calibrated.verify(n) for n in (1, 4, 8)]
+    for _ in range(80):  # a faster machine than calibrated: the wider points come down with it, still increasing
+        cost.observe(16, calibrated.verify(16) / 2, rows=16)
+    assert cost.verify(16) == pytest.approx(calibrated.verify(16) / 2, rel=0.02)
+    assert all(b >= a for a, b in zip(cost.verify_s, cost.verify_s[1:]))
+    assert cost.verify(64) - cost.verify(16) == pytest.approx(calibrated.verify(64) - calibrated.verify(16), rel=0.05)
+
+
 def test_verifies_are_priced_by_the_context_they_attend_over():
     """The context-free curve plus α per row and β per verified token for each cached token; an observed step teaches
     the curve only its time beyond the context's share, so one long-context K = 0 step does not make K = 1 (the

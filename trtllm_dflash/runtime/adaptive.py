@@ -109,10 +109,21 @@ class CostModel:
         # one such step made every width look as dear as the widest: the policy then verified wide blocks always)
         ratio = min(max(seconds / predicted, 1 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         values[i] *= 1 + alpha * (1 - w) * (ratio - 1)
-        if i + 1 < len(values):
-            values[i + 1] *= 1 + alpha * w * (ratio - 1)
-        for j in range(1, len(values)):  # more tokens never cost less: a slow small step raises the larger ones
-            values[j] = max(values[j], values[j - 1])
+        # every point above n moves by the estimate's change at n, keeping what each further token costs: a served
+        # step's time includes a cost per call (the BLS round trip, the step barrier) that wider verifies pay too.
+        # Moved only locally and then kept monotone, 16 concurrent sequences that observed only 16-token verifies
+        # (135 ms served, 50 calibrated) raised the 32- and 64-token points to the same 135 ms: K = 3 for the
+        # whole batch looked free, and the served loop verified prompt lookup's proposals at twice a plain step's
+        # compute.
+        shift = alpha * (ratio - 1) * predicted
+        for j in range(i + 1, len(values)):
+            values[j] += shift
+        if ratio >= 1:  # more tokens never cost less: a slow narrow step raises the wider points
+            for j in range(1, len(values)):
+                values[j] = max(values[j], values[j - 1])
+        else:  # and a fast wide step lowers the narrower ones
+            for j in range(len(values) - 2, -1, -1):
+                values[j] = min(values[j], values[j + 1])
 
     def observe(self, verify_tokens: int, verify_s: float, draft_tokens: int = 0, draft_s: float = 0.0,
                 overhead_s: float | None = None, rows: int = 1, context: float = 0.0) -> None:

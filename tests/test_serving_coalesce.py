@@ -71,6 +71,37 @@ def test_sequences_in_other_phases_catch_up_and_merge():
                                                         ("draft", 4), ("verify", 3), ("inject", 3)]
 
 
+def test_a_start_waits_for_the_flight_in_the_air_and_goes_before_the_step():
+    """A sequence's start (its prefill) never computes alongside another call of the loop: it waits for the flight
+    in the air, then goes first, and the live sequences' next step follows it."""
+    async def main():
+        events = []
+
+        async def send(kind, key, calls):
+            events.append(("begin", kind, len(calls)))
+            await asyncio.sleep(0.02)
+            events.append(("end", kind))
+            return [None] * len(calls)
+
+        co = StepCoalescer(send, max_wait_s=5.0)
+
+        async def seq(i):
+            co.join()
+            for _ in range(2):
+                await co.submit("verify", (2,), i)
+            co.leave()
+
+        async def newcomer():
+            await asyncio.sleep(0.005)  # while the live sequences' first verify computes
+            await co.submit("start", (9,), 9)
+
+        await asyncio.gather(seq(0), seq(1), newcomer())
+        return events
+
+    assert run(main()) == [("begin", "verify", 2), ("end", "verify"), ("begin", "start", 1), ("end", "start"),
+                           ("begin", "verify", 2), ("end", "verify")]
+
+
 def test_keys_split_a_kind_into_requests_and_max_rows_caps_them():
     async def main():
         send = Recorder()

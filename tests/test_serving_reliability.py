@@ -243,6 +243,8 @@ def test_concurrent_streams_step_as_one_batch_and_stay_identical(server, smollm2
         # start (one prefill each) ends while the others' step is past its inject injects and drafts alone, then
         # joins their verify, so the verify merges the most
         assert rows >= len(texts) and rows / requests >= (8 if step == "verify" else 6), (step, rows, requests)
+    starts = after["start"]["requests"] - before.get("start", {}).get("requests", 0)
+    assert starts >= len(texts), starts  # every prefill went through the coalescer (at a step barrier)
 
 
 def test_io_side_yields_the_cores_to_the_step_models(server):

@@ -238,6 +238,30 @@ def test_cpu_step_threads_follow_the_load():
         torch.set_num_threads(before)
 
 
+def test_a_coalescing_loops_one_row_requests_get_every_core():
+    """A step coalescer runs one stage at a time, so its requests get every core at any load: several rows, or one
+    row that says ``coalesced`` (a step where one sequence drafts, a sequence's start). Until session 32 one such row
+    counted as overlapping: with 16 DFlash sequences live every prefill ran on one thread."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from trtllm_dflash.serve.handlers import CpuThreads, _coalesced
+
+    pb = SimpleNamespace(get_input_tensor_by_name=lambda request, name: SimpleNamespace(
+        as_numpy=lambda: request[name]) if name in request else None)
+    assert not _coalesced(pb, {}, [7]) and _coalesced(pb, {}, [7, 8])
+    assert _coalesced(pb, {"coalesced": np.ones((1, 1), bool)}, [7])
+    assert not _coalesced(pb, {"coalesced": np.zeros((1, 1), bool)}, [7])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        auto = CpuThreads({"torch_threads": "0"})
+        assert [auto.threads_for(16, coalesced) for coalesced in (False, True)] == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(tiny_dirs, tmp_path):
     """raise_niceness raises every thread of a process (threads started later inherit it), never lowers one;
     io_nice reaches the entry / loop / tokenizer models' configs and not the step models'."""

@@ -141,12 +141,25 @@ class TritonSteps(CoalescedSteps):
         finally:
             self.waiting -= 1
 
+    def _coalesced(self, n: int) -> dict:
+        """The ``coalesced`` input of a step request of n rows: this loop runs one stage at a time, so a CPU step
+        model computes it on every core (``handlers.CpuThreads``)."""
+        return {"coalesced": np.ones((n, 1), bool)} if self.coalescer.enabled else {}
+
     async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
+        """A sequence's prefill; with the coalescer on, sent at the step barrier (before the step's other calls), so
+        it never computes while this loop's draft or inject call does."""
+        if self.coalescer.enabled:
+            return await self.coalescer.submit("start", (seq_id,), seq_id, prompt_ids, sampling, want_taps)
+        return await self._start_call(seq_id, prompt_ids, sampling, want_taps)
+
+    async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._rows(
             self.target, ["out_tokens", "taps"], mode=np.array([[START]], np.int32), seq_id=self._seq(seq_id)[None],
             tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
-            top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64))
+            top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
+            **self._coalesced(1))
         return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
     async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:
@@ -156,6 +169,8 @@ class TritonSteps(CoalescedSteps):
         def column(values, dtype):
             return np.array(values, dtype).reshape(n, 1)
 
+        if kind == "start":  # one request per sequence (its key)
+            return [await self._start_call(*calls[0].args)]
         if kind == "inject":
             taps = [c.args[0] for c in calls]
             out = await self._rows(self.injector, ["ctx_k", "ctx_v"], taps=stack_padded(taps, 0),
@@ -167,7 +182,7 @@ class TritonSteps(CoalescedSteps):
             tree = {} if parents is None else {"parents": np.array([parents] * n, np.int32)}
             out = await self._rows(self.target, ["out_tokens", "taps"], mode=column([VERIFY] * n, np.int32),
                                    seq_id=seqs, tokens=np.array([c.args[1] for c in calls], np.int32),
-                                   want_taps=column([want] * n, bool), **tree)
+                                   want_taps=column([want] * n, bool), **tree, **self._coalesced(n))
             tokens = out["out_tokens"].cpu().numpy()
             emitted = [[int(t) for t in row if t >= 0] for row in tokens]
             return [(e, out["taps"][j, :len(e)] if want else None) for j, e in enumerate(emitted)]
@@ -178,7 +193,7 @@ class TritonSteps(CoalescedSteps):
                                ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
                                ctx_len=column([k.shape[1] for k in ks], np.int32),
                                bonus=column([c.args[3] for c in calls], np.int32),
-                               block_size=column([block] * n, np.int32), **choices)
+                               block_size=column([block] * n, np.int32), **choices, **self._coalesced(n))
         drafts = out["drafts"].cpu().numpy()
         return (drafts if top == 1 else drafts.reshape(n, block - 1, top)).tolist()
 

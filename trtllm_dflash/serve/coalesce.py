@@ -14,6 +14,10 @@ its verify went alone, and the step split in two from then on.) A live sequence 
 within ``max_wait_s`` does not hold the others longer than that. ``enabled=False`` sends every call at once on its
 own (the former behaviour).
 
+A sequence's ``start`` (its prefill) is a step call too, sent at the barrier before the step's other calls: a
+sequence joins the next step, and a prefill never computes while the loop's draft or inject call does (so a CPU step
+model may give every request of a coalescing loop every core: ``handlers.CpuThreads``).
+
 The coalescer knows nothing about Triton: ``send(kind, key, calls)`` does the batched call (``bls.TritonSteps``).
 A ``plan`` call is no model call: the ``auto`` decision of the waiting sequences' next step, made for them together
 (``loop.plan_together``), so that they then draft and verify as one batch.
@@ -25,7 +29,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-KINDS = ("plan", "inject", "draft", "verify")  # a step's phases, in the order a sequence goes through them
+KINDS = ("start", "plan", "inject", "draft", "verify")  # a step's phases, in the order a sequence goes through them
 
 
 @dataclass

@@ -39,9 +39,12 @@ class CpuThreads:
     at a time (verify, inject, draft), so the stage computing gets every core. With more, the target's and the
     drafter's forwards overlap in time; two OpenMP teams on the same cores then wait at each op's barrier for a
     thread the other process holds, so each stage drops to one thread. The baseline ensemble has no
-    second stage: target_verify counts only DFlash sequences and keeps every core for it. A request with several
-    rows comes from a loop model's step coalescer, which runs one stage at a time for all its sequences: every core
-    again. ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
+    second stage: target_verify counts only DFlash sequences and keeps every core for it. A request from a loop
+    model's step coalescer (several rows, or the ``coalesced`` input: its one-row drafts and its sequences' starts,
+    which it sends at the step barrier too) comes from a loop that runs one stage at a time for all its sequences:
+    every core again. Until session 32 a one-row request counted as overlapping: with 16 DFlash sequences live,
+    every prefill ran on one thread, and 16 served MT-Bench streams ran at 0.81-0.87x the baseline's tokens/s with
+    the very same steps. ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
     """
 
     def __init__(self, params: dict[str, str]) -> None:
@@ -53,7 +56,7 @@ class CpuThreads:
 
     def threads_for(self, live: int, coalesced: bool = False) -> int:
         """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch);
-        ``coalesced``: the execution holds a multi-row request (the stages do not overlap)."""
+        ``coalesced``: the execution holds a request of a step coalescer (the stages do not overlap)."""
         return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 or coalesced else 1)
 
     def __call__(self, live: int, coalesced: bool = False) -> None:
@@ -181,6 +184,11 @@ def _shared(pb_utils, request, name: str, default, kind):
     return kind(flat[0])
 
 
+def _coalesced(pb_utils, request, seqs: list[int]) -> bool:
+    """Whether a step request comes from a loop model's step coalescer (``CpuThreads``): several rows, or it says so."""
+    return len(seqs) > 1 or bool(_shared(pb_utils, request, "coalesced", False, bool))
+
+
 def _parents(pb_utils, request, seqs: list[int]) -> tuple[int, ...] | None:
     """A tree verify's ``parents`` (one row per sequence, all equal: a batched call verifies one tree; checked to be
     a tree), or None."""
@@ -262,7 +270,8 @@ class TargetVerifyModel:
         # several, the drafter model computes alongside this one. Baseline sequences don't count (nothing overlaps).
         self.drafting &= self.verifier.slots.rows.keys()  # freed or timed out since
         self.drafting.update(seq for _, seqs, _, want, _ in parsed.values() if want for seq in seqs)
-        self.threads(len(self.drafting), coalesced=any(len(seqs) > 1 for _, seqs, *_ in parsed.values()))
+        self.threads(len(self.drafting), coalesced=any(_coalesced(pb_utils, requests[i], seqs)
+                                                        for i, (_, seqs, *_) in parsed.items()))
         groups: dict[tuple, list[tuple[int, int]]] = {}  # (block length, taps?, parents) -> (request, row)
         results: dict[int, list] = {}
         for i, (mode, seqs, tokens, want, parents) in parsed.items():
@@ -370,7 +379,7 @@ class DrafterStepModel:
         for i, req in enumerate(requests):
             try:
                 mode, seqs = _step_rows(pb_utils, req)
-                coalesced = coalesced or len(seqs) > 1
+                coalesced = coalesced or _coalesced(pb_utils, req, seqs)
                 if mode == 0:
                     k, v = rows_torch(pb_utils, req, "ctx_k"), rows_torch(pb_utils, req, "ctx_v")
                     bonus = rows(pb_utils, req, "bonus")

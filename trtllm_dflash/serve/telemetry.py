@@ -3,9 +3,9 @@
 Per BLS model (label ``model``): draft tokens proposed and accepted, steps, finished requests, acceptance-length
 counts (label ``tau``), live sequences (gauge), the drafts verified per step (label ``k``: what ``--block-size auto``
 chose) and where the loop's time went (label ``part``: draft / verify / overhead). τ for a run = (accepted + steps) /
-steps. The step coalescer's batched calls (label ``step``: verify / inject / draft, and plan: the ``auto`` decisions
-made together, no model call): requests sent (``dflash_step_requests_total``) and the sequence rows they carried
-(``dflash_step_rows_total``); rows / requests is how many sequences one step-model call served.
+steps. The step coalescer's batched calls (label ``step``: verify / inject / draft / start, and plan: the ``auto``
+decisions made together, no model call): requests sent (``dflash_step_requests_total``) and the sequence rows they
+carried (``dflash_step_rows_total``); rows / requests is how many sequences one step-model call served.
 
 The same counts are also exported under the names other servers use, so their dashboards work unchanged (labels
 ``model_name`` and ``model``):
@@ -26,6 +26,8 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total  label ``position`` (0-based)
 """
 
 from __future__ import annotations
+
+from trtllm_dflash.serve.coalesce import KINDS
 
 PARTS = ("draft", "verify", "overhead")
 
@@ -66,9 +68,8 @@ class LoopTelemetry:
         self.trt_drafted, self.trt_accepted, self.trt_tau, self.trt_overhead = (x.Metric(labels=eco) for x in f[8:12])
         self.vllm_drafts, self.vllm_drafted, self.vllm_accepted = (x.Metric(labels=eco) for x in f[12:15])
         self.vllm_per_pos = [f[15].Metric(labels={**eco, "position": str(j)}) for j in range(block_size - 1)]
-        kinds = ("verify", "inject", "draft", "plan")  # plan: the auto steps decided together (no model call)
-        self.step_requests = {k: f[16].Metric(labels={**labels, "step": k}) for k in kinds}
-        self.step_rows = {k: f[17].Metric(labels={**labels, "step": k}) for k in kinds}
+        self.step_requests = {k: f[16].Metric(labels={**labels, "step": k}) for k in KINDS}
+        self.step_rows = {k: f[17].Metric(labels={**labels, "step": k}) for k in KINDS}
         self._active = 0
         self._totals = {"steps": 0, "accepted": 0, **dict.fromkeys(PARTS, 0.0)}
 

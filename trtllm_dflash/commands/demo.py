@@ -75,7 +75,7 @@ def _through_triton(args, assets, block, ngram) -> dict:
     print(f"starting Triton on {repo} (log: {log}) ...", file=sys.stderr)
     with TritonServer(repo, log_path=log) as server, DFlashClient(server.grpc_url) as client:
         params = GenerateParams(args.prompt, args.max_new_tokens)
-        for model in ("baseline", "dflash"):  # first-request set-up (each step model's first call) stays out of the timing
+        for model in ("baseline", "dflash"):  # each step model's first call stays out of the timing
             client.generate(model, GenerateParams("warm up", 16))
         d = client.generate("dflash", params, on_chunk=lambda c: print(c.text, end="", flush=True))
         print(flush=True)

@@ -312,9 +312,13 @@ def prompts_for(seed, lengths=(5, 11, 2, 17)):
 def test_auto_with_an_always_right_oracle_picks_long_blocks(tiny_models, cost_root, one_thread):
     target, drafter = tiny_models["llama"]
     prompts = prompts_for(1, lengths=(6, 9))
-    ref = greedy_reference(target, prompts, 64)
+    # 128 tokens: a never-drafted row's first probe waits until it has min_probe_interval tokens left, 41 for these
+    # two rows at the calibrated costs and ~95 where the steps run at half the calibrated time (the cost model then
+    # lowers every width by the same amount, so a probe's extra width weighs more): with 64 tokens one full-suite run
+    # saw no probe at all
+    ref = greedy_reference(target, prompts, 128)
     dec = OracleDecoder(target, drafter, "auto", prompts, ref, corrupt=0.0)
-    out = dec.generate([Request(tuple(p), 64) for p in prompts])
+    out = dec.generate([Request(tuple(p), 128) for p in prompts])
     assert [r.token_ids for r in out] == ref
     for r in out:  # at worst the prior waits for the first re-probe; once it has seen the drafter, long blocks
         ks = list(r.draft_lengths)

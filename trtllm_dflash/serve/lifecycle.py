@@ -33,14 +33,13 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
 
     def run() -> None:
         seen, gone = False, 0
-        known: dict[str, set[int]] = {}  # per needed model, its stubs when last seen
+        # /proc is scanned for a model only when its known stubs died (or none is known yet) and every 30 s: scanning
+        # it for every model at every check took ~5 % of a core per loop model
+        stubs = StubWatch(period_s=30.0, parent=parent)
         while parent_alive(parent):
             time.sleep(period_s)
             if needs:
-                for m in needs:  # /proc is scanned only for a model none of whose known stubs lives on (a reload);
-                    # scanning it for every model at every check took ~5 % of a core per loop model
-                    known[m] = {p for p in known.get(m, ()) if child_alive(p, parent)} or stub_pids(m, parent)
-                alive = any(known.values())
+                alive = any(stubs.current(m) for m in needs)
                 seen = seen or alive
                 gone = gone + 1 if seen and not alive else 0
                 if gone >= 2:
@@ -84,18 +83,19 @@ def stub_pids(model: str, parent: int | None = None) -> set[int]:
 
 
 class StubWatch:
-    """The live stubs of the models a BLS model calls, rescanned at most every ``period_s`` per model: a call
+    """The live stubs of the models a BLS model calls (``parent``: started by that server; default this process's
+    parent), rescanned every ``period_s`` per model and whenever one of them exited or none is known: a call
     remembers the stubs serving it when it starts and is failed when all of them have exited (``died``)."""
 
-    def __init__(self, period_s: float = 2.0) -> None:
-        self.period_s = period_s
+    def __init__(self, period_s: float = 2.0, parent: int | None = None) -> None:
+        self.period_s, self.parent = period_s, parent
         self._pids: dict[str, tuple[float, set[int]]] = {}
 
     def current(self, model: str) -> set[int]:
         now = time.monotonic()
         when, pids = self._pids.get(model, (-1e9, set()))
-        if now - when > self.period_s or not all(pid_alive(p) for p in pids):
-            pids = stub_pids(model)
+        if now - when > self.period_s or not pids or not all(pid_alive(p) for p in pids):
+            pids = stub_pids(model, self.parent)
             self._pids[model] = (now, pids)
         return pids
 

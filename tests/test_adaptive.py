@@ -573,3 +573,32 @@ def test_fixed_block_with_ngram_is_lossless_and_skips_draft_passes(tiny_models, 
     sampled = [Request(tuple(p), 24, sampling=SamplingParams(0.8, 0, 1.0, 5)) for p in prompts]
     plain = SpeculativeDecoder(target, drafter, 8).generate(sampled)
     assert [r.token_ids for r in dec.generate(sampled)] == [r.token_ids for r in plain]
+
+
+def test_a_verify_computes_only_each_rows_real_tokens(tiny_models):
+    """Rows padded with −1 to a step's common width: the layers' projections and MLPs see only the real tokens, and
+    each row's outcome (emitted tokens, taps) is the one it gets verified alone without padding."""
+    import torch
+
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.serve.steps import TargetVerifier
+
+    target, drafter = tiny_models["qwen3"]
+    taps = drafter.spec.target_layer_ids
+    prompts = [[9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6], [3, 4, 5]]
+    together, alone = (TargetVerifier(target, taps, 3, 64, 16) for _ in range(2))
+    firsts = []
+    for v in (together, alone):
+        firsts = [v.start(i, p, SamplingParams(), True).first_token for i, p in enumerate(prompts)]
+    blocks = [[firsts[0], 9, 8, 7, 9], [firsts[1], -1, -1, -1, -1], [firsts[2], 6, -1, -1, -1]]
+    seen = []
+    hook = target.model.layers[0].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[:-1].numel()))
+    try:
+        got = together.verify([0, 1, 2], blocks, True)
+        assert seen == [5 + 1 + 2]
+        want = [alone.verify([i], [[t for t in b if t >= 0]], True)[0] for i, b in enumerate(blocks)]
+    finally:
+        hook.remove()
+    for g, w in zip(got, want):
+        assert g.emitted == w.emitted
+        torch.testing.assert_close(g.taps, w.taps)

@@ -327,9 +327,11 @@ class SpeculativeDecoder:
                 kmax = max(ks) if dcache is not None else 0
                 if pending is not None and kmax > 0 and drafting:
                     self._flush(pending, [active[j] for j in drafting], dcache)
+                widths = [1] * b  # each row's real tokens: the bonus and its proposals (the rest is padding)
                 if kmax > 0 and len(drafting) == b:
                     committed = tcache.lengths if rows is None else tcache.lengths[rows]  # [b]
                     drafts = self.propose(cur, dcache, rows, committed, kmax)  # [b, K]
+                    widths = [kmax + 1] * b
                 elif kmax > 0:  # only some rows draft; the others verify their n-gram or padding that never matches
                     drafts = torch.full((b, kmax), -1, dtype=torch.long, device=dev)
                     if drafting:
@@ -337,9 +339,12 @@ class SpeculativeDecoder:
                         sel = torch.tensor(drafting, device=dev)
                         drows = sel if rows is None else rows[sel]
                         drafts[sel] = self.propose(cur[sel], dcache, drows, committed[sel], kmax)
+                        for j in drafting:
+                            widths[j] = kmax + 1
                     for j in looked:
                         proposal = lookups[j][: ks[j]]
                         drafts[j, : len(proposal)] = torch.tensor(proposal, device=dev)
+                        widths[j] = len(proposal) + 1
                         seqs[active[j]].lookup_steps += 1
                 else:
                     drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
@@ -347,7 +352,8 @@ class SpeculativeDecoder:
                 t_draft = time.perf_counter()
                 verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
-                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps)
+                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps,  # padding not computed
+                                           widths=torch.tensor(widths))
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
                     [seqs[i].generator for i in active], positions,

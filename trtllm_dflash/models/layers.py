@@ -265,11 +265,11 @@ class KVCache:
 
 class Packing:
     """The real tokens of a [b, S] forward whose rows hold only a prefix of their S slots (``widths`` [b]): a batched
-    prefill of prompts of different lengths, right-padded to the longest, or a verify step whose rows propose fewer
-    tokens than the step's common width (``serve.steps.real_width``). The projections and MLPs (nearly all of a
-    forward's time on a CPU) run over the ``sum(widths)`` real tokens only, as TensorRT-LLM does with
-    ``remove_input_padding``; RoPE, the cache writes and attention keep the [b, S] layout (a padding slot's K/V lands
-    in scratch past the row's real tokens, where no real query looks: the causal mask ends at each query)."""
+    prefill of prompts of different lengths, right-padded to the longest, or on a CPU a verify step whose rows
+    propose fewer tokens than the step's common width (``TargetModel.verify_widths``). The projections and MLPs
+    (nearly all of a forward's time on a CPU) run over the ``sum(widths)`` real tokens only, as TensorRT-LLM does
+    with ``remove_input_padding``; RoPE, the cache writes and attention keep the [b, S] layout (a padding slot's K/V
+    lands in scratch past the row's real tokens, where no real query looks: the causal mask ends at each query)."""
 
     def __init__(self, widths: torch.Tensor, s: int, device) -> None:
         self.b, self.s = len(widths), s

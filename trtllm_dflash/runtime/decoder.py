@@ -352,8 +352,8 @@ class SpeculativeDecoder:
                 t_draft = time.perf_counter()
                 verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
-                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps,  # padding not computed
-                                           widths=torch.tensor(widths))
+                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps,
+                                           widths=self.target.verify_widths(widths))
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
                     [seqs[i].generator for i in active], positions,

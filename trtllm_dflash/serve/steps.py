@@ -100,8 +100,8 @@ class VerifyResult:
 
 
 def real_width(block: list[int]) -> int:
-    """The tokens of a verify block before its −1 padding (the step's common width, ``serve.loop``): the layers
-    compute only those (``layers.Packing``), so a row that verifies no drafts costs one token, not the step's width."""
+    """The tokens of a verify block before its −1 padding (the step's common width, ``serve.loop``): on a CPU the
+    layers compute only those (``TargetModel.verify_widths``), so a row that verifies no drafts costs one token."""
     return next((j for j, t in enumerate(block) if t < 0), len(block))
 
 
@@ -145,7 +145,7 @@ class TargetVerifier:
     def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool,
                parents: tuple[int, ...] | None = None) -> list[VerifyResult]:
         """One forward over equally long blocks [bonus, d_1..d_{B−1}] of several sequences (−1: padding to the
-        common length, never accepted, and the projections and MLPs skip it: ``real_width``); with a tree's
+        common length, never accepted, and on a CPU the projections and MLPs skip it: ``real_width``); with a tree's
         ``parents`` each block holds every node's token (node 0 the bonus; −1: no token there)."""
         require(len({len(b) for b in blocks}) == 1, "blocks", [len(b) for b in blocks], "must share one length")
         slots = [self.slots.get(s) for s in seq_ids]
@@ -164,7 +164,7 @@ class TargetVerifier:
         positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
         with torch.inference_mode():
             hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
-                                       widths=torch.tensor([real_width(b) for b in blocks]))
+                                       widths=self.target.verify_widths([real_width(b) for b in blocks]))
             samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
                                           [g for _, g in params], positions)  # [b, B], [b]
         self.cache.commit(rows, acc + 1)

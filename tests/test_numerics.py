@@ -111,12 +111,12 @@ def test_small_cpu_products_run_weight_major(threads, monkeypatch):
     lin.weight.copy_(torch.randn(96, 48, generator=g))
     lin.bias.copy_(torch.randn(96, generator=g))
     limit = 4 if threads == 1 else 96
-    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, limit, limit + 1):
+    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 20, 21, limit, limit + 1):
         x = torch.randn(1, m, 48, generator=g)
         y = lin(x)
         assert y.shape == (1, m, 96) and y.is_contiguous()
         rows = layers.weight_major_rows(m, threads)
-        if m <= limit:
+        if m <= limit and not 16 < m <= 20:  # 17 to 20 rows: F.linear is the faster there
             assert rows >= max(m, 2) and (rows == max(m, 2) if m <= 8 else rows % 8 == 0)
             padded = torch.cat([x[0], x.new_zeros(rows - m, 48)])
             assert torch.equal(y[0], torch.mm(lin.weight, padded.T)[:, :m].T + lin.bias)

@@ -84,8 +84,12 @@ def stub_pids(model: str, parent: int | None = None) -> set[int]:
 
 class StubWatch:
     """The live stubs of the models a BLS model calls (``parent``: started by that server; default this process's
-    parent), rescanned every ``period_s`` per model and whenever one of them exited or none is known: a call
-    remembers the stubs serving it when it starts and is failed when all of them have exited (``died``)."""
+    parent), rescanned every ``period_s`` per model, whenever one of them exited, and while none is known at most
+    every ``EMPTY_PERIOD_S`` (a model not loaded yet, being reloaded, or not a python model: /proc is not scanned on
+    every call): a call remembers the stubs serving it when it starts and is failed when all of them have exited
+    (``died``)."""
+
+    EMPTY_PERIOD_S = 1.0
 
     def __init__(self, period_s: float = 2.0, parent: int | None = None) -> None:
         self.period_s, self.parent = period_s, parent
@@ -94,7 +98,8 @@ class StubWatch:
     def current(self, model: str) -> set[int]:
         now = time.monotonic()
         when, pids = self._pids.get(model, (-1e9, set()))
-        if now - when > self.period_s or not pids or not all(pid_alive(p) for p in pids):
+        period = self.period_s if pids else min(self.period_s, self.EMPTY_PERIOD_S)
+        if now - when > period or not all(pid_alive(p) for p in pids):
             pids = stub_pids(model, self.parent)
             self._pids[model] = (now, pids)
         return pids

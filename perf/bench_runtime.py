@@ -92,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="exit 0 even when DFlash's outputs differ from autoregressive decoding (still reported as "
                         "\"lossless\": false): in bfloat16/float16 a multi-token verify rounds differently from "
                         "1-token steps, so near-tied argmaxes can flip; token identity holds in float32")
+    p.add_argument("--cuda-graphs", default="off", choices=["off", "on", "rehearse"],
+                   help="every decoder, the baseline included, replays its verify and draft forwards as CUDA graphs "
+                        "(on: CUDA only; rehearse: the same static forwards without capture, any device; "
+                        "runtime.graphs). Default off")
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
@@ -103,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, each optionally with "
                 "'+ngram' or '+tree', or a comma list of distinct ones, e.g. auto,16,16+ngram")
+    if args.cuda_graphs == "on" and not args.device.startswith("cuda"):
+        p.error(f"--cuda-graphs on needs --device cuda (got --device {args.device}); "
+                "use --cuda-graphs rehearse to run the graphs' static forwards without capture")
     return args
 
 
@@ -128,12 +135,13 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
-    decoders = {"ar": SpeculativeDecoder(target, None, 1)}
+    graphs = {"off": False, "on": True}.get(args.cuda_graphs, args.cuda_graphs)
+    decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=graphs)}
     decoders.update({b: make_decoder(target, drafter,
                                      "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
                                      args.drafter, args.max_block_size if b in AUTOS else None,
                                      ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE),
-                                     datastore=args.datastore)
+                                     datastore=args.datastore, cuda_graphs=graphs)
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -208,6 +216,8 @@ def main(argv=None) -> int:
                        f"{torch.get_num_threads()} threads",
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "dtype": args.dtype,
+            "cuda_graphs": args.cuda_graphs,
+            **({"graph_captures": dec.graphs.captures} if dec.graphs is not None else {}),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
     text = "".join(json.dumps(line) + "\n" for line in lines)

@@ -18,6 +18,9 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
+- ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), eager and
+  then with every decoder's verify and draft forwards replayed as CUDA graphs (``--cuda-graphs on``; on the CPU
+  ``rehearse``): what launching a step's kernels one by one costs, and DFlash against a baseline graphed alike.
 - ``overhead``: ``perf/bench_overhead.py --device``: per-step time and kernel-launching operators of AR and DFlash
   on a tiny 30-layer pair (all overhead, no compute: what batch-1 decoding of a small model is bound by on a GPU).
 - ``bench_kernels``, ``bench_gpu`` (bf16 and fp8): ``perf/bench_kernels.py`` and ``perf/bench_gpu.py`` on Qwen3-8B
@@ -55,12 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-sizes", default="16,8,16+ngram,auto+ngram,16+tree,auto+tree",
                    help="comma list for bench_runtime --block-size")
     p.add_argument("--steps",
-                   default="env,kernel_tests,parity,overhead,bench_kernels,bench_gpu,dflash_vs_ar,verify_cost")
+                   default="env,kernel_tests,parity,graphs,overhead,bench_kernels,bench_gpu,dflash_vs_ar,verify_cost")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     p.add_argument("--commit", default=None)
     p.add_argument("--export-prompts", metavar="DIR", help="write the prompt files here and exit")
     args = p.parse_args(argv)
-    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar", "verify_cost"}
+    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar", "verify_cost",
+             "graphs"}
     args.steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in args.steps if s not in known]
     if bad:
@@ -235,6 +239,27 @@ def step_dflash_vs_ar(args, log) -> dict:
     return {"runs": results}
 
 
+GRAPH_BLOCK_SIZES = "16,16+ngram,auto+ngram"
+
+
+def step_graphs(args, log) -> dict:
+    """bench_runtime at batch 1 on HumanEval, float32, eager then graphed (``runtime.graphs``): both runs must be
+    lossless; the speed-ups are each against the baseline run the same way."""
+    if not (args.target and args.drafter and args.prompts):
+        return {"skipped": "needs --target, --drafter and --prompts"}
+    runs = []
+    for mode in ("off", "on" if args.device == "cuda" else "rehearse"):
+        cmd = [sys.executable, "perf/bench_runtime.py", "--dataset", str(Path(args.prompts) / "humaneval.jsonl"),
+               "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
+               "--block-size", GRAPH_BLOCK_SIZES, "--batch-size", "1", "--target", str(args.target),
+               "--drafter", str(args.drafter), "--device", args.device, "--dtype", "float32",
+               "--cuda-graphs", mode, "--json"]
+        out = run(cmd, log, 300)
+        runs.append({"cuda_graphs": mode, "exit": out.returncode, "results": json_lines(out.stdout)})
+        args.checkpoint({"runs": runs, "partial": True})
+    return {"runs": runs}
+
+
 def succeeded(result) -> bool:
     """No error and no non-zero exit anywhere in a step's (nested) result."""
     if isinstance(result, dict):
@@ -271,7 +296,7 @@ def step_verify_cost(args, log) -> dict:
 
 STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity, "overhead": step_overhead,
          "bench_kernels": step_bench("perf/bench_kernels.py", []), "bench_gpu": step_bench_gpu,
-         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost}
+         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost, "graphs": step_graphs}
 
 
 def main(argv=None) -> int:

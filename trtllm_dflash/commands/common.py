@@ -100,10 +100,12 @@ def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
 
 
 def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
-                 ngram: bool = False, tree: bool = False, datastore: str | None = "auto"):
+                 ngram: bool = False, tree: bool = False, datastore: str | None = "auto",
+                 cuda_graphs: bool | str = False):
     """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
     ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with lookup chains only with ``ngram``, and
-    proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter directory's, if it has one)."""
+    proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter directory's, if it has one);
+    ``cuda_graphs``: ``SpeculativeDecoder``'s."""
     from trtllm_dflash.runtime.adaptive import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
@@ -117,4 +119,4 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
         longest = (max_block_size or drafter.spec.block_size) if block_size == "auto" else block_size
         tree = tree_for(longest - 1, ngram, store is not None)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
-                              tree=tree, datastore=store)
+                              tree=tree, datastore=store, cuda_graphs=cuda_graphs)

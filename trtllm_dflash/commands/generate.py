@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "last tokens in a corpus of the target's own outputs) take half of the lookup chains; "
                              "auto (default): the drafter directory's datastore.safetensors if it has one")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "
+                             "shape; for small models at small batch, whose steps are paced by kernel launches)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
 
 
@@ -53,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
     block = resolve_block_size(args, drafter)
     decoder = make_decoder(target, drafter, block, args.drafter, args.max_block_size,
-                           ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore)
+                           ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore,
+                           cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []

@@ -134,10 +134,11 @@ class DrafterModel(nn.Module):
         block_embeds: torch.Tensor,  # [b, B, hidden] target embeddings of [bonus, MASK × (B−1)]
         cache: KVCache,
         rows: torch.Tensor | None = None,
+        static: bool = False,  # over all cache slots, nothing read back to the host (``TargetModel.forward``'s)
     ) -> torch.Tensor:  # [b, B, hidden] final-normed; slot k predicts the token at position ctx_len + k
         b, bs, _ = block_embeds.shape
-        positions = cache.step_positions(rows, bs)  # [b, B]
-        kv_len = int(positions[:, -1].max()) + 1
+        positions = cache.step_positions(rows, bs, check=not static)  # [b, B]
+        kv_len = cache.max_len if static else int(positions[:, -1].max()) + 1
         key_pos = torch.arange(kv_len, device=block_embeds.device)[None, None, :]  # [1, 1, kv_len]
         q_pos = positions[:, :, None]  # [b, B, 1]
         in_range = key_pos <= positions[:, -1:, None]  # [b, 1, kv_len]: committed context + this block

@@ -191,11 +191,12 @@ class KVCache:
     def num_rows(self) -> int:
         return self.k.shape[1]
 
-    def step_positions(self, rows: torch.Tensor | None, num_new: int) -> torch.Tensor:
-        """Absolute positions [b, num_new] of the next ``num_new`` tokens of each selected row."""
+    def step_positions(self, rows: torch.Tensor | None, num_new: int, check: bool = True) -> torch.Tensor:
+        """Absolute positions [b, num_new] of the next ``num_new`` tokens of each selected row (``check``: that they
+        fit, which reads the lengths back to the host; a static step, ``runtime.graphs``, leaves that to its caller)."""
         lengths = self.lengths if rows is None else self.lengths[rows]
         pos = lengths[:, None] + torch.arange(num_new, device=lengths.device)  # [b, num_new]
-        if num_new:
+        if num_new and check:
             self.require_capacity(int(pos.max()) + 1)
         return pos
 

@@ -132,17 +132,21 @@ class TargetModel(nn.Module):
         tap_layers: tuple[int, ...] = (),
         layout=None,  # runtime.tree.StepLayout: positions, cache slots and mask of a step that is not one run
         widths: torch.Tensor | None = None,  # [b] real tokens per row (a prefix, the rest padding); default all S
+        static: bool = False,  # attend over all cache slots, read nothing back to the host (``runtime.graphs``)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final-normed hidden [b, S, hidden], taps [b, S, len(tap_layers) * hidden] or None).
 
         Writes K/V for the S tokens into ``cache`` without committing them (see layers.KVCache): by default at the
         rows' next S slots, causally; with ``layout`` where and as it says. With ``widths`` the layers compute only
         each row's first ``widths[row]`` tokens (``layers.Packing``); hidden states and taps past them are zero.
+        ``static``: the shapes and launches depend on the arguments' shapes only, never on the cache's lengths
+        (attention runs over all ``cache.max_len`` slots, the uncommitted ones masked; capacity is the caller's to
+        check), so a CUDA graph can replay the forward (``runtime.graphs``); not with ``layout`` or ``widths``.
         """
         b, s = input_ids.shape
         if layout is None:
-            positions = slots = cache.step_positions(rows, s)  # [b, S]
-            kv_len = int(positions[:, -1].max()) + 1
+            positions = slots = cache.step_positions(rows, s, check=not static)  # [b, S]
+            kv_len = cache.max_len if static else int(positions[:, -1].max()) + 1
             key_pos = torch.arange(kv_len, device=input_ids.device)
             allowed = key_pos[None, None, :] <= positions[:, :, None]  # [b, S, kv_len]: causal over cache + step
         else:

@@ -54,14 +54,17 @@ def draft(
     cache: KVCache,
     rows: torch.Tensor | None = None,  # [b]
     impl: Impl = Impl.AUTO,
+    static: bool = False,  # nothing read back to the host (``DrafterModel.draft``'s): the caller checks capacity
 ) -> torch.Tensor:  # [b, B, hidden] final-normed, like DrafterModel.draft
     """Drop-in for ``drafter.draft``: the per-layer attention is ``block_attention``; the cache is only read."""
     spec = drafter.spec
     b, bs, _ = block_embeds.shape
     row_ids = _rows(cache, rows, b)
-    positions = cache.step_positions(rows, bs)  # [b, B]; also checks capacity
+    positions = cache.step_positions(rows, bs, check=not static)  # [b, B]; checks capacity unless static
     ctx_lens = cache.lengths[row_ids]  # [b]
-    batch = RaggedBatch.from_lengths([bs] * b, device=block_embeds.device)
+    # every row's block is bs tokens: offsets made on the device (a host list copied in could not be graph-captured)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=block_embeds.device) * bs
+    batch = RaggedBatch(cu, bs if b else 0)
     x = block_embeds.to(drafter.dtype)
     rope = drafter.rotary.at(positions)
     for i, layer in enumerate(drafter.layers):

@@ -37,6 +37,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_lookup
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
 from trtllm_dflash.runtime.datastore import Datastore
+from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
 
 AUTO = "auto"
@@ -136,7 +137,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
                  prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False,
-                 datastore: Datastore | None = None) -> None:
+                 datastore: Datastore | None = None, cuda_graphs: bool | str = False) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -154,7 +155,10 @@ class SpeculativeDecoder:
         proposals (``runtime.tree.lookup_chains``) side by side in one forward, keeping the longest accepted path
         (``runtime.tree``; True: ``TreeShape.for_block(B − 1)``, or a ``TreeShape``). ``datastore``
         (``runtime.datastore``): its proposals take some of the tree's lookup chains (True then means
-        ``TreeShape.for_block(B − 1, datastore=True)``)."""
+        ``TreeShape.for_block(B − 1, datastore=True)``).
+
+        ``cuda_graphs`` (CUDA only; ``"rehearse"`` anywhere): the verify and draft forwards replay CUDA graphs
+        (``runtime.graphs``), and the decoder keeps its caches between ``generate`` calls."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -199,6 +203,7 @@ class SpeculativeDecoder:
                 f"{datastore.num_tokens} tokens" if datastore is not None else None,
                 "proposes for the tree verify's lookup chains only", "use --tree with prompt lookup, or no datastore")
         self.datastore = datastore
+        self.graphs = StepGraphs.for_device(target.device, cuda_graphs)
         self.ngram = bool(ngram or (self.tree is not None and self.tree.lookup)) and block_size > 1
         self.policy = (policy or calibrated_policy(self, prior, ngram=ngram)) if self.adaptive else None
         self.ngram = self.ngram or (self.policy is not None and self.policy.ngram)
@@ -218,12 +223,30 @@ class SpeculativeDecoder:
 
             drafter_ops.inject(self.drafter, self.inject_weights, taps, num_tokens, dcache, rows, self.kernels)
 
-    def _draft(self, block_embeds, dcache, rows):
+    def _draft(self, block_embeds, dcache, rows, static: bool = False):
         if self.inject_weights is None:
-            return self.drafter.draft(block_embeds, dcache, rows)
+            return self.drafter.draft(block_embeds, dcache, rows, static=static)
         from trtllm_dflash.plugin import drafter_ops
 
-        return drafter_ops.draft(self.drafter, block_embeds, dcache, rows, self.kernels)
+        return drafter_ops.draft(self.drafter, block_embeds, dcache, rows, self.kernels, static=static)
+
+    def _new_cache(self, model, rows: int, max_len: int):
+        """A cache for a batch: the graphs' pooled one (``StepGraphs.cache``) when graphs are on, else a new one."""
+        if self.graphs is None:
+            return model.new_cache(rows, max_len)
+        return self.graphs.cache("target" if model is self.target else "drafter", model.new_cache, rows, max_len)
+
+    def verify_forward(self, ids: torch.Tensor, tcache, rows: torch.Tensor | None, widths: list[int] | None = None):
+        """The target over one step's [b, S] tokens at the rows' next positions: (hidden, taps). Through a CUDA graph
+        when graphs are on; else skipping the padding past each row's real ``widths`` where that pays
+        (``TargetModel.verify_widths``)."""
+        if self.graphs is None:
+            return self.target(ids, tcache, rows, tap_layers=self.taps,
+                               widths=None if widths is None else self.target.verify_widths(widths))
+        key = ("verify", id(tcache), tuple(ids.shape), rows is None)
+        return self.graphs.run(key, tcache, lambda x, *r: self.target(x, tcache, r[0] if r else None,
+                                                                      tap_layers=self.taps, static=True),
+                               ids, *(() if rows is None else (rows,)))
 
     def validate(self, req: Request, prefix: str = "") -> None:
         limit = self.target.spec.max_position_embeddings
@@ -254,8 +277,8 @@ class SpeculativeDecoder:
         prompt_lens = torch.tensor([len(r.prompt_ids) for r in requests], device=dev)  # [n]
         # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (self.tree.size if self.tree else bsz)
-        tcache = self.target.new_cache(n, max_len)
-        dcache = self.drafter.new_cache(n, max_len) if self.taps else None
+        tcache = self._new_cache(self.target, n, max_len)
+        dcache = self._new_cache(self.drafter, n, max_len) if self.taps else None
 
         # Prefill: right-padded prompts; padding only ever sits after a row's real tokens, so causal masks keep it
         # invisible, and positions >= lengths are scratch anyway; the layers compute the real tokens only.
@@ -352,8 +375,7 @@ class SpeculativeDecoder:
                 t_draft = time.perf_counter()
                 verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
-                hidden, taps = self.target(verify_ids, tcache, rows, tap_layers=self.taps,
-                                           widths=self.target.verify_widths(widths))
+                hidden, taps = self.verify_forward(verify_ids, tcache, rows, widths)
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
                     [seqs[i].generator for i in active], positions,
@@ -472,9 +494,18 @@ class SpeculativeDecoder:
         """
         assert self.drafter is not None and self.mask_token_id is not None
         k = self.block_size - 1 if num_drafts is None else num_drafts
-        return draft_block(bonus, k + 1, self.mask_token_id, self.target.embed,
-                           lambda e: self._draft(e, dcache, rows),
-                           lambda h: self.target.logits(h.to(self.target.dtype)), top)
+        static = self.graphs is not None
+
+        def block(first: torch.Tensor, *r: torch.Tensor) -> torch.Tensor:
+            drows = r[0] if r else None
+            return draft_block(first, k + 1, self.mask_token_id, self.target.embed,
+                               lambda e: self._draft(e, dcache, drows, static),
+                               lambda h: self.target.logits(h.to(self.target.dtype)), top)
+
+        if not static:
+            return block(bonus, *(() if rows is None else (rows,)))
+        key = ("draft", id(dcache), bonus.shape[0], k, top, rows is None)
+        return self.graphs.run(key, dcache, block, bonus, *(() if rows is None else (rows,)))[0]
 
     @staticmethod
     def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):
@@ -511,11 +542,14 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     target, drafter, bsz = decoder.target, decoder.drafter, decoder.block_size
     assert drafter is not None and decoder.mask_token_id is not None
     dev, sync = target.device, _sync(target.device)
-    model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)).encode())
+    graphs = decoder.graphs.mode if decoder.graphs is not None else None  # a graphed step costs another curve
+    model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)
+                                + ((graphs,) if graphs else ())).encode())
     key = adaptive.cost_key(adaptive.device_name(dev), str(target.dtype).removeprefix("torch."),
                             torch.get_num_threads(), model.hexdigest()[:16])
 
     caches = {}  # (rows, context) -> a cache whose first ``context`` slots of every row count as committed
+    drafts = {}  # rows -> an empty drafter cache
 
     @torch.inference_mode()
     def verify_over(rows: int, width: int, context: int) -> float:
@@ -526,16 +560,18 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             cache = caches[rows, context] = target.new_cache(rows, context + max(width, bsz) + 1)
             cache.lengths.fill_(context)
         ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        return adaptive.timed(lambda: target.logits(target(ids, cache, tap_layers=decoder.taps)[0][:, :1]), sync)
+        return adaptive.timed(lambda: target.logits(decoder.verify_forward(ids, cache, None)[0][:, :1]), sync)
 
     @torch.inference_mode()
     def draft(n: int) -> float:
         rows, width = math.ceil(n / bsz), min(n, bsz)
-        dcache = drafter.new_cache(rows, width + 1)
+        dcache = drafts.get(rows)
+        if dcache is None:  # one per row count: a graphed draft is captured once per cache and width
+            dcache = drafts[rows] = drafter.new_cache(rows, bsz + 1)
         bonus = torch.zeros(rows, dtype=torch.long, device=dev)
-        return adaptive.timed(lambda: draft_block(
-            bonus, width, decoder.mask_token_id, target.embed, lambda e: decoder._draft(e, dcache, None),
-            lambda h: target.logits(h.to(target.dtype))), sync)
+        # the class's own draft (a test's decoder may override ``propose`` to replace the drafts)
+        return adaptive.timed(lambda: SpeculativeDecoder.propose(decoder, bonus, dcache, None, dcache.lengths,
+                                                                 width - 1), sync)
 
     cost = adaptive.load_or_calibrate(key, lambda n: verify_over(1, n, 0), draft, max_rows * bsz, refresh=refresh,
                                       check=3, measure_context=verify_over)

@@ -1,0 +1,124 @@
+"""CUDA graphs for the decode loop (``runtime.graphs``), rehearsed on the CPU: the static forwards a graph captures
+decode what the dynamic ones do, read nothing back to the host, and are captured once per shape and cache."""
+
+import pytest
+import torch
+
+from conftest import OracleDecoder, greedy_reference, make_tiny_pair
+from test_decoder import prompts_for
+from trtllm_dflash.checkpoints import load_pair
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.models.drafter import draft_block
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.runtime.graphs import CACHE_BUCKET, MAX_CACHES, StepGraphs
+
+MODES = [(1, {}), (16, {}), (8, {"ngram": True}), ("auto", {"ngram": True}), (16, {"tree": True})]
+
+
+@pytest.mark.parametrize("block_size,kw", MODES, ids=["ar", "b16", "b8+ngram", "auto+ngram", "b16+tree"])
+def test_rehearsed_graphs_decode_what_eager_decoding_does(tiny_models, block_size, kw):
+    """Ragged prompts finishing apart (the step's rows change): the same tokens and acceptance lengths as the dynamic
+    forwards; a second identical ``generate`` reuses the pooled caches and captures nothing new."""
+    target, drafter = tiny_models["qwen3"]
+    prompts = prompts_for(3, lengths=(5, 23, 9))
+    reqs = [Request(tuple(p), n) for p, n in zip(prompts, (30, 11, 22))]
+    ref = SpeculativeDecoder(target, drafter if block_size != 1 else None, block_size, **kw).generate(reqs)
+    dec = SpeculativeDecoder(target, drafter if block_size != 1 else None, block_size, cuda_graphs="rehearse", **kw)
+    out = dec.generate(reqs)
+    assert [r.token_ids for r in out] == [r.token_ids for r in ref]
+    if block_size != "auto":  # auto's plan follows measured step times
+        assert [r.acceptance_lengths for r in out] == [r.acceptance_lengths for r in ref]
+    captured = dec.graphs.captures
+    assert captured > 0
+    again = dec.generate(reqs)
+    assert [r.token_ids for r in again] == [r.token_ids for r in ref]
+    if block_size != "auto":
+        assert dec.graphs.captures == captured, "the second call should replay the first call's steps"
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rehearsed_graphs_are_lossless_across_every_accepted_length(tmp_path_factory, block_size):
+    """Oracle drafts (60 % right) through the graphed draft and verify: every accepted length, target greedy."""
+    tdir, ddir = make_tiny_pair(tmp_path_factory.mktemp("graphs"), "llama", seed=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    prompts = prompts_for(21)
+    ref = greedy_reference(target, prompts, 40)
+    dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=2, cuda_graphs="rehearse")
+    out = dec.generate([Request(tuple(p), 40) for p in prompts])
+    assert [r.token_ids for r in out] == ref
+    taus = [t for r in out for t in r.acceptance_lengths]
+    assert max(taus) > 2 and min(taus) == 1
+
+
+def _traced(fn, *args):
+    """``fn(*args)`` traced whole by TorchDynamo (no compiler: the eager backend): it raises where ``fn`` reads a
+    tensor's value on the host or makes a shape depend on one — what a CUDA graph cannot capture."""
+    return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)(*args)
+
+
+def test_static_forwards_read_nothing_back_to_the_host(tiny_models):
+    """The verify and the draft a graph captures trace as one graph; the dynamic verify does not (its attention length
+    is read from the cache), so the check can fail. float64: the CPU's float32 products pick their GEMM by the
+    thread count (``layers.weight_major_rows``), a host decision a GPU never makes."""
+    torch._dynamo.reset()
+    target, drafter = tiny_models["llama"]
+    dec = SpeculativeDecoder(target, drafter, 8)
+    tcache, dcache = target.new_cache(2, 64), drafter.new_cache(2, 64)
+    tcache.lengths[:] = dcache.lengths[:] = torch.tensor([5, 9])
+    ids = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
+    with torch.inference_mode():
+        hidden, taps = _traced(lambda x: target(x, tcache, None, tap_layers=dec.taps, static=True), ids)
+        ref_hidden, ref_taps = target(ids, tcache, None, tap_layers=dec.taps)
+        torch.testing.assert_close(hidden, ref_hidden)
+        torch.testing.assert_close(taps, ref_taps)
+        bonus = torch.tensor([3, 4])
+        drafts = _traced(lambda b: draft_block(b, 8, dec.mask_token_id, target.embed,
+                                               lambda e: dec._draft(e, dcache, None, static=True), target.logits),
+                         bonus)
+        assert torch.equal(drafts, dec.propose(bonus, dcache, None, dcache.lengths, 7))
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="data-dependent|Data-dependent|guard"):
+            _traced(lambda x: target(x, tcache, None, tap_layers=dec.taps), ids)
+    torch._dynamo.reset()
+
+
+def test_pooled_caches_are_bucketed_emptied_and_evicted_with_their_graphs(tiny_models):
+    target, _ = tiny_models["llama"]
+    graphs = StepGraphs("rehearse")
+    first = graphs.cache("target", target.new_cache, 2, 10)
+    assert first.max_len == CACHE_BUCKET and first.num_rows == 2
+    first.lengths.fill_(7)
+    assert graphs.cache("target", target.new_cache, 2, CACHE_BUCKET - 1) is first
+    assert int(first.lengths.sum()) == 0, "a pooled cache comes back empty"
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    with torch.inference_mode():
+        graphs.run(("verify", id(first)), first, lambda x: target(x, first, static=True), ids)
+    assert len(graphs.steps) == 1
+    for n in range(MAX_CACHES):  # other sizes push the least recently used cache, and its graph, out
+        graphs.cache("target", target.new_cache, 3 + n, 10)
+    assert all(c is not first for c in graphs.caches.values()) and not graphs.steps
+
+
+def test_cuda_graphs_need_cuda(tiny_models):
+    target, drafter = tiny_models["llama"]
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        SpeculativeDecoder(target, drafter, 8, cuda_graphs=True)
+    assert SpeculativeDecoder(target, drafter, 8).graphs is None
+
+
+@pytest.mark.slow
+def test_rehearsed_graphs_are_lossless_on_the_real_model(smollm2):
+    """SmolLM2 in float32: DFlash through the static forwards (attention over every cache slot) emits what eager
+    autoregressive decoding does."""
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer
+
+    target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
+    tok = load_tokenizer(smollm2["target"])
+    prompts = [encode_prompt(tok, q, chat=True) for q in ("Write a Python function that reverses a string.",
+                                                          "Name three uses of a hash map.")]
+    reqs = [Request(tuple(p), 24) for p in prompts]
+    ref = [SpeculativeDecoder(target, None, 1).generate([r])[0].token_ids for r in reqs]
+    for block_size, kw in ((1, {}), (16, {"ngram": True})):
+        dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size, cuda_graphs="rehearse",
+                                 **kw)
+        assert [r.token_ids for r in dec.generate(reqs)] == ref

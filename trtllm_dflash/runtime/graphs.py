@@ -14,8 +14,9 @@ What a graph needs, and how the runtime provides it:
   draft read no value back to the host: positions come from the cache's lengths on the device, and attention runs over
   all ``max_len`` slots of the cache with the uncommitted ones masked (a few hundred extra keys: free on a GPU, and the
   same keys a dynamic step masks). The decoder sized the cache, so the capacity check a dynamic step makes is its.
-- **Warm-up before capture** on a side stream (CUDA's rule; it also compiles the Triton drafting kernels). Warm-up and
-  capture write K/V only into the cache's scratch slots (past ``lengths``), which no committed state reads.
+- **Warm-up before capture** on the side stream the capture then uses (CUDA's rule; it also compiles the Triton
+  drafting kernels). Warm-up and capture write K/V only into the cache's scratch slots (past ``lengths``), which no
+  committed state reads.
 
 ``mode``: ``"cuda"`` captures and replays; ``"rehearse"`` (any device; CI on the CPU) runs the same static forward
 through the same input and output buffers on every call instead of replaying, so everything but the capture itself
@@ -132,6 +133,8 @@ class StepGraphs:
                 fn(*buffers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # captured on the warm-up's stream: libraries that cache a handle or workspace per stream (cuBLAS) made theirs
+        # there, not inside the capture
+        with torch.cuda.graph(graph, stream=side):
             outputs = _as_tuple(fn(*buffers))
         return _Step(buffers, outputs, graph, fn, cache)

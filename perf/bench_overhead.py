@@ -10,7 +10,11 @@ framework's per-operator cost, as on a GPU at batch 1) and a 3-layer drafter; on
 (``ar``, B = 16, B = 16 with prompt lookup, the tree verify) it reports decode steps, milliseconds per step (median of ``--repeats``;
 ``--device cuda`` times the same on a GPU, where it measures what a launch costs there), and per step the operators issued in total and without view/reshape operators (those launch no
 kernel on a GPU), split by phase: target forward, drafter forward + head (draft), KV injection, acceptance
-(verify_samples; the tree's acceptance and K/V move) and the decoder's own loop. Operator counts do not depend on the machine; milliseconds do."""
+(verify_samples; the tree's acceptance and K/V move) and the decoder's own loop. Operator counts do not depend on the machine; milliseconds do.
+
+``--cuda-graphs on`` (CUDA) decodes with the verify and draft forwards replayed as CUDA graphs (``runtime.graphs``):
+the operators counted are then those the host still issues one by one (a graph's replay is not an operator), and the
+milliseconds what a step costs with them; ``rehearse`` runs the graphs' static forwards without capture (any device)."""
 
 from __future__ import annotations
 
@@ -37,7 +41,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cuda: the same counts and the real per-step time on a GPU")
+    p.add_argument("--cuda-graphs", default="off", choices=["off", "on", "rehearse"],
+                   help="replay the verify and draft forwards as CUDA graphs (on: CUDA only; default off)")
     args = p.parse_args(argv)
+    if args.cuda_graphs == "on" and not args.device.startswith("cuda"):
+        p.error(f"--cuda-graphs on needs --device cuda (got {args.device}); --cuda-graphs rehearse runs anywhere")
+    graphs = {"off": False, "on": True}.get(args.cuda_graphs, args.cuda_graphs)
     sys.path.insert(0, str(ROOT))
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,11 +103,12 @@ def main(argv=None) -> int:
     reqs = [Request(tuple(range(20, 60)), args.tokens)]
     out = {"layers": args.layers, "hidden": args.hidden, "tokens": args.tokens, "threads": args.threads,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-           "torch": torch.__version__, "decoders": {}}
+           "torch": torch.__version__, "cuda_graphs": args.cuda_graphs, "decoders": {}}
     try:
-        for name, dec in (("ar", SpeculativeDecoder(target, None, 1)), ("16", SpeculativeDecoder(target, drafter, 16)),
-                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True)),
-                          ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True))):
+        for name, dec in (("ar", SpeculativeDecoder(target, None, 1, cuda_graphs=graphs)),
+                          ("16", SpeculativeDecoder(target, drafter, 16, cuda_graphs=graphs)),
+                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True, cuda_graphs=graphs)),
+                          ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True, cuda_graphs=graphs))):
             dec._inject = labelled(dec._inject, "inject")
             res = dec.generate(reqs)[0]  # warm-up
             steps = len(res.acceptance_lengths) or res.num_new_tokens

@@ -35,6 +35,9 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     overhead = report["overhead"]["results"]["decoders"]
     assert report["overhead"]["exit"] == 0 and set(overhead) == {"ar", "16", "16+ngram", "16+tree"}
     assert overhead["16"]["launching_ops_per_step"] > overhead["ar"]["launching_ops_per_step"] > 0
+    graphed = report["overhead"]["graphs"]
+    assert graphed["exit"] == 0 and graphed["results"]["cuda_graphs"] == "rehearse"
+    assert set(graphed["results"]["decoders"]) == set(overhead)
     assert "needs CUDA" in report["bench_kernels"]["skipped"] and "needs CUDA" in report["bench_gpu"]["bf16"]["skipped"]
     runs = report["dflash_vs_ar"]["runs"]
     assert [(r["dataset"], r["batch_size"]) for r in runs] == [("humaneval", 1), ("mtbench", 1), ("humaneval", 8),

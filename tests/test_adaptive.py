@@ -605,3 +605,36 @@ def test_a_verify_computes_only_each_rows_real_tokens(tiny_models):
     # off the CPU (a GPU's padded slots cost nothing; packing would add kernel launches) the block is run whole
     assert target.verify_widths([5, 1, 2]).tolist() == [5, 1, 2]
     assert type(target)(target.spec, device="meta").verify_widths([5, 1, 2]) is None
+
+
+def test_decide_finds_the_best_plan_over_every_set_of_drafting_rows():
+    """Brute force over every k and every set of drafting rows (not only the prefixes of the rows sorted by gain
+    that ``decide`` walks), random acceptance histories, lookups and weights: decide's plan has the best rate."""
+    rng = random.Random(7)
+    for trial in range(60):
+        b = rng.randint(1, 5)
+        policy = AdaptivePolicy(cpu_like(ratio16=rng.uniform(1.2, 4.0), draft_frac=rng.uniform(0.2, 1.0)), 8,
+                                prior=[rng.uniform(0.05, 0.9)] * 7, ngram=True)
+        states, lens = [policy.new_sequence() for _ in range(b)], []
+        for s in states:
+            s.drafted, s.weight, s.context = 1, rng.choice([1.0, 0.3]), rng.randint(0, 400)
+            for _ in range(rng.randint(0, 6)):
+                k = rng.randint(1, 7)
+                s.acceptance.observe(k, rng.randint(0, k))
+            n = rng.choice([0, 0, 2, 7])
+            s.lookup = adaptive.Lookup([9] * n, rng.randint(2, 30), rng.random() < 0.3) if n else None
+            lens.append(n)
+        ks = policy.decide(states, lens)
+        prior = policy.drafter_prior()
+        best = sum(s.weight for s in states) / policy.cost.step(b, 0, 0, context=policy.context)
+        for k in range(1, 8):
+            exp = [policy.drafter_expectation(s, prior)[k] for s in states]
+            free = [policy.lookup_expectation(s)[min(k, n)] if n else 0.0 for s, n in zip(states, lens)]
+            for mask in range(1 << b):
+                rows = [i for i in range(b) if mask >> i & 1]
+                if not rows and not any(free):
+                    continue
+                tokens = sum(s.weight * (1 + (exp[i] if i in rows else free[i])) for i, s in enumerate(states))
+                best = max(best, tokens / policy.cost.step(b, k, len(rows), bool(rows), policy.context))
+        assert policy.last_rate == pytest.approx(best, rel=1e-12), (trial, ks)
+        assert all(k == 0 or s.source in ("drafter", "ngram") for k, s in zip(ks, states))

@@ -239,7 +239,7 @@ def step_dflash_vs_ar(args, log) -> dict:
     return {"runs": results}
 
 
-GRAPH_BLOCK_SIZES = "16,16+ngram,auto+ngram"
+GRAPH_BLOCK_SIZES = "16,16+ngram,16+tree,auto+ngram"
 
 
 def step_graphs(args, log) -> dict:

@@ -49,7 +49,7 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     graphed = report["graphs"]["runs"]  # eager, then the graphs' static forwards rehearsed: both lossless
     assert [r["cuda_graphs"] for r in graphed] == ["off", "rehearse"] and all(r["exit"] == 0 for r in graphed)
     for r in graphed:
-        assert [line["block_size"] for line in r["results"]] == [16, "16+ngram", "auto+ngram"]
+        assert [line["block_size"] for line in r["results"]] == [16, "16+ngram", "16+tree", "auto+ngram"]
         assert all(line["lossless"] and line["cuda_graphs"] == r["cuda_graphs"] for line in r["results"])
     assert all(line["graph_captures"] > 0 for line in graphed[1]["results"])
     cost = report["verify_cost"]

@@ -56,14 +56,16 @@ def _traced(fn, *args):
     return torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)(*args)
 
 
+# the tree's index tables come from an lru_cache, which Dynamo traces through (a captured step finds them cached)
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a .functools.lru_cache")
 def test_static_forwards_read_nothing_back_to_the_host(tiny_models):
-    """The verify and the draft a graph captures trace as one graph; the dynamic verify does not (its attention length
+    """The verify, the draft and the tree verify a graph captures trace as one graph; the dynamic verify does not (its attention length
     is read from the cache), so the check can fail. float64: the CPU's float32 products pick their GEMM by the
     thread count (``layers.weight_major_rows``), a host decision a GPU never makes."""
     torch._dynamo.reset()
     target, drafter = tiny_models["llama"]
     dec = SpeculativeDecoder(target, drafter, 8)
-    tcache, dcache = target.new_cache(2, 64), drafter.new_cache(2, 64)
+    tcache, dcache = target.new_cache(2, 128), drafter.new_cache(2, 128)
     tcache.lengths[:] = dcache.lengths[:] = torch.tensor([5, 9])
     ids = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
     with torch.inference_mode():
@@ -76,6 +78,12 @@ def test_static_forwards_read_nothing_back_to_the_host(tiny_models):
                                                lambda e: dec._draft(e, dcache, None, static=True), target.logits),
                          bonus)
         assert torch.equal(drafts, dec.propose(bonus, dcache, None, dcache.lengths, 7))
+        tree = SpeculativeDecoder(target, drafter, 8, tree=True).tree
+        nodes = torch.arange(2 * tree.size).view(2, tree.size) % 200 + 3
+        ref_hidden, _ = target(nodes, tcache, None, tap_layers=dec.taps, layout=tree.layout(tcache.lengths))
+        hidden, _ = _traced(lambda x: target(x, tcache, None, tap_layers=dec.taps,
+                                             layout=tree.layout(tcache.lengths, tcache.max_len)), nodes)
+        torch.testing.assert_close(hidden, ref_hidden)
         torch._dynamo.reset()
         with pytest.raises(Exception, match="data-dependent|Data-dependent|guard"):
             _traced(lambda x: target(x, tcache, None, tap_layers=dec.taps), ids)
@@ -122,3 +130,16 @@ def test_rehearsed_graphs_are_lossless_on_the_real_model(smollm2):
         dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size, cuda_graphs="rehearse",
                                  **kw)
         assert [r.token_ids for r in dec.generate(reqs)] == ref
+
+
+def test_a_step_that_captured_a_graph_teaches_the_cost_model_nothing():
+    """A capture (warm-up runs and recording, tens of ms on a GPU) inside a step is not what that step costs."""
+    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+
+    policy = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-3] * len(GRID)), 8)
+    before = (list(policy.cost.verify_s), list(policy.cost.draft_s), policy.cost.overhead_s)
+    policy.observe_step([3], [1], 0.05, 0.05, 0.01, timed=False)
+    assert (policy.cost.verify_s, policy.cost.draft_s, policy.cost.overhead_s) == before
+    assert policy.telemetry.steps == 1 and policy.telemetry.num_accepted_tokens == 1
+    policy.observe_step([3], [1], 0.05, 0.05, 0.01)
+    assert policy.cost.verify_s != before[0]

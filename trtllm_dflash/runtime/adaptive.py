@@ -728,16 +728,18 @@ class AdaptivePolicy:
 
     def observe_step(self, ks: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float,
                      overhead_s: float, drafting: int | None = None, verify_tokens: int | None = None,
-                     context: float | None = None) -> None:
+                     context: float | None = None, timed: bool = True) -> None:
         """The whole step's timing (all rows), fed back into the cost model and the telemetry. ``drafting``: rows
         that went through the draft pass (default: every row with k > 0); ``verify_tokens``: the verify's width
         (default rows · (max k + 1); a tree step's rows · tree_nodes); ``context``: the rows' cached tokens, all
-        together (default: those of the latest ``decide``)."""
+        together (default: those of the latest ``decide``); ``timed`` False: the times are not the step's own (it
+        captured a CUDA graph), telemetry only."""
         rows, kmax = len(ks), max(ks, default=0)
         drafting = sum(1 for k in ks if k > 0) if drafting is None else drafting
         width = rows * (kmax + 1) if verify_tokens is None else verify_tokens
-        self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s, rows,
-                          self.context if context is None else context)
+        if timed:
+            self.cost.observe(width, verify_s, drafting * (kmax + 1) if kmax else 0, draft_s, overhead_s, rows,
+                              self.context if context is None else context)
         t = self.telemetry
         t.tree_steps += int(verify_tokens is not None)  # only tree steps give their width
         t.steps += 1

@@ -243,10 +243,29 @@ class SpeculativeDecoder:
         if self.graphs is None:
             return self.target(ids, tcache, rows, tap_layers=self.taps,
                                widths=None if widths is None else self.target.verify_widths(widths))
-        key = ("verify", id(tcache), tuple(ids.shape), rows is None)
-        return self.graphs.run(key, tcache, lambda x, *r: self.target(x, tcache, r[0] if r else None,
-                                                                      tap_layers=self.taps, static=True),
-                               ids, *(() if rows is None else (rows,)))
+        return self._graphed("verify", tcache, lambda x, r: self.target(x, tcache, r, tap_layers=self.taps,
+                                                                        static=True), ids, rows)
+
+    def tree_forward(self, tokens: torch.Tensor, tcache, rows: torch.Tensor | None):
+        """The target over a tree step's [b, N] node tokens (``runtime.tree`` layout at the rows' committed
+        lengths): (hidden, taps); through a CUDA graph when graphs are on (the layout over all cache slots)."""
+        assert self.tree is not None
+        kv_len = tcache.max_len if self.graphs is not None else None
+
+        def forward(x: torch.Tensor, r: torch.Tensor | None):
+            committed = tcache.lengths if r is None else tcache.lengths[r]
+            return self.target(x, tcache, r, tap_layers=self.taps, layout=self.tree.layout(committed, kv_len))
+
+        return self._graphed("tree", tcache, forward, tokens, rows)
+
+    def _graphed(self, name: str, cache, fn, x: torch.Tensor, rows: torch.Tensor | None, *key) -> tuple:
+        """``fn(x, rows)``, eagerly or, with graphs, through the step captured for ``name`` over ``cache`` at this
+        shape (``key``: whatever else changes what ``fn`` launches)."""
+        if self.graphs is None:
+            return fn(x, rows)
+        inputs = (x,) if rows is None else (x, rows)
+        return self.graphs.run((name, id(cache), tuple(x.shape), rows is None, *key), cache,
+                               lambda x, *r: fn(x, r[0] if r else None), *inputs)
 
     def validate(self, req: Request, prefix: str = "") -> None:
         limit = self.target.spec.max_position_embeddings
@@ -318,6 +337,7 @@ class SpeculativeDecoder:
             b = len(active)
             cur = bonus if rows is None else bonus[rows]  # [b]
             t_step = time.perf_counter()
+            captures = self.graphs.captures if self.graphs is not None else 0
             found = lookups = None
             if self.ngram and dcache is not None and (not self.tree or policy is not None):
                 found = [ngram_lookup(seqs[i].request.prompt_ids + tuple(seqs[i].tokens), bsz - 1, min_n=LOOKUP_MIN_N)
@@ -396,19 +416,22 @@ class SpeculativeDecoder:
             emitted = [samples[j, : accepted[j] + 1].tolist() for j in range(b)]
             for j, i in enumerate(active):
                 seqs[i].taus.append(accepted[j] + 1)
+            # a step that captured a CUDA graph took a capture's time, not a step's: the cost model does not learn it
+            timed = self.graphs is None or self.graphs.captures == captures
             if policy is not None and use_tree:
                 for j, i in enumerate(active):
                     policy.observe_tree(seqs[i].policy, accepted[j])
                 sync()
                 now = time.perf_counter()
                 policy.observe_step([policy.max_k] * b, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify,
-                                    b, verify_tokens=b * self.tree.size)
+                                    b, verify_tokens=b * self.tree.size, timed=timed)
             elif policy is not None:
                 for j, i in enumerate(active):
                     policy.observe(seqs[i].policy, ks[j], accepted[j])
                 sync()
                 now = time.perf_counter()
-                policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify, len(drafting))
+                policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify, len(drafting),
+                                    timed=timed)
             self._emit(seqs, active, emitted, on_tokens, t0)
 
         return [
@@ -469,8 +492,7 @@ class SpeculativeDecoder:
         tokens = shape.tokens(cur, drafts, look)  # [b, N]
         sync()
         t_draft = time.perf_counter()
-        hidden, taps = self.target(tokens.clamp(min=0), tcache, rows, tap_layers=self.taps,
-                                   layout=shape.layout(committed))
+        hidden, taps = self.tree_forward(tokens.clamp(min=0), tcache, rows)
         preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].request.sampling for i in active],
                                        [seqs[i].generator for i in active], committed)
         samples, acc, taken, best = shape.verify(preds, tokens)
@@ -496,16 +518,13 @@ class SpeculativeDecoder:
         k = self.block_size - 1 if num_drafts is None else num_drafts
         static = self.graphs is not None
 
-        def block(first: torch.Tensor, *r: torch.Tensor) -> torch.Tensor:
-            drows = r[0] if r else None
+        def block(first: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
             return draft_block(first, k + 1, self.mask_token_id, self.target.embed,
-                               lambda e: self._draft(e, dcache, drows, static),
+                               lambda e: self._draft(e, dcache, r, static),
                                lambda h: self.target.logits(h.to(self.target.dtype)), top)
 
-        if not static:
-            return block(bonus, *(() if rows is None else (rows,)))
-        key = ("draft", id(dcache), bonus.shape[0], k, top, rows is None)
-        return self.graphs.run(key, dcache, block, bonus, *(() if rows is None else (rows,)))[0]
+        out = self._graphed("draft", dcache, block, bonus, rows, k, top)
+        return out[0] if static else out
 
     @staticmethod
     def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):

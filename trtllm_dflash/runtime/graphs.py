@@ -20,13 +20,15 @@ What a graph needs, and how the runtime provides it:
 
 ``mode``: ``"cuda"`` captures and replays; ``"rehearse"`` (any device; CI on the CPU) runs the same static forward
 through the same input and output buffers on every call instead of replaying, so everything but the capture itself
-is exercised where no GPU is; ``"off"``: ``run`` calls the function directly. Steps the graphs do not cover run
-eagerly as before: the prefill, the tree verify, a CPU verify that skips its padding (``TargetModel.verify_widths``)
-and the KV injection.
+is exercised where no GPU is (it computes a verify's padding, which the CPU's eager verify skips: a test mode, not a
+CPU speed-up); ``"off"``: ``run`` calls the function directly. The decoder's graphs cover the target's step forward
+(autoregressive, verify, tree verify) and the draft pass; the prefill, the acceptance and the KV injection run eagerly
+as before, and so do the Triton step models (``serve/steps.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
@@ -64,6 +66,7 @@ class StepGraphs:
         self.steps: dict[Hashable, _Step] = {}
         self.caches: OrderedDict[tuple, KVCache] = OrderedDict()
         self.captures = 0  # graphs captured (or, rehearsing, step buffers made): telemetry and tests
+        self.capture_s = 0.0  # seconds spent warming up and capturing (a benchmark's steady state excludes them)
         self.replays = 0
 
     @classmethod
@@ -110,7 +113,9 @@ class StepGraphs:
             return _as_tuple(fn(*inputs))
         step = self.steps.get(key)
         if step is None:
+            t0 = time.perf_counter()
             step = self.steps[key] = self._capture(fn, cache, inputs)
+            self.capture_s += time.perf_counter() - t0
         else:
             for buf, x in zip(step.inputs, inputs):
                 buf.copy_(x)

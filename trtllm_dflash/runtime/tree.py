@@ -135,12 +135,14 @@ class Topology:
         """The index tables on ``device`` (made once per device: a step reuses them)."""
         return _tables(self, str(device))
 
-    def layout(self, lengths: torch.Tensor) -> StepLayout:
-        """Positions, slots and mask of the tree for rows with committed ``lengths`` [b] (module docstring)."""
+    def layout(self, lengths: torch.Tensor, kv_len: int | None = None) -> StepLayout:
+        """Positions, slots and mask of the tree for rows with committed ``lengths`` [b] (module docstring), over the
+        first ``kv_len`` cache slots (default: as many as the longest row needs, read from the device; a CUDA graph's
+        step gives the cache's capacity, ``runtime.graphs``)."""
         t, n = self.tables(lengths.device), self.size
         positions = lengths[:, None] + t["depths"]  # [b, N]
         slots = lengths[:, None] + t["nodes"]  # [b, N]
-        kv_len = int(lengths.max()) + n
+        kv_len = int(lengths.max()) + n if kv_len is None else kv_len
         rel = torch.arange(kv_len, device=lengths.device)[None, None, :] - lengths[:, None, None]  # [b, 1, kv]: key−L
         in_step = t["ancestors"][t["nodes"][None, :, None], rel.clamp(0, n - 1)] & (rel >= 0) & (rel < n)  # [b, N, kv]
         return StepLayout(positions, slots, (rel < 0) | in_step)
@@ -284,8 +286,8 @@ class TreeShape:
         """The topology's index tables and the shape's own (``columns``, ``from_lookup``) on ``device``."""
         return _shape_tables(self, str(device))
 
-    def layout(self, lengths: torch.Tensor) -> StepLayout:
-        return self.topology.layout(lengths)
+    def layout(self, lengths: torch.Tensor, kv_len: int | None = None) -> StepLayout:
+        return self.topology.layout(lengths, kv_len)
 
     def accept(self, tokens: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.topology.accept(tokens, expected)

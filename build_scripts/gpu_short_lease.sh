@@ -11,8 +11,8 @@
 # under $OUT: this returns exactly the 8 files the device tool gives back, p/ (the job's checkpoint, config.json,
 # training_config.json and status.json: `gpu_train_drafter.sh merge --parts` takes it) and session.tgz (this
 # script's log and both gpu_session runs). LEASE_CHECKS: the correctness steps (default env,kernel_tests,parity);
-# LEASE_TIMED: the timed steps (default dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu; empty: none, and
-# the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under
+# LEASE_TIMED: the timed steps (default graphs,dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu; empty:
+# none, and the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under
 # /tmp/dflash-gpu, and runs them with perf/gpu_session.py itself); LEASE_BLOCK_SIZES, LEASE_LIMIT: dflash_vs_ar's
 # --block-sizes (16,8,16+ngram,auto+ngram,16+tree,auto+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
 # (.gpu/prompts, from its --export-prompts); PYTHON, LEASE_DEVICE: the CPU rehearsal's.
@@ -37,7 +37,7 @@ OMP_NUM_THREADS=4 timeout -s INT 150 "$py" perf/gpu_session.py --device "$device
     --prompts "$prompts" --target "$home/target" --drafter "$shipped" \
     --steps "${LEASE_CHECKS:-env,kernel_tests,parity}" --budget-s 110 --commit "$commit"
 echo "lease: correctness steps done at $((SECONDS - t0)) s"
-timed=${LEASE_TIMED-dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu}
+timed=${LEASE_TIMED-graphs,dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu}
 wait_s=$(($(left) - (${#timed} ? 170 : 30)))
 bash build_scripts/gpu_train_drafter.sh poll --wait $((wait_s > 5 ? wait_s : 5)) --out "$OUT/p"
 if pkill -f "trtllm_dflash.train.gpu_pipeline run"; then

@@ -18,9 +18,9 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
-- ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), eager and
-  then with every decoder's verify and draft forwards replayed as CUDA graphs (``--cuda-graphs on``; on the CPU
-  ``rehearse``): what launching a step's kernels one by one costs, and DFlash against a baseline graphed alike.
+- ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), first with
+  every decoder's verify and draft forwards replayed as CUDA graphs (``--cuda-graphs on``; on the CPU ``rehearse``),
+  then eager: what launching a step's kernels one by one costs, and DFlash against a baseline graphed alike.
 - ``overhead``: ``perf/bench_overhead.py --device``: per-step time and kernel-launching operators of AR and DFlash
   on a tiny 30-layer pair (all overhead, no compute: what batch-1 decoding of a small model is bound by on a GPU).
 - ``bench_kernels``, ``bench_gpu`` (bf16 and fp8): ``perf/bench_kernels.py`` and ``perf/bench_gpu.py`` on Qwen3-8B
@@ -243,12 +243,13 @@ GRAPH_BLOCK_SIZES = "16,16+ngram,16+tree,auto+ngram"
 
 
 def step_graphs(args, log) -> dict:
-    """bench_runtime at batch 1 on HumanEval, float32, eager then graphed (``runtime.graphs``): both runs must be
-    lossless; the speed-ups are each against the baseline run the same way."""
+    """bench_runtime at batch 1 on HumanEval, float32, graphed (``runtime.graphs``) and then eager (a lease that ends
+    in between keeps the graphed run, the one never seen; session 22 has eager numbers): both runs must be lossless,
+    and each speed-up is against the baseline run the same way."""
     if not (args.target and args.drafter and args.prompts):
         return {"skipped": "needs --target, --drafter and --prompts"}
     runs = []
-    for mode in ("off", "on" if args.device == "cuda" else "rehearse"):
+    for mode in ("on" if args.device == "cuda" else "rehearse", "off"):
         cmd = [sys.executable, "perf/bench_runtime.py", "--dataset", str(Path(args.prompts) / "humaneval.jsonl"),
                "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
                "--block-size", GRAPH_BLOCK_SIZES, "--batch-size", "1", "--target", str(args.target),

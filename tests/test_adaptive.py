@@ -638,3 +638,23 @@ def test_decide_finds_the_best_plan_over_every_set_of_drafting_rows():
                 best = max(best, tokens / policy.cost.step(b, k, len(rows), bool(rows), policy.context))
         assert policy.last_rate == pytest.approx(best, rel=1e-12), (trial, ks)
         assert all(k == 0 or s.source in ("drafter", "ngram") for k, s in zip(ks, states))
+
+
+def test_expectations_are_kept_until_the_counts_or_the_prior_change():
+    """``expected_accepted_all`` answers a repeated question from memory (decide asks it of every row every step),
+    and an outcome, a decay or another prior gets a fresh answer."""
+    model = AcceptanceModel(4, [0.5] * 4)
+    first = model.expected_accepted_all((0.5,) * 4)
+    assert model.expected_accepted_all((0.5,) * 4) is first
+    assert model.expected_accepted_all((0.2,) * 4) != first
+    for change in (lambda m: m.observe(3, 3), lambda m: m.relax()):
+        model, twin = AcceptanceModel(4, [0.5] * 4), AcceptanceModel(4, [0.5] * 4)
+        model.observe(2, 1)
+        twin.observe(2, 1)
+        before = model.expected_accepted_all((0.5,) * 4)  # remembered ...
+        change(model)
+        change(twin)
+        after = model.expected_accepted_all((0.5,) * 4)  # ... and forgotten
+        assert after != before and after == twin.expected_accepted_all((0.5,) * 4)
+    fresh = AcceptanceModel(4, [0.5] * 4)
+    assert fresh.expected_accepted_all() == fresh.expected_accepted_all((0.5,) * 4)

@@ -328,6 +328,7 @@ class AcceptanceModel:
         self.strength, self.decay = strength, decay
         self.hits = [0.0] * num_drafts
         self.misses = [0.0] * num_drafts
+        self._memo: tuple | None = None  # (prior, strength, expected_accepted_all's list) until the counts change
 
     def p(self, j: int) -> float:  # j: 0-based draft index
         return self.probabilities()[j]
@@ -348,11 +349,17 @@ class AcceptanceModel:
 
     def expected_accepted_all(self, prior: Sequence[float] | None = None,
                               strength: float | None = None) -> list[float]:
-        """[k] = E[accepted drafts | k drafts verified], k = 0..B−1 (``prior``, ``strength``: ``probabilities``)."""
+        """[k] = E[accepted drafts | k drafts verified], k = 0..B−1 (``prior``, ``strength``: ``probabilities``).
+        Kept until the counts change or another prior is asked for (a row that does not draft asks ``decide`` the
+        same question every step): the list is shared, read it, do not modify it."""
+        key = (None if prior is None else tuple(prior), strength)
+        if self._memo is not None and self._memo[:2] == key:
+            return self._memo[2]
         out, run = [0.0], 1.0
         for p in self.probabilities(prior, strength):
             run *= p
             out.append(out[-1] + run)
+        self._memo = (*key, out)
         return out
 
     def expected_accepted(self, k: int) -> float:
@@ -361,6 +368,7 @@ class AcceptanceModel:
     def relax(self, factor: float = 0.98) -> None:
         """One step without an observation: the counts decay (slower than with one), so the estimate drifts back
         toward the prior over some tens of steps."""
+        self._memo = None
         for j in range(len(self.hits)):
             self.hits[j] *= factor
             self.misses[j] *= factor
@@ -369,6 +377,7 @@ class AcceptanceModel:
         """One verified step: k drafts, the first ``accepted`` of them accepted."""
         if k <= 0:
             return
+        self._memo = None
         for j in range(len(self.hits)):
             self.hits[j] *= self.decay
             self.misses[j] *= self.decay
@@ -581,8 +590,9 @@ class AdaptivePolicy:
         due_set = set(due)
         best_rate, best = sum(w) / self.cost.step(b, 0, 0, context=self.context), (0, [], [0.0] * b)
         # host work every step, which a CUDA-graphed step may not hide: the rows verifying a lookup are counted per
-        # plan and listed for the best plan only (listing them per plan, O(K · b³), took 0.49 ms at b = 16, now 0.35;
-        # most of the rest is the rows' expectations)
+        # plan and listed for the best plan only (listed per plan, O(K · b³)), the verify's price is taken once per k,
+        # and a row's expectations are remembered until its counts or the prior change (perf/bench_policy.py,
+        # perf/results/policy/: 0.58-0.59 -> 0.24-0.25 ms a step at b = 16, 66 -> 59-60 µs at b = 1)
         for k in range(1, self.max_k + 1):
             free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
             extra = sorted((((expected[i][k] - free[i]) * w[i], i) for i in range(b)
@@ -591,6 +601,7 @@ class AdaptivePolicy:
             tokens += sum((expected[i][k] - free[i]) * w[i] for i in due)
             rows = list(due)
             looking = sum(1 for i in range(b) if i not in due_set and free[i] > 0)  # rows that would verify a lookup
+            verify = self.cost.verify(b * (k + 1), b, self.context)  # ``CostModel.step``'s terms, in its order
             for m in range(len(extra) + 1):
                 if m:
                     gain, i = extra[m - 1]
@@ -599,7 +610,8 @@ class AdaptivePolicy:
                     looking -= free[i] > 0
                 if not rows and not looking:
                     continue
-                rate = tokens / self.cost.step(b, k, len(rows), bool(rows), self.context)
+                draft = self.cost.draft(len(rows) * (k + 1)) if rows else 0.0
+                rate = tokens / (verify + draft + self.cost.overhead_s)
                 if rate > best_rate:
                     best_rate, best = rate, (k, list(rows), free)
         k, rows, free = best
@@ -637,11 +649,11 @@ class AdaptivePolicy:
         less = self.cost.step(rows - 1, 0, 0, context=context * (rows - 1) / rows)
         return min(max((full - less) / full, 0.0), 1.0) if full > 0 else 0.0
 
-    def drafter_prior(self) -> list[float]:
+    def drafter_prior(self) -> tuple[float, ...]:
         """Every sequence's prior for the drafter's blocks: the training log's accuracy, lowered where the workload's
         pooled outcomes say less (never raised: a few rows that accept everything would pull the rows that accept
         nothing back into every other step)."""
-        return [min(p, w) for p, w in zip(self.workload.prior, self.workload.probabilities())]
+        return tuple(min(p, w) for p, w in zip(self.workload.prior, self.workload.probabilities()))
 
     def drafter_expectation(self, state: SeqState, prior: list[float] | None = None) -> list[float]:
         """[k] = E[accepted | k drafts of the drafter's block verified]: the sequence's own outcomes over

@@ -6,10 +6,11 @@ by launching its ~1,200 kernels one by one from Python, and a DFlash step pays t
 draft. A CUDA graph records a forward's kernels once and replays them with one launch.
 
 What a graph needs, and how the runtime provides it:
-- **Fixed shapes and addresses.** A graph is captured per step shape (rows, tokens, which cache rows) and per cache;
-  its inputs are copied into the graph's own buffers before each replay and its outputs copied out after it (a clone:
-  the next replay overwrites them). The decoder keeps its caches between ``generate`` calls (``StepGraphs.cache``,
-  capacities rounded up to ``CACHE_BUCKET``), so one graph serves every request of a benchmark or a server.
+- **Fixed shapes and addresses.** A graph is captured per step shape (rows, tokens, all of the cache's rows or a
+  selection of them) and per cache; its inputs (tokens, the selected rows' indices) are copied into the graph's own
+  buffers before each replay and its outputs copied out after it (a clone: the next replay overwrites them). The
+  decoder keeps its caches between ``generate`` calls (``StepGraphs.cache``, capacities rounded up to
+  ``CACHE_BUCKET``), so the graphs captured for the first requests serve the later ones.
 - **No host reads inside.** ``TargetModel.forward(static=True)``, ``DrafterModel.draft(static=True)`` and the plugin
   draft read no value back to the host: positions come from the cache's lengths on the device, and attention runs over
   all ``max_len`` slots of the cache with the uncommitted ones masked (a few hundred extra keys: free on a GPU, and the

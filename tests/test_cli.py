@@ -81,6 +81,8 @@ def test_demo_assets_is_idempotent_json(smollm2):
          "proposes for the tree verify's lookup chains only"),
         (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
          "max_block_size=32: must be <= the drafter's trained block_size (16)"),
+        (["--prompt", "hi", "--device", "cpu", "--cuda-graphs"],
+         "cuda_graphs=True: needs a CUDA device, not cpu; use --device cuda, or drop --cuda-graphs"),
     ],
 )
 def test_bad_input_exit_2_one_line(smollm2, capsys, extra, words):

@@ -18,6 +18,9 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
+- ``served_steps``: ``perf/check_served_steps.py --device``: the Triton step engines (``serve/steps.py``), driven
+  by the serving loop in-process with every engine on the device, give target-only greedy CPU tokens (tiny pair in
+  float64; the real pair in float32 with ``--target``/``--drafter``) at block size 16, ``auto`` + lookup and the tree.
 - ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), first with
   every decoder's verify and draft forwards replayed as CUDA graphs (``--cuda-graphs on``; on the CPU ``rehearse``),
   then eager: what launching a step's kernels one by one costs, and DFlash against a baseline graphed alike.
@@ -58,13 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-sizes", default="16,8,16+ngram,auto+ngram,16+tree,auto+tree",
                    help="comma list for bench_runtime --block-size")
     p.add_argument("--steps",
-                   default="env,kernel_tests,parity,graphs,overhead,bench_kernels,bench_gpu,dflash_vs_ar,verify_cost")
+                   default="env,kernel_tests,parity,served_steps,graphs,overhead,bench_kernels,bench_gpu,dflash_vs_ar,"
+                           "verify_cost")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     p.add_argument("--commit", default=None)
     p.add_argument("--export-prompts", metavar="DIR", help="write the prompt files here and exit")
     args = p.parse_args(argv)
     known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar", "verify_cost",
-             "graphs"}
+             "graphs", "served_steps"}
     args.steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in args.steps if s not in known]
     if bad:
@@ -239,6 +243,17 @@ def step_dflash_vs_ar(args, log) -> dict:
     return {"runs": results}
 
 
+def step_served_steps(args, log) -> dict:
+    """perf/check_served_steps.py on the device: the step engines the Triton models call, against the CPU oracle (the
+    real pair too once its target is there: on a lease the drafter job converts it while these checks run)."""
+    ready = args.target and args.drafter and all((Path(args.target) / f).is_file()
+                                                 for f in ("config.json", "model.safetensors"))
+    real = ["--target", str(args.target), "--drafter", str(args.drafter)] if ready else []
+    out = run([sys.executable, "perf/check_served_steps.py", "--device", args.device, *real], log, 240)
+    return {"exit": out.returncode, "results": json.loads(out.stdout) if out.stdout.startswith("{") else None,
+            **({} if ready else {"real_pair": f"not checked: no target at {args.target}"})}
+
+
 GRAPH_BLOCK_SIZES = "16,16+ngram,16+tree,auto+ngram"
 
 
@@ -302,7 +317,8 @@ def step_verify_cost(args, log) -> dict:
 
 STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity, "overhead": step_overhead,
          "bench_kernels": step_bench("perf/bench_kernels.py", []), "bench_gpu": step_bench_gpu,
-         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost, "graphs": step_graphs}
+         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost, "graphs": step_graphs,
+         "served_steps": step_served_steps}
 
 
 def main(argv=None) -> int:

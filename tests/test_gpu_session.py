@@ -46,6 +46,9 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     for r in runs:
         (line,) = r["results"]
         assert r["exit"] == 0 and line["lossless"] and line["num_prompts"] == 2 and line["dtype"] == "float32"
+    served = report["served_steps"]  # the Triton step engines through the serving loop: CPU greedy tokens
+    assert served["exit"] == 0 and served["results"]["ok"]
+    assert set(served["results"]["real_float32"]) == {"16", "auto+ngram", "16+tree"}
     graphed = report["graphs"]["runs"]  # the graphs' static forwards rehearsed, then eager: both lossless
     assert [r["cuda_graphs"] for r in graphed] == ["rehearse", "off"] and all(r["exit"] == 0 for r in graphed)
     for r in graphed:

@@ -291,12 +291,12 @@ def step_overhead(args, log) -> dict:
     """perf/bench_overhead.py on the device: per-step time of AR and DFlash on a tiny 30-layer pair, whose cost is all
     framework and launch overhead, beside the operator counts that the CPU measures too; then the same with CUDA
     graphs (``graphs``: what the host still launches one by one, and the step's time with them)."""
-    result = {}
+    parts = []
     for mode in ("off", "on" if args.device == "cuda" else "rehearse"):  # eager, then with CUDA graphs
         out = run([sys.executable, "perf/bench_overhead.py", "--device", args.device, "--cuda-graphs", mode], log, 300)
-        part = {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
-        result.update(part) if mode == "off" else result.update(graphs=part)
-    return result
+        parts.append({"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None})
+    eager, graphed = parts
+    return {**eager, "graphs": graphed}
 
 
 def step_verify_cost(args, log) -> dict:

@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cuda_graphs == "on" and not args.device.startswith("cuda"):
         p.error(f"--cuda-graphs on needs --device cuda (got {args.device}); --cuda-graphs rehearse runs anywhere")
-    graphs = {"off": False, "on": True}.get(args.cuda_graphs, args.cuda_graphs)
     sys.path.insert(0, str(ROOT))
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,10 +104,11 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
            "torch": torch.__version__, "cuda_graphs": args.cuda_graphs, "decoders": {}}
     try:
-        for name, dec in (("ar", SpeculativeDecoder(target, None, 1, cuda_graphs=graphs)),
-                          ("16", SpeculativeDecoder(target, drafter, 16, cuda_graphs=graphs)),
-                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True, cuda_graphs=graphs)),
-                          ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True, cuda_graphs=graphs))):
+        graphs = {"cuda_graphs": args.cuda_graphs}
+        for name, dec in (("ar", SpeculativeDecoder(target, None, 1, **graphs)),
+                          ("16", SpeculativeDecoder(target, drafter, 16, **graphs)),
+                          ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True, **graphs)),
+                          ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True, **graphs))):
             dec._inject = labelled(dec._inject, "inject")
             res = dec.generate(reqs)[0]  # warm-up
             steps = len(res.acceptance_lengths) or res.num_new_tokens

@@ -136,13 +136,12 @@ def main(argv=None) -> int:
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     blocks = args.block_sizes or [drafter.spec.block_size]
-    graphs = {"off": False, "on": True}.get(args.cuda_graphs, args.cuda_graphs)
-    decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=graphs)}
+    decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=args.cuda_graphs)}
     decoders.update({b: make_decoder(target, drafter,
                                      "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
                                      args.drafter, args.max_block_size if b in AUTOS else None,
                                      ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE),
-                                     datastore=args.datastore, cuda_graphs=graphs)
+                                     datastore=args.datastore, cuda_graphs=args.cuda_graphs)
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)

@@ -29,12 +29,11 @@ REAL_QUESTIONS = ["Write a Python function that returns the n-th Fibonacci numbe
                   "Name three differences between a list and a tuple in Python."]
 
 
-def served(target_dir, drafter_dir, dtype, device, prompts: list[list[int]], tokens: int,
-           mode: str) -> tuple[list[list[int]], float]:
-    """Every prompt's tokens, the prompts decoded concurrently through the step engines on ``device``, and τ."""
+def served(pair, target_dir, prompts: list[list[int]], tokens: int, mode: str) -> tuple[list[list[int]], float]:
+    """Every prompt's tokens, the prompts decoded concurrently through step engines over ``pair`` (target and
+    drafter, loaded on the device; ``target_dir``: where the drafter engine's embedding and head come from), and τ."""
     import torch
 
-    from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel, GRID
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.tree import tree_for
@@ -42,14 +41,15 @@ def served(target_dir, drafter_dir, dtype, device, prompts: list[list[int]], tok
     from trtllm_dflash.serve.protocol import GenerateRequest
     from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
-    target, drafter = load_pair(target_dir, drafter_dir, dtype=dtype, device=device)
+    target, drafter = pair
     bsz = drafter.spec.block_size
     tree = tree_for(bsz - 1) if mode.endswith("+tree") else None
     max_len = max(len(p) for p in prompts) + tokens + 8
     verifier = TargetVerifier(target, drafter.spec.target_layer_ids, len(prompts), max_len, bsz,
                               max_tree_nodes=tree.size if tree else 0)
     engines = BatchedLocalSteps(verifier, KVInjector(drafter),
-                                BlockDrafter(drafter, TargetHead(target_dir, dtype, device), len(prompts), max_len))
+                                BlockDrafter(drafter, TargetHead(target_dir, target.dtype, target.device), len(prompts),
+                                             max_len))
     adaptive = mode.startswith("auto")
     # a fixed cost model: the plan (and so what is verified) must not depend on this machine's timings
     policy = AdaptivePolicy(CostModel([1e-3 * (1 + n / 64) for n in GRID], [5e-4 * (1 + n / 64) for n in GRID],
@@ -75,22 +75,26 @@ def served(target_dir, drafter_dir, dtype, device, prompts: list[list[int]], tok
     return [list(u.tokens) for u in finals], sum(taus) / max(len(taus), 1)
 
 
-def greedy(target_dir, dtype, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    """Target-only greedy decoding on the CPU, each prompt alone: the oracle."""
-    from trtllm_dflash.checkpoints import load_pair
+def greedy(target, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Target-only greedy decoding (of the target on the CPU: the oracle), each prompt alone."""
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 
-    target, _ = load_pair(target_dir, None, dtype=dtype)
     dec = SpeculativeDecoder(target, None, 1)
     return [list(dec.generate([Request(tuple(p), tokens)])[0].token_ids) for p in prompts]
 
 
 def compare(target_dir, drafter_dir, dtype, device, prompts, tokens) -> dict:
-    want = greedy(target_dir, dtype, prompts, tokens)
+    import torch
+
+    from trtllm_dflash.checkpoints import load_pair
+
+    pair = load_pair(target_dir, drafter_dir, dtype=dtype, device=device)  # once: every mode's engines share it
+    cpu_target = pair[0] if torch.device(device).type == "cpu" else load_pair(target_dir, None, dtype=dtype)[0]
+    want = greedy(cpu_target, prompts, tokens)
     out = {}
     for mode in MODES:
         try:
-            got, tau = served(target_dir, drafter_dir, dtype, device, prompts, tokens, mode)
+            got, tau = served(pair, target_dir, prompts, tokens, mode)
             out[mode] = {"equal": got == want, "tau": round(tau, 3),
                          "differing_prompts": [i for i, (g, w) in enumerate(zip(got, want)) if g != w]}
         except Exception as exc:  # recorded: the other modes still run

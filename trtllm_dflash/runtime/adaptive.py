@@ -655,7 +655,7 @@ class AdaptivePolicy:
         nothing back into every other step)."""
         return tuple(min(p, w) for p, w in zip(self.workload.prior, self.workload.probabilities()))
 
-    def drafter_expectation(self, state: SeqState, prior: list[float] | None = None) -> list[float]:
+    def drafter_expectation(self, state: SeqState, prior: Sequence[float] | None = None) -> list[float]:
         """[k] = E[accepted | k drafts of the drafter's block verified]: the sequence's own outcomes over
         ``drafter_prior`` (``prior``: it, computed once for a step's rows)."""
         return state.acceptance.expected_accepted_all(self.drafter_prior() if prior is None else prior)

@@ -68,13 +68,12 @@ class StepGraphs:
         self.caches: OrderedDict[tuple, KVCache] = OrderedDict()
         self.captures = 0  # graphs captured (or, rehearsing, step buffers made): telemetry and tests
         self.capture_s = 0.0  # seconds spent warming up and capturing (a benchmark's steady state excludes them)
-        self.replays = 0
 
     @classmethod
     def for_device(cls, device: torch.device, requested: bool | str) -> "StepGraphs | None":
-        """``requested``: True (graphs on CUDA; an error elsewhere, where there is nothing to capture), "rehearse",
-        or False (None: no graphs)."""
-        if not requested:
+        """``requested``: True or "on" (graphs on CUDA; an error elsewhere, where there is nothing to capture),
+        "rehearse", or False / "off" (None: no graphs) — a ``--cuda-graphs`` choice passes as it is."""
+        if not requested or requested == "off":
             return None
         if requested == "rehearse":
             return cls("rehearse")
@@ -124,7 +123,6 @@ class StepGraphs:
             step.outputs = _as_tuple(step.fn(*step.inputs))
         else:
             step.graph.replay()
-            self.replays += 1
         return tuple(None if o is None else o.clone() for o in step.outputs)
 
     def _capture(self, fn, cache: KVCache, inputs: tuple[torch.Tensor, ...]) -> _Step:

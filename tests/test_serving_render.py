@@ -286,6 +286,51 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
         make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")
 
 
+def test_a_stub_renices_only_its_python_threads_and_a_step_model_takes_priority_back():
+    """In a stub, yield_to_compute renices the Python threads (and the threads they start later) but not the
+    stub's own C++ threads, whose health thread must run within every 5 s of a model's initialize (here a thread
+    started by libc, outside Python); reclaim_compute_priority puts every thread back at 0 where it may."""
+    import subprocess
+    import sys
+
+    code = ("import ctypes, os, threading, time\n"
+            "from trtllm_dflash.serve.lifecycle import reclaim_compute_priority, yield_to_compute\n"
+            "libc = ctypes.CDLL(None)\n"
+            "native = ctypes.c_ulong()\n"  # a C thread running sleep(3): no Python in it
+            "assert libc.pthread_create(ctypes.byref(native), None, ctypes.cast(libc.sleep, ctypes.c_void_p),\n"
+            "                           ctypes.c_void_p(3)) == 0\n"
+            "py = threading.Thread(target=time.sleep, args=(3,)); py.start(); time.sleep(0.2)\n"
+            "before = set(os.listdir('/proc/self/task'))\n"
+            "assert yield_to_compute(19) is True\n"
+            "late = threading.Thread(target=time.sleep, args=(3,)); late.start()\n"
+            "nice = lambda tids: sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids)\n"
+            "c = [t for t in before if int(t) not in {threading.get_native_id(), py.native_id}]\n"
+            "print(nice(c), nice([threading.get_native_id(), py.native_id, late.native_id]))\n"
+            "back = reclaim_compute_priority()\n"
+            "print(back, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    first, second = out.splitlines()
+    assert first == "[0] [19, 19, 19]", out
+    assert second in ("True [0]", "False [0, 19]"), out  # lowering a niceness needs root or CAP_SYS_NICE
+
+
+def test_a_server_that_exits_while_loading_names_the_model_and_why(tmp_path):
+    """startup_failure puts the log's error and failed-load lines, which the model table and the shutdown push out
+    of any short tail, ahead of the tail."""
+    from trtllm_dflash.serve.server import startup_failure
+
+    lines = ['I1128 01:07:55.313238 2792 model_lifecycle.cc:472] "loading: dflash:1"',
+             'E1128 01:08:06.021758 2792 model_lifecycle.cc:642] "failed to load \'dflash\' version 1: Internal: '
+             'Stub process \'dflash_0_0\' is not healthy."']
+    lines += [f'I1128 01:08:1{i % 10}.0 2792 server.cc:345] "Timeout {i}: unloading"' for i in range(200)]
+    log = tmp_path / "server.log"
+    log.write_text("\n".join(lines) + "\nerror: creating server: Internal - failed to load all models\n")
+    text = startup_failure(log, tail_chars=300)
+    assert text.index("Stub process 'dflash_0_0' is not healthy") < text.index("...")
+    assert text.rstrip().endswith("failed to load all models") and "loading: dflash:1" not in text
+    assert startup_failure(None) == startup_failure(tmp_path / "missing.log") == "(no log; pass log_path)"
+
+
 def test_verify_takes_its_rows_in_slot_order_and_answers_in_the_callers(tiny_models):
     """``TargetVerifier.verify`` sorts a batch by cache slot (consecutive slots are read as views) and returns the
     results in the caller's order: the same tokens and taps as the batch sent in slot order."""

@@ -166,6 +166,18 @@ def check_backend_available(repo: str | Path) -> None:
                             "serve it inside the container, or render a --backend torch repository here")
 
 
+def startup_failure(log_path: Path | None, tail_chars: int = 1500) -> str:
+    """Why a server that exited while loading did: the log's error lines and its failed-load lines (Triton prints
+    the reason a model failed, e.g. "Stub process 'dflash_0_0' is not healthy.", well before the model table and
+    the shutdown that end the log), then the log's tail."""
+    if log_path is None or not Path(log_path).is_file():
+        return "(no log; pass log_path)"
+    text = Path(log_path).read_text(errors="replace")
+    errors = [line for line in text.splitlines()
+              if (line.startswith("E") and line[1:5].isdigit()) or "failed to load" in line or "UNAVAILABLE" in line]
+    return "\n".join(errors[-20:]) + "\n...\n" + text[-tail_chars:]
+
+
 class TritonServer:
     """``with TritonServer(repo) as server:`` starts the server, waits until ready, and stops it cleanly."""
 
@@ -207,8 +219,8 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = self.log_path.read_text()[-3000:] if self.log_path else "(no log; pass log_path)"
-                raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n{tail}")
+                raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n"
+                                    + startup_failure(self.log_path), "see the server log")
             if self._ready():
                 self.dead_models()  # remember every model's stubs, so one that dies later is noticed
                 self._yield_to_compute()

@@ -286,34 +286,6 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
         make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")
 
 
-def test_a_stub_renices_only_its_python_threads_and_a_step_model_takes_priority_back():
-    """In a stub, yield_to_compute renices the Python threads (and the threads they start later) but not the
-    stub's own C++ threads, whose health thread must run within every 5 s of a model's initialize (here a thread
-    started by libc, outside Python); reclaim_compute_priority puts every thread back at 0 where it may."""
-    import subprocess
-    import sys
-
-    code = ("import ctypes, os, threading, time\n"
-            "from trtllm_dflash.serve.lifecycle import reclaim_compute_priority, yield_to_compute\n"
-            "libc = ctypes.CDLL(None)\n"
-            "native = ctypes.c_ulong()\n"  # a C thread running sleep(3): no Python in it
-            "assert libc.pthread_create(ctypes.byref(native), None, ctypes.cast(libc.sleep, ctypes.c_void_p),\n"
-            "                           ctypes.c_void_p(3)) == 0\n"
-            "py = threading.Thread(target=time.sleep, args=(3,)); py.start(); time.sleep(0.2)\n"
-            "before = set(os.listdir('/proc/self/task'))\n"
-            "assert yield_to_compute(19) is True\n"
-            "late = threading.Thread(target=time.sleep, args=(3,)); late.start()\n"
-            "nice = lambda tids: sorted(os.getpriority(os.PRIO_PROCESS, int(t)) for t in tids)\n"
-            "c = [t for t in before if int(t) not in {threading.get_native_id(), py.native_id}]\n"
-            "print(nice(c), nice([threading.get_native_id(), py.native_id, late.native_id]))\n"
-            "back = reclaim_compute_priority()\n"
-            "print(back, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    first, second = out.splitlines()
-    assert first == "[0] [19, 19, 19]", out
-    assert second in ("True [0]", "False [0, 19]"), out  # lowering a niceness needs root or CAP_SYS_NICE
-
-
 def test_a_server_that_exits_while_loading_names_the_model_and_why(tmp_path):
     """startup_failure puts the log's error and failed-load lines, which the model table and the shutdown push out
     of any short tail, ahead of the tail."""

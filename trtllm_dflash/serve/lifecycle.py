@@ -65,8 +65,14 @@ done
 
 
 def stub_pids(model: str, parent: int | None = None) -> set[int]:
-    """Live python-stub processes of ``model`` started by ``parent`` (default: this process's parent, i.e. from a
-    stub, its sibling stubs of the same server). A stub's argv[1] is ``<repository>/<model>/1/model.py``."""
+    """Live python-stub processes serving ``model`` started by ``parent`` (default: this process's parent, i.e. from a
+    stub, its sibling stubs of the same server). A stub's argv[1] is ``<repository>/<model>/1/model.py``.
+
+    Only instance stubs count. While loading a model the server first runs an auto-complete stub, which reads the
+    config and exits; argv[8] names a stub, the model's name for that one and ``<model>_<group>_<n>`` for an instance
+    (python_backend src/stub_launcher.cc, Launch). Counted as alive, its exit before the instance stub started looked
+    like every step model gone at once, and a loop model's ``watch_parent`` ended its own stub mid-initialize (CI:
+    "Stub process 'dflash_0_0' is not healthy", server not started)."""
     parent = os.getppid() if parent is None else parent
     suffix = f"/{model}/1/model.py"
     out = set()
@@ -77,9 +83,15 @@ def stub_pids(model: str, parent: int | None = None) -> set[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub") and argv[1].decode(errors="replace").endswith(suffix):
+        if (len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub")
+                and argv[1].decode(errors="replace").endswith(suffix) and not _autocomplete_stub(argv, model)):
             out.add(int(entry.name))
     return out
+
+
+def _autocomplete_stub(argv: list[bytes], model: str) -> bool:
+    """Whether a python-backend stub's ``argv`` is the auto-complete stub of ``model`` (see ``stub_pids``)."""
+    return len(argv) > 8 and argv[8].decode(errors="replace") == model
 
 
 class StubWatch:
@@ -130,16 +142,13 @@ def pid_alive(pid: int) -> bool:
     return bool(stat) and stat[0] not in ("Z", "X")
 
 
-def raise_niceness(nice: int, pid: int | None = None, tids: set[int] | None = None) -> int:
-    """Give every thread of process ``pid`` (default: this one), or only those of ``tids``, a niceness of at least
-    ``nice``; returns how many threads changed. Linux keeps a niceness per thread (a thread created later inherits
-    its creator's), so each one is set; raising a niceness needs no privilege. Threads that end meanwhile are
-    skipped."""
+def raise_niceness(nice: int, pid: int | None = None) -> int:
+    """Give every thread of process ``pid`` (default: this one) a niceness of at least ``nice``; returns how many
+    threads changed. Linux keeps a niceness per thread (a thread created later inherits its creator's), so each one
+    is set; raising a niceness needs no privilege. Threads that end meanwhile are skipped."""
     pid = pid or os.getpid()
     changed = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
-        if tids is not None and int(tid) not in tids:
-            continue
         try:
             if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
@@ -149,29 +158,14 @@ def raise_niceness(nice: int, pid: int | None = None, tids: set[int] | None = No
     return changed
 
 
-def python_threads() -> set[int]:
-    """Kernel thread ids of this process's Python threads (the calling one included)."""
-    import threading
-
-    return {threading.get_native_id()} | {t.native_id for t in threading.enumerate() if t.native_id}
-
-
 def yield_to_compute(io_nice: int | str, pid: int | None = None) -> bool:
     """On a CPU server, run the processes that only move requests (the server's own threads, the loop, entry and
     tokenizer models) at niceness ``io_nice`` (the rendered parameter; 0 = off), so the step models' forwards, whose
     OpenMP teams stall whenever the scheduler lends one of their cores to a gRPC or IPC thread, get the cores first.
     Measured on the 2-core machine (`perf/throughput_c16.py --models baseline --rounds 3 --io-nice N`): Triton /
     in-process tokens/s at c=16 0.77 at N=0, 0.80 at 5, 0.87 at 10, 0.82 at 15, 0.90 at 19 (medians; rounds vary by
-    ±0.1), so the default is 19 (perf/results/reliability). A step model reloaded later starts with the server's
-    niceness and takes back 0 where it may (``reclaim_compute_priority``). On a GPU the forwards do not share the
-    cores: nothing is changed.
-
-    In a stub (``pid`` None) only its Python threads are reniced (and the threads they start later, which inherit
-    it): the stub's own C++ threads keep their priority. One of them proves the stub alive: every 300 ms it sets a
-    flag that the server clears and expects set again within each wait for a reply, 5 s while a model initializes,
-    or the server fails the model with "Stub process '<model>_0_0' is not healthy" (python_backend src/pb_stub.cc,
-    the health thread; src/stub_launcher.cc, ReceiveMessageFromStub). At niceness 19, while the step models load at
-    0 on two cores, that thread went unscheduled for 5 s and the server refused to start (CI, session 35)."""
+    ±0.1), so the default is 19 (perf/results/reliability). A step model reloaded later inherits the server's niceness (equal
+    priority again until the server restarts). On a GPU the forwards do not share the cores: nothing is changed."""
     n = int(io_nice or 0)
     if n <= 0:
         return False
@@ -179,22 +173,5 @@ def yield_to_compute(io_nice: int | str, pid: int | None = None) -> bool:
 
     if torch.cuda.is_available():
         return False
-    raise_niceness(n, pid, tids=None if pid else python_threads())
-    return True
-
-
-def reclaim_compute_priority() -> bool:
-    """A step model (target_verify, drafter, kv_inject) at niceness 0 again, all its threads: a stub that the server
-    starts after ``yield_to_compute`` reniced it (a model reloaded after its stub died) inherits the server's
-    niceness, and its forwards, its health thread included, would then queue behind the other step models. Lowering a
-    niceness needs root or CAP_SYS_NICE; without them it stays (returns False)."""
-    pid = os.getpid()
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            if os.getpriority(os.PRIO_PROCESS, int(tid)) > 0:
-                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
-        except (ProcessLookupError, FileNotFoundError):
-            continue
-        except PermissionError:
-            return False
+    raise_niceness(n, pid)
     return True

@@ -3,13 +3,12 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.handlers import KVInjectModel
-from trtllm_dflash.serve.lifecycle import reclaim_compute_priority, watch_parent
+from trtllm_dflash.serve.lifecycle import watch_parent
 from trtllm_dflash.serve.triton_io import model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        reclaim_compute_priority()
         watch_parent()
         self.model = KVInjectModel(model_parameters(args))
 

@@ -1,0 +1,70 @@
+"""Which processes count as a model's python stubs (serve/lifecycle.py), on real processes laid out as Triton's
+python backend starts them: argv[0] the stub binary, argv[1] ``<repo>/<model>/1/model.py``, argv[8] the stub's name
+(the model's for the short-lived auto-complete stub, ``<model>_0_0`` for an instance)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trtllm_dflash.serve.lifecycle import stub_pids
+
+
+def fake_stub(tmp_path, model: str, name: str) -> subprocess.Popen:
+    """A child of this process whose argv is a python-backend stub's (``tee`` under the stub's name, waiting on
+    stdin; the arguments it takes for files land in ``tmp_path/files``)."""
+    (tmp_path / "repo" / model / "1").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "files").mkdir(exist_ok=True)
+    argv = [str(tmp_path / "triton_python_backend_stub"), str(tmp_path / "repo" / model / "1" / "model.py"),
+            "shm", "1048576", "1048576", "1", "lib", "0", name, "modeldir"]
+    return subprocess.Popen(["bash", "-c", 'exec -a "$0" tee "$@" > /dev/null', *argv], stdin=subprocess.PIPE,
+                            cwd=tmp_path / "files")
+
+
+def loop_stub(seconds: float) -> subprocess.Popen:
+    """A sibling that watches the drafter's stubs as a loop model does; prints "alive" if it outlives ``seconds``."""
+    code = ("import time\n"
+            "from trtllm_dflash.serve.lifecycle import watch_parent\n"
+            "watch_parent(0.1, needs=('drafter',))\n"
+            f"time.sleep({seconds}); print('alive', flush=True)")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shutdown(tmp_path):
+    """The auto-complete stub is not a stub serving the model; its exit before the instance stub starts (a gap of
+    1.5 s here, as when the server loads several models on two cores) leaves a loop model's watcher running, and the
+    instance stub exiting afterwards still ends it (the server shutting down)."""
+    auto = fake_stub(tmp_path, "drafter", "drafter")
+    loop = None
+    try:
+        _wait_for(lambda: (Path(f"/proc/{auto.pid}/cmdline").read_bytes().split(b"\0")[8:9] == [b"drafter"]))
+        assert stub_pids("drafter", parent=os.getpid()) == set()
+        loop = loop_stub(4.0)
+        time.sleep(1.0)
+        auto.kill()
+        auto.wait()
+        time.sleep(1.5)
+        inst = fake_stub(tmp_path, "drafter", "drafter_0_0")
+        _wait_for(lambda: stub_pids("drafter", parent=os.getpid()) == {inst.pid})
+        out, _ = loop.communicate(timeout=30)
+        assert out.strip() == "alive", "the watcher took the auto-complete stub's exit for a shutdown"
+
+        loop = loop_stub(20.0)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        inst.kill()
+        inst.wait()
+        out, _ = loop.communicate(timeout=15)
+        assert out == "" and time.monotonic() - t0 < 5, "the watcher missed every step model gone at once"
+    finally:
+        for proc in (auto, loop, locals().get("inst")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()

@@ -28,7 +28,8 @@ def loop_stub(seconds: float) -> subprocess.Popen:
             "from trtllm_dflash.serve.lifecycle import watch_parent\n"
             "watch_parent(0.1, needs=('drafter',))\n"
             f"time.sleep({seconds}); print('alive', flush=True)")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:
@@ -54,16 +55,17 @@ def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shu
         time.sleep(1.5)
         inst = fake_stub(tmp_path, "drafter", "drafter_0_0")
         _wait_for(lambda: stub_pids("drafter", parent=os.getpid()) == {inst.pid})
-        out, _ = loop.communicate(timeout=30)
-        assert out.strip() == "alive", "the watcher took the auto-complete stub's exit for a shutdown"
+        out, err = loop.communicate(timeout=30)
+        assert out.strip() == "alive", f"the watcher took the auto-complete stub's exit for a shutdown: {err}"
 
         loop = loop_stub(20.0)
         time.sleep(1.0)
         t0 = time.monotonic()
         inst.kill()
         inst.wait()
-        out, _ = loop.communicate(timeout=15)
+        out, err = loop.communicate(timeout=15)
         assert out == "" and time.monotonic() - t0 < 5, "the watcher missed every step model gone at once"
+        assert f"stub {loop.pid} exits: no stub of drafter left" in err, err  # the server's log says why
     finally:
         for proc in (auto, loop, locals().get("inst")):
             if proc is not None and proc.poll() is None:

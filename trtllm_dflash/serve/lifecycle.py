@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
         # /proc is scanned for a model only when its known stubs died (or none is known yet) and every 30 s: scanning
         # it for every model at every check took ~5 % of a core per loop model
         stubs = StubWatch(period_s=30.0, parent=parent)
+        why = f"server {parent} gone"
         while parent_alive(parent):
             time.sleep(period_s)
             if needs:
@@ -43,7 +45,10 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
                 seen = seen or alive
                 gone = gone + 1 if seen and not alive else 0
                 if gone >= 2:
+                    why = f"no stub of {', '.join(needs)} left: the server is shutting down"
                     break
+        # one line in the server's log (a stub writes to the server's stderr), so an exit is never a mystery there
+        print(f"trtllm-dflash: stub {os.getpid()} exits: {why}", file=sys.stderr, flush=True)
         os._exit(0)
 
     threading.Thread(target=run, name="dflash-parent-watch", daemon=True).start()

@@ -293,12 +293,13 @@ def test_a_server_that_exits_while_loading_names_the_model_and_why(tmp_path):
 
     lines = ['I1128 01:07:55.313238 2792 model_lifecycle.cc:472] "loading: dflash:1"',
              'E1128 01:08:06.021758 2792 model_lifecycle.cc:642] "failed to load \'dflash\' version 1: Internal: '
-             'Stub process \'dflash_0_0\' is not healthy."']
+             'Stub process \'dflash_0_0\' is not healthy."',
+             "trtllm-dflash: stub 4242 exits: no stub of target_verify, kv_inject, drafter left: the server is shutting down"]
     lines += [f'I1128 01:08:1{i % 10}.0 2792 server.cc:345] "Timeout {i}: unloading"' for i in range(200)]
     log = tmp_path / "server.log"
     log.write_text("\n".join(lines) + "\nerror: creating server: Internal - failed to load all models\n")
     text = startup_failure(log, tail_chars=300)
-    assert text.index("Stub process 'dflash_0_0' is not healthy") < text.index("...")
+    assert text.index("Stub process 'dflash_0_0' is not healthy") < text.index("stub 4242 exits") < text.index("...")
     assert text.rstrip().endswith("failed to load all models") and "loading: dflash:1" not in text
     assert startup_failure(None) == startup_failure(tmp_path / "missing.log") == "(no log; pass log_path)"
 

@@ -169,12 +169,13 @@ def check_backend_available(repo: str | Path) -> None:
 def startup_failure(log_path: Path | None, tail_chars: int = 1500) -> str:
     """Why a server that exited while loading did: the log's error lines and its failed-load lines (Triton prints
     the reason a model failed, e.g. "Stub process 'dflash_0_0' is not healthy.", well before the model table and
-    the shutdown that end the log), then the log's tail."""
+    the shutdown that end the log; a stub that ended itself says why, ``lifecycle.watch_parent``), then the tail."""
     if log_path is None or not Path(log_path).is_file():
         return "(no log; pass log_path)"
     text = Path(log_path).read_text(errors="replace")
     errors = [line for line in text.splitlines()
-              if (line.startswith("E") and line[1:5].isdigit()) or "failed to load" in line or "UNAVAILABLE" in line]
+              if (line.startswith("E") and line[1:5].isdigit()) or "failed to load" in line or "UNAVAILABLE" in line
+              or line.startswith("trtllm-dflash: stub")]
     return "\n".join(errors[-20:]) + "\n...\n" + text[-tail_chars:]
 
 

@@ -323,7 +323,7 @@ class SpeculativeDecoder:
         self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
 
         # the step's device syncs only serve the adaptive policy's timings; without a policy the one sync a step
-        # needs is reading the accepted lengths back (acc.tolist()), and the host queues the next step's work
+        # needs is reading the accepted lengths and samples back, and the host queues the next step's work
         policy = self.policy
         sync = _sync(dev) if policy is not None else (lambda: None)
         if policy is not None:
@@ -403,7 +403,10 @@ class SpeculativeDecoder:
                 sync()
                 t_verify = time.perf_counter()
             tcache.commit(rows, acc + 1)
-            accepted = acc.tolist()
+            # one device read a step: the accepted lengths and the samples together (a read per row's tokens
+            # was a sync each on a GPU)
+            host = torch.cat([acc[:, None], samples], dim=1).tolist()  # [b][1 + K + 1]
+            accepted = [r[0] for r in host]
             if pending is not None:
                 pending.add(active, taps, [a + 1 for a in accepted])
             elif dcache is not None:
@@ -413,7 +416,7 @@ class SpeculativeDecoder:
                 bonus = new_bonus
             else:
                 bonus[rows] = new_bonus
-            emitted = [samples[j, : accepted[j] + 1].tolist() for j in range(b)]
+            emitted = [host[j][1 : accepted[j] + 2] for j in range(b)]
             for j, i in enumerate(active):
                 seqs[i].taus.append(accepted[j] + 1)
             # a step that captured a CUDA graph took a capture's time, not a step's: the cost model does not learn it

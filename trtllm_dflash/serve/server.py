@@ -221,7 +221,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ArtifactError(self.repo, f"tritonserver exited with code {self.proc.returncode}:\n"
-                                    + startup_failure(self.log_path), "see the server log")
+                                    + startup_failure(self.log_path),
+                                    f"the whole log: {self.log_path}" if self.log_path else "pass log_path")
             if self._ready():
                 self.dead_models()  # remember every model's stubs, so one that dies later is noticed
                 self._yield_to_compute()

@@ -23,13 +23,15 @@ def fake_stub(tmp_path, model: str, name: str) -> subprocess.Popen:
 
 
 def loop_stub(seconds: float) -> subprocess.Popen:
-    """A sibling that watches the drafter's stubs as a loop model does; prints "alive" if it outlives ``seconds``."""
+    """A sibling that watches the drafter's stubs as a loop model does (checks every 0.1 s); returns once it has
+    watched for 0.5 s; it prints "alive" if it outlives ``seconds`` more."""
     code = ("import time\n"
             "from trtllm_dflash.serve.lifecycle import watch_parent\n"
-            "watch_parent(0.1, needs=('drafter',))\n"
+            "watch_parent(0.1, needs=('drafter',)); time.sleep(0.5); print('watching', flush=True)\n"
             f"time.sleep({seconds}); print('alive', flush=True)")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "watching", proc.stderr.read()
+    return proc
 
 
 def _wait_for(pred, timeout_s: float = 10.0) -> None:
@@ -44,12 +46,11 @@ def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shu
     1.5 s here, as when the server loads several models on two cores) leaves a loop model's watcher running, and the
     instance stub exiting afterwards still ends it (the server shutting down)."""
     auto = fake_stub(tmp_path, "drafter", "drafter")
-    loop = None
+    loop = inst = None
     try:
         _wait_for(lambda: (Path(f"/proc/{auto.pid}/cmdline").read_bytes().split(b"\0")[8:9] == [b"drafter"]))
         assert stub_pids("drafter", parent=os.getpid()) == set()
-        loop = loop_stub(4.0)
-        time.sleep(1.0)
+        loop = loop_stub(3.0)
         auto.kill()
         auto.wait()
         time.sleep(1.5)
@@ -59,7 +60,6 @@ def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shu
         assert out.strip() == "alive", f"the watcher took the auto-complete stub's exit for a shutdown: {err}"
 
         loop = loop_stub(20.0)
-        time.sleep(1.0)
         t0 = time.monotonic()
         inst.kill()
         inst.wait()
@@ -67,6 +67,6 @@ def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shu
         assert out == "" and time.monotonic() - t0 < 5, "the watcher missed every step model gone at once"
         assert f"stub {loop.pid} exits: no stub of drafter left" in err, err  # the server's log says why
     finally:
-        for proc in (auto, loop, locals().get("inst")):
+        for proc in (auto, loop, inst):
             if proc is not None and proc.poll() is None:
                 proc.kill()

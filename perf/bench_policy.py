@@ -35,12 +35,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel, Lookup
 
-    cost = CostModel([1e-3 * (1 + 0.02 * n) for n in GRID], [3e-4 * (1 + 0.05 * n) for n in GRID])
     out = {"machine": f"{platform.machine()} {platform.python_version()}", "max_block_size": args.max_block_size,
            "repeats": args.repeats, "rounds": args.rounds, "rows": {}}
     for b in (int(x) for x in args.rows.split(",")):
-        policy = AdaptivePolicy(CostModel(list(cost.verify_s), list(cost.draft_s)), args.max_block_size,
-                                prior=[0.6] * (args.max_block_size - 1), ngram=True)
+        cost = CostModel([1e-3 * (1 + 0.02 * n) for n in GRID], [3e-4 * (1 + 0.05 * n) for n in GRID])  # its own
+        policy = AdaptivePolicy(cost, args.max_block_size, prior=[0.6] * (args.max_block_size - 1), ngram=True)
         states = [policy.new_sequence() for _ in range(b)]
         lens = []
         for i, s in enumerate(states):

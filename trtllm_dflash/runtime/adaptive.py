@@ -93,11 +93,14 @@ class CostModel:
     def draft(self, n: float) -> float:
         return 0.0 if n <= 0 else _interp(GRID, self.draft_s, n)[0]
 
-    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True, context: float = 0.0) -> float:
+    def step(self, rows: int, k: int, drafting: int, draft_pass: bool = True, context: float = 0.0,
+             verify_s: float | None = None) -> float:
         """Seconds of a step verifying k proposed tokens (k + 1 slots) for ``rows`` rows, ``drafting`` of which went
-        through the draft pass; ``context``: the rows' cached tokens, all together."""
+        through the draft pass; ``context``: the rows' cached tokens, all together. ``verify_s``: the verify's price
+        if the caller already has it (``AdaptivePolicy.decide`` prices many plans with one verify)."""
         draft = self.draft(drafting * (k + 1)) if (k > 0 and drafting and draft_pass) else 0.0
-        return self.verify(rows * (k + 1), rows, context) + draft + self.overhead_s
+        verify = self.verify(rows * (k + 1), rows, context) if verify_s is None else verify_s
+        return verify + draft + self.overhead_s
 
     @staticmethod
     def _observe(values: list[float], n: float, seconds: float, alpha: float) -> None:
@@ -601,7 +604,7 @@ class AdaptivePolicy:
             tokens += sum((expected[i][k] - free[i]) * w[i] for i in due)
             rows = list(due)
             looking = sum(1 for i in range(b) if i not in due_set and free[i] > 0)  # rows that would verify a lookup
-            verify = self.cost.verify(b * (k + 1), b, self.context)  # ``CostModel.step``'s terms, in its order
+            verify = self.cost.verify(b * (k + 1), b, self.context)  # the same for every plan of this k
             for m in range(len(extra) + 1):
                 if m:
                     gain, i = extra[m - 1]
@@ -610,8 +613,7 @@ class AdaptivePolicy:
                     looking -= free[i] > 0
                 if not rows and not looking:
                     continue
-                draft = self.cost.draft(len(rows) * (k + 1)) if rows else 0.0
-                rate = tokens / (verify + draft + self.cost.overhead_s)
+                rate = tokens / self.cost.step(b, k, len(rows), bool(rows), self.context, verify_s=verify)
                 if rate > best_rate:
                     best_rate, best = rate, (k, list(rows), free)
         k, rows, free = best

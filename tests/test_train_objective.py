@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.models.drafter import DrafterModel
@@ -206,12 +207,80 @@ def test_a_time_box_advances_the_lr_schedule_with_the_clock():
 
 
 def test_collate_scales_host_taps_on_the_training_device():
-    """Taps live on the host (from disk or from ``with_taps``) while the tap scale lives on the training device: the
-    first GPU run failed at its first step on exactly that. The meta device stands in for a GPU here."""
+    """Taps from disk live on the host while the tap scale lives on the training device: the first GPU run failed at
+    its first step on exactly that. Online taps (``with_taps``) live on the device and are gathered there. The meta
+    device stands in for a GPU here."""
     samples = [Sample(torch.arange(12), torch.randn(12, 6), prompt_len=3),
                Sample(torch.arange(9), torch.randn(9, 6), prompt_len=2)]
     anchors = [torch.tensor([3, 7]), torch.tensor([2])]
     batch = collate(samples, anchors, "meta", tap_scale=torch.full((6,), 0.5, device="meta"))
     assert batch.taps.device.type == "meta" and batch.ids.device.type == "meta"
+    assert batch.ctx_len == 7  # the last anchor, known without reading the device
     ref = collate(samples, anchors, "cpu", tap_scale=torch.full((6,), 0.5))
     assert torch.equal(ref.taps[0, :12], samples[0].taps * 0.5)
+    on_device = [Sample(x.ids, x.taps.to("meta"), x.prompt_len) for x in samples]
+    batch = collate(on_device, anchors, "meta", tap_scale=torch.full((6,), 0.5, device="meta"))
+    assert batch.taps.device.type == "meta" and batch.taps.shape == ref.taps.shape
+
+
+class HostReads(TorchFunctionMode):
+    """Records every read of a tensor's value into Python (``item``, ``float(t)``, ``bool(t)``, ``tolist``, a boolean
+    mask...) as (what, the tensor's id): on a GPU, a read of a device tensor waits for all the kernels launched so
+    far."""
+
+    READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "numpy", "masked_select"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in self.READS or (name == "__getitem__" and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))):
+            self.reads.append((name, id(args[0])))
+        return func(*args, **(kwargs or {}))
+
+    def device_reads(self, host: set[int]) -> list[str]:
+        """The reads of tensors other than ``host`` (ids of tensors that live on the host on a GPU too)."""
+        return [name for name, t in self.reads if t not in host]
+
+
+def test_a_training_step_reads_nothing_back_from_the_device(tmp_path):
+    """Loss, backward, clipping, the optimizer step and the step's log entry queue on the device without a read:
+    the host can launch the next step while the device still runs this one (``trainer.train`` reads a window of
+    steps at once, ``window_record``). The taps of the online path (``with_taps``) stay where the target runs."""
+    from trtllm_dflash.train.regen import with_taps
+    from trtllm_dflash.train.trainer import window_record
+
+    tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4, block_size=4)
+    target, _ = load_pair(tdir, ddir)
+    drafter = DrafterModel.from_pretrained(ddir).requires_grad_(True).train()
+    g = torch.Generator().manual_seed(0)
+    samples = with_taps(target, [Sample(torch.randint(6, 200, (n,), generator=g), None, prompt_len=4)
+                                 for n in (20, 13)], drafter.spec.target_layer_ids)
+    assert samples[0].taps.device == target.device and samples[0].taps.dtype == torch.bfloat16
+    anchors = [sample_anchors(s.prompt_len, len(s.ids), 8, g) for s in samples]
+    batch = collate(samples, anchors, "cpu")
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    window = []
+    for _ in range(2):
+        with HostReads() as mode:
+            m = dflash_loss(drafter, target.embed, target.lm_head, batch, gamma=2.0)
+            opt.zero_grad(set_to_none=True)
+            m.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            window.append(torch.cat([torch.stack([m.loss.detach(), m.expected_tau, grad_norm]),
+                                     m.correct.float(), m.counted.float()]))
+        # AdamW's step counters are host tensors on a GPU too (torch.optim.adam: not ``capturable``); it reads them
+        host = {id(st["step"]) for st in opt.state.values()}
+        assert mode.reads and mode.device_reads(host) == []
+    record = window_record(window, 1e-3)
+    want_tau = sum(float(w[1]) for w in window) / 2
+    assert record["expected_tau"] == round(want_tau, 3) and 1 <= want_tau <= 4
+    assert len(record["accuracy"]) == 3 and all(0 <= a <= 1 for a in record["accuracy"])
+    with HostReads() as mode:  # the mode sees what it should
+        float(m.loss.detach()), bool(batch.anchor_valid.any()), batch.ids[batch.ids > 3]
+    assert mode.device_reads(set()) == ["__float__", "__bool__", "__getitem__"]

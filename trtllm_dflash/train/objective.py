@@ -23,7 +23,6 @@ equals an inference draft step with p committed tokens (tests/test_train_objecti
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ class Batch:
     topk_ids: torch.Tensor | None = None  # [n, S, k] the target's top-k next tokens per position (data.Sample)
     topk_logits: torch.Tensor | None = None  # [n, S, k]
     labels: torch.Tensor | None = None  # [n, S] what each position is trained to be, where it is not ``ids``
+    ctx_len: int | None = None  # context keys any block can see (its last anchor; >= 1), known on the host
 
 
 def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -59,12 +59,13 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
 
 def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = torch.float32,
             tap_scale: torch.Tensor | None = None) -> Batch:
-    """samples: list of data.Sample; anchors[i]: [a_i] positions from ``sample_anchors``; taps cast to ``dtype`` and
-    multiplied by ``tap_scale`` [K·H] if given (see ``tap_standardizer``)."""
+    """samples: list of data.Sample; anchors[i]: [a_i] positions (on the host) from ``sample_anchors``; taps cast to
+    ``dtype`` and multiplied by ``tap_scale`` [K·H] if given (see ``tap_standardizer``). The taps are gathered where
+    they are (a GPU run's online taps, ``regen.with_taps``, never leave the device) and then moved to ``device``."""
     n, s_max, a_max = len(samples), max(len(x.ids) for x in samples), max(1, max(len(a) for a in anchors))
     width = samples[0].taps.shape[1]
     ids = torch.zeros(n, s_max, dtype=torch.long)
-    taps = torch.zeros(n, s_max, width, dtype=dtype)
+    taps = torch.zeros(n, s_max, width, dtype=dtype, device=samples[0].taps.device)
     anc = torch.zeros(n, a_max, dtype=torch.long)
     valid = torch.zeros(n, a_max, dtype=torch.bool)
     for i, (x, a) in enumerate(zip(samples, anchors)):
@@ -91,8 +92,9 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
             topk_ids[i, : len(x.ids)] = x.topk_ids.long()
             topk_logits[i, : len(x.ids)] = x.topk_logits.float()
         topk_ids, topk_logits = topk_ids.to(device), topk_logits.to(device)
+    ctx_len = max([1] + [int(a.max()) for a in anchors if len(a)])  # host tensors: no device read
     return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device), topk_ids,
-                 topk_logits, labels)
+                 topk_logits, labels, ctx_len)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
@@ -176,8 +178,9 @@ def drafter_blocks(
     spec = drafter.spec
     n, s = batch.ids.shape
     a, bs = batch.anchors.shape[1], block_size or spec.block_size
-    ctx_len = int(batch.anchors.max()) if n else 0  # keys beyond the last anchor are never visible
-    ctx_len = max(ctx_len, 1)
+    ctx_len = batch.ctx_len  # keys beyond the last anchor are never visible
+    if ctx_len is None:  # a Batch built by hand
+        ctx_len = max(int(batch.anchors.max()) if n else 0, 1)
     owner = torch.arange(n, device=batch.ids.device).repeat_interleave(a)  # [b]: sequence of each block
     anchors = batch.anchors.reshape(-1)  # [b]
     b = len(anchors)
@@ -214,7 +217,7 @@ class StepMetrics:
     loss: torch.Tensor  # scalar, differentiable
     correct: torch.Tensor  # [B − 1] correct predictions per slot k = 1..B−1
     counted: torch.Tensor  # [B − 1] labelled slots per k
-    expected_tau: float  # mean over blocks of 1 + (longest all-correct prefix of slots 1..B−1)
+    expected_tau: torch.Tensor  # scalar: mean over blocks of 1 + (longest all-correct prefix of slots 1..B−1)
 
 
 def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:  # [B − 1]
@@ -229,7 +232,8 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
     (1 − distill); needs the full vocabulary (``vocab=None``).
 ``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
     restricts the softmax to those candidates — a CPU economy, since the head over all slots dominates the cost; the
-    drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``."""
+    drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``.
+    Reads nothing back to the host (on a GPU the next step's launches queue behind this one's kernels)."""
     bs = drafter.spec.block_size
     hidden = drafter_blocks(drafter, embed, batch, packed)  # [b, B, H]
     anchors = batch.anchors.reshape(-1)  # [b]
@@ -259,5 +263,5 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
         hit = (logits.argmax(-1) == labels) & labelled  # [b, B − 1]
         valid_blocks = batch.anchor_valid.reshape(-1)
         prefix = hit.long().cumprod(1).sum(1)  # [b]: accepted drafts if the target agreed with the labels
-        tau = float((prefix[valid_blocks] + 1).float().mean()) if bool(valid_blocks.any()) else math.nan
+        tau = ((prefix + 1) * valid_blocks).sum().float() / valid_blocks.sum()  # NaN without a valid block
     return StepMetrics(loss, hit.sum(0), labelled.sum(0), tau)

@@ -176,14 +176,16 @@ def write_chunk_shards(out_dir: Path, meta: dict, chunks: list[list[int]], make,
 
 @torch.no_grad()
 def with_taps(target: TargetModel, samples: list[Sample], tap_layers: tuple[int, ...]) -> list[Sample]:
-    """``samples`` with their taps computed now (one padded teacher-forced forward; the last row zero, as on disk):
-    the online alternative to ``tap_shards`` when the target is cheap to run (a GPU)."""
+    """``samples`` with their taps computed now (one padded teacher-forced forward; bf16, the last row zero, as on
+    disk): the online alternative to ``tap_shards`` when the target is cheap to run (a GPU). The taps stay on the
+    target's device, where ``objective.collate`` gathers them (a round trip through the host cost a GPU step two
+    copies of every tap and a wait for the forward)."""
     s_max = max(len(x.ids) for x in samples)
     ids = torch.zeros(len(samples), max(1, s_max - 1), dtype=torch.long)
     for j, x in enumerate(samples):
         ids[j, : len(x.ids) - 1] = x.ids[:-1]
     _, taps = target(ids.to(target.device), target.new_cache(len(samples), s_max), tap_layers=tap_layers)
-    taps = taps.to(torch.bfloat16).cpu()  # samples live on the host, as when read from disk; collate moves them
+    taps = taps.to(torch.bfloat16)
     out = []
     for j, x in enumerate(samples):
         t = torch.cat([taps[j, : len(x.ids) - 1], taps.new_zeros(1, taps.shape[2])])

@@ -91,6 +91,17 @@ def scheduled_step(step: int, start: int, total: int, t0: float, deadline: float
     return min(total - 1, max(step, start + round((total - start) * frac)))
 
 
+def window_record(window: list[torch.Tensor], lr: float) -> dict:
+    """A log record from a window of steps, each ``[loss, expected τ, grad norm, correct × (B − 1), counted × (B −
+    1)]`` on the device, read back to the host once (one read per window, not one per step)."""
+    w = torch.stack(window).cpu().double()  # [steps, 3 + 2 (B − 1)]
+    loss, tau, grad_norm = (w[:, :3].sum(0) / len(window)).tolist()
+    correct, counted = w[:, 3:].sum(0).chunk(2)
+    return {"loss": round(loss, 4), "expected_tau": round(tau, 3),
+            "accuracy": [round(a, 3) for a in (correct / counted.clamp(min=1)).tolist()],
+            "lr": lr, "grad_norm": round(grad_norm, 3)}
+
+
 def split(samples: list[Sample], seed: int) -> tuple[list[Sample], list[Sample]]:
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     held = min(NUM_HELD_OUT, len(samples) // 10)
@@ -123,7 +134,7 @@ def evaluate(drafter: DrafterModel, target: TargetModel, samples: list[Sample], 
     batch = collate(samples, anchors, target.device, tap_scale=tap_scale)
     m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma)
     acc = (m.correct.float() / m.counted.clamp(min=1)).tolist()
-    return {"loss": round(float(m.loss), 4), "expected_tau": round(m.expected_tau, 3),
+    return {"loss": round(float(m.loss), 4), "expected_tau": round(float(m.expected_tau), 3),
             "accuracy": [round(a, 3) for a in acc]}
 
 
@@ -296,28 +307,23 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
                             distill=cfg.distill)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         del batch
         if TRIM_EVERY and (step + 1) % TRIM_EVERY == 0:
             release_free_memory()
-        window.append((float(m.loss.detach()), m.correct, m.counted, m.expected_tau, grad_norm))
-        bar.set_postfix(loss=f"{window[-1][0]:.3f}", tau=f"{m.expected_tau:.2f}", refresh=False)
+        # the step's numbers stay on the device until the log reads a window of them at once: a read per step would
+        # make the host wait for every step's kernels before it launches the next step's (a GPU idling meanwhile)
+        window.append(torch.cat([torch.stack([m.loss.detach().float(), m.expected_tau.float(), grad_norm.float()]),
+                                 m.correct.float(), m.counted.float()]))
         done = step + 1
         if done % cfg.log_every == 0 or done == steps:
+            record = window_record(window, lr)
             now = time.perf_counter()
-            correct = sum(w[1] for w in window)
-            counted = sum(w[2] for w in window)
-            log_doc["records"].append({
-                "step": done,
-                "loss": round(sum(w[0] for w in window) / len(window), 4),
-                "expected_tau": round(sum(w[3] for w in window) / len(window), 3),
-                "accuracy": [round(a, 3) for a in (correct.float() / counted.clamp(min=1)).tolist()],
-                "lr": lr,
-                "grad_norm": round(sum(w[4] for w in window) / len(window), 3),
-                "seconds_per_step": round((now - t_last) / len(window), 3),
-                "resident_mb": resident_mb(),
-            })
+            record["seconds_per_step"] = round((now - t_last) / len(window), 3)
+            record["resident_mb"] = resident_mb()
+            log_doc["records"].append({"step": done, **record})
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}", refresh=False)
             log.info("step %d %s", done, {k: v for k, v in log_doc["records"][-1].items() if k != "accuracy"})
             window, t_last = [], now
         out_of_time = deadline is not None and time.monotonic() > deadline

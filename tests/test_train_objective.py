@@ -225,8 +225,8 @@ def test_collate_scales_host_taps_on_the_training_device():
 
 class HostReads(TorchFunctionMode):
     """Records every read of a tensor's value into Python (``item``, ``float(t)``, ``bool(t)``, ``tolist``, a boolean
-    mask...) as (what, the tensor's id): on a GPU, a read of a device tensor waits for all the kernels launched so
-    far."""
+    mask...) as (what, the tensor's id), and every blocking copy from the host to another device (``to`` without
+    ``non_blocking``): on a GPU each waits for all the kernels launched so far."""
 
     READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "nonzero", "numpy", "masked_select"}
 
@@ -240,6 +240,11 @@ class HostReads(TorchFunctionMode):
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool
                 for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))):
             self.reads.append((name, id(args[0])))
+        if name == "to" and args[0].device.type == "cpu" and not (kwargs or {}).get("non_blocking"):
+            dest = [torch.device(a) for a in (*args[1:], (kwargs or {}).get("device"))
+                    if isinstance(a, (str, torch.device))]
+            if dest and dest[0].type != "cpu":
+                self.reads.append(("blocking copy", id(args[0])))
         return func(*args, **(kwargs or {}))
 
     def device_reads(self, host: set[int]) -> list[str]:
@@ -258,10 +263,19 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path):
     target, _ = load_pair(tdir, ddir)
     drafter = DrafterModel.from_pretrained(ddir).requires_grad_(True).train()
     g = torch.Generator().manual_seed(0)
-    samples = with_taps(target, [Sample(torch.randint(6, 200, (n,), generator=g), None, prompt_len=4)
-                                 for n in (20, 13)], drafter.spec.target_layer_ids)
+    seqs = [torch.randint(6, 200, (n,), generator=g) for n in (20, 13)]
+    with HostReads() as mode:
+        samples = with_taps(target, [Sample(ids, None, prompt_len=4) for ids in seqs], drafter.spec.target_layer_ids)
+    assert mode.device_reads(set()) == []  # the static forward: no cache length read back
     assert samples[0].taps.device == target.device and samples[0].taps.dtype == torch.bfloat16
+    with torch.no_grad():  # the same taps as the dynamic forward over the same keys
+        _, taps = target(torch.stack([seqs[0][:-1]]), target.new_cache(1, 20), tap_layers=drafter.spec.target_layer_ids)
+    assert torch.equal(samples[0].taps[:-1], taps[0].to(torch.bfloat16))
     anchors = [sample_anchors(s.prompt_len, len(s.ids), 8, g) for s in samples]
+    with HostReads() as mode:
+        collate(samples, anchors, "meta", tap_scale=torch.ones(samples[0].taps.shape[1], device="meta"))
+    # host tensors reach the device without a blocking copy (its reads are of the host's anchors: the context width)
+    assert "blocking copy" not in mode.device_reads(set())
     batch = collate(samples, anchors, "cpu")
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     window = []
@@ -282,5 +296,5 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path):
     assert record["expected_tau"] == round(want_tau, 3) and 1 <= want_tau <= 4
     assert len(record["accuracy"]) == 3 and all(0 <= a <= 1 for a in record["accuracy"])
     with HostReads() as mode:  # the mode sees what it should
-        float(m.loss.detach()), bool(batch.anchor_valid.any()), batch.ids[batch.ids > 3]
-    assert mode.device_reads(set()) == ["__float__", "__bool__", "__getitem__"]
+        float(m.loss.detach()), bool(batch.anchor_valid.any()), batch.ids[batch.ids > 3], batch.ids.to("meta")
+    assert mode.device_reads(set()) == ["__float__", "__bool__", "__getitem__", "blocking copy"]

@@ -61,9 +61,15 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
             tap_scale: torch.Tensor | None = None) -> Batch:
     """samples: list of data.Sample; anchors[i]: [a_i] positions (on the host) from ``sample_anchors``; taps cast to
     ``dtype`` and multiplied by ``tap_scale`` [K·H] if given (see ``tap_standardizer``). The taps are gathered where
-    they are (a GPU run's online taps, ``regen.with_taps``, never leave the device) and then moved to ``device``."""
+    they are (a GPU run's online taps, ``regen.with_taps``, never leave the device) and then moved to ``device``.
+    Host tensors go to the device without a wait (``non_blocking`` from pageable memory: staged at once, and the
+    stream is not synchronised as a blocking copy's would be)."""
     n, s_max, a_max = len(samples), max(len(x.ids) for x in samples), max(1, max(len(a) for a in anchors))
     width = samples[0].taps.shape[1]
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     ids = torch.zeros(n, s_max, dtype=torch.long)
     taps = torch.zeros(n, s_max, width, dtype=dtype, device=samples[0].taps.device)
     anc = torch.zeros(n, a_max, dtype=torch.long)
@@ -73,8 +79,8 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
         taps[i, : len(x.ids)] = x.taps.to(dtype)
         anc[i, : len(a)] = a
         valid[i, : len(a)] = True
-    taps = taps.to(device)
-    if tap_scale is not None:  # the scale lives on the training device (a GPU run's taps are built on the host)
+    taps = moved(taps)
+    if tap_scale is not None:  # the scale lives on the training device (taps from disk are built on the host)
         taps = taps * tap_scale.to(device, dtype)
     lengths = torch.tensor([len(x.ids) for x in samples])
     labels = None
@@ -82,7 +88,7 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
         labels = torch.zeros(n, s_max, dtype=torch.long)
         for i, x in enumerate(samples):
             labels[i, : len(x.ids)] = x.label_ids
-        labels = labels.to(device)
+        labels = moved(labels)
     topk_ids = topk_logits = None
     if all(x.topk_ids is not None for x in samples):
         k = samples[0].topk_ids.shape[1]
@@ -91,10 +97,9 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
         for i, x in enumerate(samples):
             topk_ids[i, : len(x.ids)] = x.topk_ids.long()
             topk_logits[i, : len(x.ids)] = x.topk_logits.float()
-        topk_ids, topk_logits = topk_ids.to(device), topk_logits.to(device)
+        topk_ids, topk_logits = moved(topk_ids), moved(topk_logits)
     ctx_len = max([1] + [int(a.max()) for a in anchors if len(a)])  # host tensors: no device read
-    return Batch(ids.to(device), taps.to(device), anc.to(device), valid.to(device), lengths.to(device), topk_ids,
-                 topk_logits, labels, ctx_len)
+    return Batch(moved(ids), taps, moved(anc), moved(valid), moved(lengths), topk_ids, topk_logits, labels, ctx_len)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]

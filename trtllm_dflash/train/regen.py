@@ -181,10 +181,14 @@ def with_taps(target: TargetModel, samples: list[Sample], tap_layers: tuple[int,
     target's device, where ``objective.collate`` gathers them (a round trip through the host cost a GPU step two
     copies of every tap and a wait for the forward)."""
     s_max = max(len(x.ids) for x in samples)
-    ids = torch.zeros(len(samples), max(1, s_max - 1), dtype=torch.long)
+    width = max(1, s_max - 1)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
     for j, x in enumerate(samples):
         ids[j, : len(x.ids) - 1] = x.ids[:-1]
-    _, taps = target(ids.to(target.device), target.new_cache(len(samples), s_max), tap_layers=tap_layers)
+    # a cache exactly as wide as the step, so the static forward (no read of the cache's lengths back to the host)
+    # attends over the same keys as the dynamic one would
+    _, taps = target(ids.to(target.device, non_blocking=True), target.new_cache(len(samples), width),
+                     tap_layers=tap_layers, static=True)
     taps = taps.to(torch.bfloat16)
     out = []
     for j, x in enumerate(samples):

@@ -13,8 +13,8 @@ from trtllm_dflash.specs import DrafterSpec
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER / "model.safetensors").is_file(), reason="no shipped drafter")
 
-# B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 2.221 (session-22 drafter, trained on a GPU);
-# session-18 drafter: 2.054 (worse on these 3
+# B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 2.221 over 86 steps (session-36 drafter; the
+# session-22 drafter, trained on a GPU, the same 2.221); session-18 drafter: 2.054 (worse on these 3
 # prompts, better on all 164 HumanEval / 80 MT-Bench prompts; session-17: 2.207; session-16: 2.148; session-15: 2.133;
 # session-14: 1.959; session-12: 1.864; session-11: 1.750; session-10: 1.610; session-9: 1.647, better on these 3
 # prompts, worse on all 164 HumanEval / 80 MT-Bench prompts; session-8: 1.528; step-800: 1.350)

@@ -257,7 +257,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path):
     the host can launch the next step while the device still runs this one (``trainer.train`` reads a window of
     steps at once, ``window_record``). The taps of the online path (``with_taps``) stay where the target runs."""
     from trtllm_dflash.train.regen import with_taps
-    from trtllm_dflash.train.trainer import window_record
+    from trtllm_dflash.train.trainer import window_entry, window_record
 
     tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=4, block_size=4)
     target, _ = load_pair(tdir, ddir)
@@ -286,8 +286,7 @@ def test_a_training_step_reads_nothing_back_from_the_device(tmp_path):
             m.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
-            window.append(torch.cat([torch.stack([m.loss.detach(), m.expected_tau, grad_norm]),
-                                     m.correct.float(), m.counted.float()]))
+            window.append(window_entry(m, grad_norm))
         # AdamW's step counters are host tensors on a GPU too (torch.optim.adam: not ``capturable``); it reads them
         host = {id(st["step"]) for st in opt.state.values()}
         assert mode.reads and mode.device_reads(host) == []

@@ -42,10 +42,10 @@ class Batch:
     anchors: torch.Tensor  # [n, A] int64 anchor positions
     anchor_valid: torch.Tensor  # [n, A] bool (False = padding block, no loss)
     lengths: torch.Tensor  # [n] int64 real tokens per sequence
+    ctx_len: int  # context keys any block can see (its last anchor; >= 1), known on the host
     topk_ids: torch.Tensor | None = None  # [n, S, k] the target's top-k next tokens per position (data.Sample)
     topk_logits: torch.Tensor | None = None  # [n, S, k]
     labels: torch.Tensor | None = None  # [n, S] what each position is trained to be, where it is not ``ids``
-    ctx_len: int | None = None  # context keys any block can see (its last anchor; >= 1), known on the host
 
 
 def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
@@ -99,7 +99,7 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
             topk_logits[i, : len(x.ids)] = x.topk_logits.float()
         topk_ids, topk_logits = moved(topk_ids), moved(topk_logits)
     ctx_len = max([1] + [int(a.max()) for a in anchors if len(a)])  # host tensors: no device read
-    return Batch(moved(ids), taps, moved(anc), moved(valid), moved(lengths), topk_ids, topk_logits, labels, ctx_len)
+    return Batch(moved(ids), taps, moved(anc), moved(valid), moved(lengths), ctx_len, topk_ids, topk_logits, labels)
 
 
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
@@ -184,8 +184,6 @@ def drafter_blocks(
     n, s = batch.ids.shape
     a, bs = batch.anchors.shape[1], block_size or spec.block_size
     ctx_len = batch.ctx_len  # keys beyond the last anchor are never visible
-    if ctx_len is None:  # a Batch built by hand
-        ctx_len = max(int(batch.anchors.max()) if n else 0, 1)
     owner = torch.arange(n, device=batch.ids.device).repeat_interleave(a)  # [b]: sequence of each block
     anchors = batch.anchors.reshape(-1)  # [b]
     b = len(anchors)

@@ -32,7 +32,7 @@ from trtllm_dflash.specs import DrafterSpec
 from trtllm_dflash.train.config import TrainConfig
 from trtllm_dflash.train.data import Sample, read_shard
 from trtllm_dflash.train.init import init_from_target
-from trtllm_dflash.train.objective import collate, dflash_loss, sample_anchors, tap_standardizer
+from trtllm_dflash.train.objective import StepMetrics, collate, dflash_loss, sample_anchors, tap_standardizer
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,16 @@ def scheduled_step(step: int, start: int, total: int, t0: float, deadline: float
     return min(total - 1, max(step, start + round((total - start) * frac)))
 
 
+def window_entry(m: StepMetrics, grad_norm: torch.Tensor) -> torch.Tensor:
+    """One step's numbers for the log, kept on the device: ``[loss, expected τ, grad norm, correct × (B − 1),
+    counted × (B − 1)]``. A read per step would make the host wait for every step's kernels before it launches the
+    next step's (a GPU idling meanwhile); ``window_record`` reads a window of them at once."""
+    return torch.cat([torch.stack([m.loss.detach().float(), m.expected_tau.float(), grad_norm.float()]),
+                      m.correct.float(), m.counted.float()])
+
+
 def window_record(window: list[torch.Tensor], lr: float) -> dict:
-    """A log record from a window of steps, each ``[loss, expected τ, grad norm, correct × (B − 1), counted × (B −
-    1)]`` on the device, read back to the host once (one read per window, not one per step)."""
+    """A log record from a window of ``window_entry`` rows, read back to the host once."""
     w = torch.stack(window).cpu().double()  # [steps, 3 + 2 (B − 1)]
     loss, tau, grad_norm = (w[:, :3].sum(0) / len(window)).tolist()
     correct, counted = w[:, 3:].sum(0).chunk(2)
@@ -312,10 +319,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         del batch
         if TRIM_EVERY and (step + 1) % TRIM_EVERY == 0:
             release_free_memory()
-        # the step's numbers stay on the device until the log reads a window of them at once: a read per step would
-        # make the host wait for every step's kernels before it launches the next step's (a GPU idling meanwhile)
-        window.append(torch.cat([torch.stack([m.loss.detach().float(), m.expected_tau.float(), grad_norm.float()]),
-                                 m.correct.float(), m.counted.float()]))
+        window.append(window_entry(m, grad_norm))
         done = step + 1
         if done % cfg.log_every == 0 or done == steps:
             record = window_record(window, lr)

@@ -93,6 +93,9 @@ def _in_process(args, assets, block, ngram) -> dict:
             print(detok.flush(), flush=True)
         return out[0]
 
+    warm = Request(tuple(encode_prompt(tok, "warm up", chat=True)), 16, stop_token_ids=req.stop_token_ids)
+    for dec in (baseline, decoder):  # as through Triton: first calls (and auto's calibration) stay out of the timing
+        dec.generate([warm])
     d_runs, a_runs = timed_turns(dflash, lambda: baseline.generate([req])[0], args.repeats)
     summary = _summary(block, ngram, d_runs, a_runs, assets["drafter_trained"], "in-process")
     if decoder.adaptive:

@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
 
 import dataclasses  # noqa: E402
 import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest
 import torch
@@ -154,6 +156,12 @@ class OracleDecoder(SpeculativeDecoder):
                         choices[self.rng.randrange(1, top)] = truth
                 out[j, k] = torch.tensor(choices)
         return out if top > 1 else out[..., 0]
+
+
+def run_cli(args, timeout=600):
+    """``python -m trtllm_dflash ARGS`` in a subprocess (text output captured)."""
+    return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def greedy_reference(target, prompts, max_new_tokens, stop=()):

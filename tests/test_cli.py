@@ -2,19 +2,14 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_cli
 from trtllm_dflash.assets import SHIPPED_DRAFTER
 from trtllm_dflash.cli import main
 
 pytestmark = pytest.mark.slow
-
-
-def run_cli(args):
-    return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_generate_json_on_the_real_model(smollm2, tmp_path):

@@ -2,17 +2,12 @@
 answer is checked against the baseline's, and the whole command runs on the real pair in-process and through Triton."""
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
+from conftest import run_cli
 from trtllm_dflash.commands.demo import _summary, timed_turns
-
-
-def run_cli(args):
-    return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_the_two_models_take_turns_and_only_the_first_answer_streams():

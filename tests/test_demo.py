@@ -29,7 +29,8 @@ def test_the_summary_takes_medians_and_checks_every_answer():
     s = _summary("auto", True, d, a, True, "in-process")
     assert s["dflash_tokens_per_second"] == 20.0 and s["baseline_tokens_per_second"] == 15.0
     assert s["speedup"] == round(20 / 15, 3) and s["repeats"] == 3
-    assert s["runs"] == {"dflash_tokens_per_second": [10.0, 30.0, 20.0], "baseline_tokens_per_second": [25.0, 5.0, 15.0]}
+    assert s["runs"] == {"dflash_tokens_per_second": [10.0, 30.0, 20.0],
+                         "baseline_tokens_per_second": [25.0, 5.0, 15.0]}
     assert s["mean_acceptance_length"] == 1.8 and s["lossless"] and s["num_new_tokens"] == 3
     assert not _summary("auto", True, [*d[:2], answer(20.0, ids=(1, 2, 4))], a, True, "x")["lossless"]
     assert not _summary("auto", True, d, [*a[:2], answer(15.0, ids=(1, 2))], True, "x")["lossless"]

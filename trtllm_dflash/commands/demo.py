@@ -1,14 +1,12 @@
 """``trtllm-dflash demo``: the whole path on the embedded default model.
 
 Prepares the demo assets, renders the Triton repository, starts a real Triton server, streams one chat answer from
-the ``dflash`` ensemble over gRPC, asks the ``baseline`` ensemble (autoregressive, same models) the same question, and
-prints τ, both speeds, the speed-up and whether the outputs are identical; then stops the server.
-``--in-process`` skips Triton and runs the same comparison in this process.
-
-Speeds are the median of ``--repeats`` timed answers each, the two models taking turns and alternating which goes first
-(the first answer, streamed to the terminal, is the first of them): one request of 128 tokens takes a few seconds, and
-on a shared 2-core machine one busy second moved a single-request speed-up from ~1.03x to 0.73x (session 37, a
-freshly started VM). Every answer is checked against the baseline's, and every run's speed is in ``runs``.
+the ``dflash`` ensemble over gRPC, then has the ``baseline`` ensemble (autoregressive, same models) and ``dflash``
+answer the same question in turns until each has answered ``--repeats`` times (which goes first alternates), and
+prints τ, the median speed of each (every answer's in ``runs``), the speed-up of the medians and whether every answer
+equals the baseline's; then stops the server. ``--in-process`` skips Triton and runs the same comparison in this
+process. Why medians: one request of 128 tokens takes a few seconds, and on a shared 2-core machine one busy second
+moved a single-request speed-up from ~1.03x to 0.73x (session 37, a freshly started VM).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ Two parts, each timing both ways alternately in one process (a shared VM's speed
   attention and MLP projections), random weights;
 - ``forwards``: the real pair's verify forward (``rows`` × ``width`` tokens over ``--context`` cached tokens a row,
   the LM head over each row's first slot, as the decoder's verify that rejects d_1) and draft pass (``rows`` ×
-  ``slots`` block slots, the head on the drafts), with ``layers.CPU_WEIGHT_MAJOR`` switched off and on.
+  ``slots`` block slots, the head on the drafts), with ``layers.CPU_WEIGHT_MAJOR`` switched off and on; and the same
+  draft pass through the Triton drafter model's engine (``served draft``: ``serve.steps.BlockDrafter``, its own cache
+  and head), which should cost what the in-process one costs.
 
     python perf/bench_cpu_gemm.py --threads 2 --out perf/results/cpu-gemm/amd-2threads.json
     python perf/bench_cpu_gemm.py --threads 1 --parts forwards
@@ -85,6 +87,7 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
     from trtllm_dflash.models.drafter import DrafterModel, draft_block
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
+    from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
 
     assets = prepare_demo_assets() if target_dir is None or drafter_dir is None else {}
     target = TargetModel.from_pretrained(target_dir or assets["target"], dtype=torch.float32)
@@ -108,8 +111,20 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
         draft_block(torch.zeros(rows, dtype=torch.long), slots, dec.mask_token_id, target.embed,
                     lambda e: dec._draft(e, dcache, None), lambda hidden: target.logits(hidden))
 
+    # the Triton drafter model's engine (serve.steps.BlockDrafter): the same draft pass, its own cache and head
+    served = BlockDrafter(drafter, TargetHead(target_dir or assets["target"]), 16, context + 17)
+    none = drafter.new_cache(1, 1).k[:, :, :0]  # [L, 1, 0, kv, hd]: no new context K/V
+    for r in {r for r, _ in DRAFT}:
+        served.draft(list(range(r)), [none[:, 0]] * r, [none[:, 0]] * r, [0] * r, 2)
+    served.cache.lengths.fill_(context)
+
+    def served_draft(rows: int, slots: int) -> None:
+        served.draft(list(range(rows)), [none[:, 0]] * rows, [none[:, 0]] * rows, [0] * rows, slots)
+
     cases = {f"verify {r}x{w}": (lambda r=r, w=w: verify(r, w)) for r, w in VERIFY}
     cases.update({f"draft {r}x{s}": (lambda r=r, s=s: draft(r, s)) for r, s in DRAFT})
+    cases.update({f"served draft {r}x{s}": (lambda r=r, s=s: served_draft(r, s)) for r, s in DRAFT
+                  if s <= drafter.spec.block_size})  # the engine drafts at most the trained block
 
     def switch(on: bool) -> None:
         layers.CPU_WEIGHT_MAJOR = on

@@ -135,3 +135,29 @@ def test_small_cpu_products_run_weight_major(threads, monkeypatch):
     assert trained.weight.grad is not None
     monkeypatch.setattr(layers, "CPU_WEIGHT_MAJOR", False)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch):
+    """The Triton drafter model's LM head (``serve.steps.BlockDrafter.logits``) runs the product every other head of
+    the runtime runs (``layers.linear``: weight-major for a few float32 rows), bit for bit; as x · Wᵀ it took 2–4× as
+    long for 2–8 rows on the 2-core CPU and ``--block-size auto`` drafted half as often through Triton."""
+    from types import SimpleNamespace
+
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.models import layers
+    from trtllm_dflash.serve.steps import BlockDrafter
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    _, drafter = load_pair(*tiny_dirs["llama"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    head = torch.randn(4096, 576, generator=g)  # wide enough that the two products round differently
+    served = BlockDrafter(drafter, SimpleNamespace(embed=head, lm_head=head), 2, 64)
+    differs = 0
+    for m in (1, 2, 3, 4, 8):
+        h = torch.randn(1, m, 576, generator=g)
+        got = served.logits(h)
+        padded = torch.cat([h[0], h.new_zeros(max(m, 2) - m, 576)])
+        assert torch.equal(got[0], torch.mm(head, padded.T)[:, :m].T)
+        assert torch.equal(got, layers.linear(h, head))
+        differs += not torch.equal(got, h @ head.T)
+    assert differs, "x · Wᵀ rounds like the weight-major product here: the check above would not catch a regression"

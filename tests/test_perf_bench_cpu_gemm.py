@@ -28,7 +28,8 @@ def test_bench_cpu_gemm_times_both_ways(tmp_path):
     assert doc == json.loads(r.stdout) and doc["threads"] == 1
     assert {k.split(" rows=")[1] for k in doc["products"]} == {"1", "3"}
     assert any(k.startswith("lm_head ") for k in doc["products"])
-    assert {"verify 1x1", "verify 16x4", "draft 1x4", "draft 16x16"} <= set(doc["forwards"])
+    assert {"verify 1x1", "verify 16x4", "draft 1x4", "draft 16x16", "served draft 1x4",
+            "served draft 16x4"} <= set(doc["forwards"])
     for v in [*doc["products"].values(), *doc["forwards"].values()]:
         assert v["linear_ms"] > 0 and v["weight_major_ms"] > 0 and v["ratio"] > 0
 

@@ -74,21 +74,26 @@ class Linear(nn.Linear):
     (``CPU_WEIGHT_MAJOR``, ``weight_major_rows``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if not CPU_WEIGHT_MAJOR or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 \
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-            return super().forward(x)
-        flat = x.reshape(-1, x.shape[-1])
-        m = flat.shape[0]
-        rows = weight_major_rows(m, torch.get_num_threads())
-        if rows == 0:
-            return super().forward(x)
-        if rows > m:
-            flat = torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])])
-        out = torch.mm(w, flat.T)[:, :m].T.contiguous()
-        if self.bias is not None:
-            out += self.bias
-        return out.view(*x.shape[:-1], w.shape[0])
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, weight-major where ``weight_major_rows`` says so: every product with a weight the
+    runtime holds goes through here (``Linear``, and the Triton drafter's LM head, ``serve.steps.BlockDrafter``)."""
+    if not CPU_WEIGHT_MAJOR or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 \
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return F.linear(x, w, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    rows = weight_major_rows(m, torch.get_num_threads())
+    if rows == 0:
+        return F.linear(x, w, bias)
+    if rows > m:
+        flat = torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])])
+    out = torch.mm(w, flat.T)[:, :m].T.contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], w.shape[0])
 
 
 def plain_linears(model: nn.Module) -> nn.Module:

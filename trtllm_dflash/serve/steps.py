@@ -25,6 +25,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
+from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
@@ -266,11 +267,18 @@ class BlockDrafter:
                                       f"exceeds the drafter cache ({self.cache.max_len} tokens)")
                 self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache, r)
             rows.append(row)
-        rows_t, head = torch.tensor(rows), self.head.lm_head  # head: [V, H]
+        rows_t = torch.tensor(rows)
         with torch.inference_mode():
             return draft_block(torch.tensor(bonus), block_size, self.drafter.spec.mask_token_id,
                                lambda ids: self.head.embed[ids], lambda e: self.drafter.draft(e, self.cache, rows_t),
-                               lambda h: h.to(head.dtype) @ head.T, top)
+                               self.logits, top)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over drafter hidden states [..., H] -> [..., V]: the product the in-process
+        decoder's head runs (``layers.linear``; as x · Wᵀ this was 2–4× slower on a CPU for 2–8 rows, so served
+        draft passes looked dear to ``--block-size auto``, which drafted half as often through Triton)."""
+        head = self.head.lm_head  # [V, H]
+        return linear(hidden.to(head.dtype), head)
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)

@@ -30,7 +30,7 @@ def test_the_summary_takes_medians_and_checks_every_answer():
     assert s["dflash_tokens_per_second"] == 20.0 and s["baseline_tokens_per_second"] == 15.0
     assert s["speedup"] == round(20 / 15, 3) and s["repeats"] == 3
     assert s["runs"] == {"dflash_tokens_per_second": [10.0, 30.0, 20.0],
-                         "baseline_tokens_per_second": [25.0, 5.0, 15.0]}
+                         "baseline_tokens_per_second": [25.0, 5.0, 15.0], "dflash_steps": [2, 1, 2]}
     assert s["mean_acceptance_length"] == 1.8 and s["lossless"] and s["num_new_tokens"] == 3
     assert not _summary("auto", True, [*d[:2], answer(20.0, ids=(1, 2, 4))], a, True, "x")["lossless"]
     assert not _summary("auto", True, d, [*a[:2], answer(15.0, ids=(1, 2))], True, "x")["lossless"]
@@ -48,7 +48,8 @@ def check_demo_output(r, repeats, path):
     assert s["path"].startswith(path) and s["lossless"] is True and s["drafter_trained"] is True
     assert s["repeats"] == repeats and s["block_size"] == "auto" and s["ngram"] is True
     d, a = s["runs"]["dflash_tokens_per_second"], s["runs"]["baseline_tokens_per_second"]
-    assert len(d) == len(a) == repeats and min(d + a) > 0
+    assert len(d) == len(a) == len(s["runs"]["dflash_steps"]) == repeats and min(d + a) > 0
+    assert all(0 < n <= s["num_new_tokens"] for n in s["runs"]["dflash_steps"])
     assert abs(s["speedup"] - s["dflash_tokens_per_second"] / s["baseline_tokens_per_second"]) < 2e-3
     assert sorted(d)[0] <= s["dflash_tokens_per_second"] <= sorted(d)[-1]
     assert s["mean_acceptance_length"] >= 1 and 0 < s["num_new_tokens"] <= 24

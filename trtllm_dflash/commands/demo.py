@@ -67,7 +67,10 @@ def _summary(block, ngram, d_runs, a_runs, trained, path):
         "drafter_trained": trained,
         "repeats": len(d_runs),
         "runs": {"dflash_tokens_per_second": [round(t, 2) for t in d_tps],
-                 "baseline_tokens_per_second": [round(t, 2) for t in a_tps]},
+                 "baseline_tokens_per_second": [round(t, 2) for t in a_tps],
+                 # verify steps of each dflash answer (the same tokens each time): a slow answer that took as many
+                 # steps as a fast one met a busy machine; one that took more drafted less (``auto``'s choice)
+                 "dflash_steps": [len(d.acceptance_lengths) for d in d_runs]},
     }
 
 

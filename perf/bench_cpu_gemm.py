@@ -113,13 +113,14 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
 
     # the Triton drafter model's engine (serve.steps.BlockDrafter): the same draft pass, its own cache and head
     served = BlockDrafter(drafter, TargetHead(target_dir or assets["target"]), 16, context + 17)
-    none = drafter.new_cache(1, 1).k[:, :, :0]  # [L, 1, 0, kv, hd]: no new context K/V
-    for r in {r for r, _ in DRAFT}:
-        served.draft(list(range(r)), [none[:, 0]] * r, [none[:, 0]] * r, [0] * r, 2)
-    served.cache.lengths.fill_(context)
+    none = drafter.new_cache(1, 1).k[:, 0, :0]  # [L, 0, kv, hd]: no new context K/V
 
     def served_draft(rows: int, slots: int) -> None:
-        served.draft(list(range(rows)), [none[:, 0]] * rows, [none[:, 0]] * rows, [0] * rows, slots)
+        served.draft(list(range(rows)), [none] * rows, [none] * rows, [0] * rows, slots)
+
+    for r in {r for r, _ in DRAFT}:  # the first draft of a sequence id takes its row
+        served_draft(r, 2)
+    served.cache.lengths.fill_(context)
 
     cases = {f"verify {r}x{w}": (lambda r=r, w=w: verify(r, w)) for r, w in VERIFY}
     cases.update({f"draft {r}x{s}": (lambda r=r, s=s: draft(r, s)) for r, s in DRAFT})

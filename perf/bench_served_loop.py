@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import time
@@ -37,10 +38,10 @@ def _paths(target_dir, drafter_dir, ngram: bool, max_len: int):
 
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
-    from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
+    from trtllm_dflash.serve.bls import policy_from_settings
     from trtllm_dflash.serve.loop import LocalSteps, run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
     from trtllm_dflash.serve.render import RepoConfig, adaptive_settings
@@ -51,12 +52,11 @@ def _paths(target_dir, drafter_dir, ngram: bool, max_len: int):
     decoder = make_decoder(target, drafter, "auto", drafter_dir, ngram=ngram)
     doc = adaptive_settings(RepoConfig(target_dir, drafter_dir, block_size="auto", max_seq_len=max_len,
                                        max_sequences=1, ngram=ngram), drafter.spec)
-    policy = AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"),
-                            ngram=ngram)  # as the dflash_bls model loads it (serve.bls.load_policy)
+    policy = policy_from_settings(doc)  # as the dflash_bls model loads it
     bsz = drafter.spec.block_size
     steps = LocalSteps(TargetVerifier(target, drafter.spec.target_layer_ids, 1, max_len, bsz), KVInjector(drafter),
                        BlockDrafter(drafter, TargetHead(target_dir, target.dtype, target.device), 1, max_len))
-    seq_ids = iter(range(1, 1 << 30))
+    seq_ids = itertools.count(1)
 
     def by_decoder(ids, n):
         t = time.perf_counter()
@@ -104,7 +104,7 @@ def summarize(runs: dict, policies: dict) -> dict:
         out[path] = {"tokens_per_second": round(tokens / seconds, 2) if seconds else None,
                      "mean_acceptance_length": round(sum(taus) / len(taus), 3) if taus else None,
                      "answers_tokens_per_second": [round(len(t) / s, 2) for _, t, s, _ in runs[path] if s],
-                     "adaptive": policies[path].telemetry.to_json() if policies.get(path) else None}
+                     "adaptive": policies[path].telemetry.to_json()}
     d, lp = out["decoder"]["tokens_per_second"], out["loop"]["tokens_per_second"]
     out["loop_over_decoder"] = round(lp / d, 3) if d and lp else None
     out["identical_tokens"] = all(t == first[i] for path in PATHS for i, t, _, _ in runs[path])

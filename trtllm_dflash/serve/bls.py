@@ -240,9 +240,15 @@ def parse_request(pb_utils, request) -> GenerateRequest:
 def load_policy(path: str):
     """The ``--block-size auto`` policy of a dflash_bls model from the settings make-repo wrote next to it."""
     from trtllm_dflash.errors import read_json
+
+    fix = "re-render the repository with `trtllm-dflash make-repo --block-size auto`"
+    return policy_from_settings(read_json(path, fix))
+
+
+def policy_from_settings(doc: dict):
+    """An AdaptivePolicy from make-repo's ``auto`` settings (``serve.render.adaptive_settings``)."""
     from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel
 
-    doc = read_json(path, "re-render the repository with `trtllm-dflash make-repo --block-size auto`")
     return AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"),
                           ngram=bool(doc.get("ngram", False)))
 

@@ -1,6 +1,9 @@
 """A real Triton server (the one bundled in nvidia-pytriton) on a rendered repository with the real SmolLM2 target:
 streaming over gRPC, identity with the in-process runtime, batching, bad requests, cancellation."""
 
+import http.client
+import json
+import socket
 import threading
 import time
 
@@ -199,3 +202,77 @@ def test_cancelled_streams_free_their_state(server, oracle):
     assert active_states(server) == (0, 0)
     with DFlashClient(server.grpc_url) as client:
         assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
+
+
+# Triton's HTTP generate extension (/v2/models/<model>/generate and generate_stream): what a curl user or an
+# HTTP-only client calls, with the JSON body TensorRT-LLM's own quick-start sends to its ensemble.
+def http_post(server, path: str, body: dict, timeout: float = 300):
+    """(connection, response) of one JSON POST; Triton's errors come back as their status and body."""
+    conn = http.client.HTTPConnection(server.host, server.http_port, timeout=timeout)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def sse_events(resp):
+    """The JSON objects of a generate_stream response's ``data:`` lines, as they arrive."""
+    for line in resp:
+        if line.startswith(b"data: "):
+            yield json.loads(line[6:])
+
+
+def test_http_generate_equals_the_runtime(server, oracle):
+    run, tok = oracle
+    ref = run(PROMPTS[0], 16, 8)
+    conn, resp = http_post(server, "/v2/models/dflash/generate",
+                           {"text_input": PROMPTS[0], "max_tokens": 16, "apply_chat_template": True,
+                            "bad_words": "", "stop_words": ""})  # keys of TRT-LLM's curl example are accepted
+    out = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, out
+    assert out["output_ids"] == list(ref.token_ids)
+    assert out["text_output"] == tok.decode(ref.token_ids, skip_special_tokens=True)
+
+
+def test_http_generate_stream_deltas_concatenate_to_the_answer(server, oracle):
+    run, tok = oracle
+    ref = run(PROMPTS[1], 24, 8)
+    conn, resp = http_post(server, "/v2/models/dflash/generate_stream",
+                           {"text_input": PROMPTS[1], "max_tokens": 24, "stream": True, "apply_chat_template": True})
+    events = list(sse_events(resp))
+    conn.close()
+    assert resp.status == 200 and len(events) > 1, events
+    assert "".join(e["text_output"] for e in events) == tok.decode(ref.token_ids, skip_special_tokens=True)
+    assert events[-1]["output_ids"] == list(ref.token_ids)
+
+
+@pytest.mark.parametrize("path", ["generate", "generate_stream"])
+def test_http_bad_input_is_a_400_naming_the_field(server, path):
+    for body, words in [({"text_input": "hi", "max_tokens": 0}, "max_tokens=0: must be >= 1"),
+                        ({"text_input": "hi", "max_tokens": 4, "temperature": -1}, "temperature=-1.0"),
+                        ({"text_input": "hi"}, "max_tokens")]:
+        conn, resp = http_post(server, f"/v2/models/dflash/{path}", body)
+        raw = resp.read()
+        conn.close()
+        text = raw.decode()
+        error = json.loads(text[6:] if text.startswith("data: ") else text)["error"]
+        assert resp.status == 400 and words in error, (body, resp.status, text)
+    with DFlashClient(server.grpc_url) as client:
+        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids  # still serving
+
+
+def test_http_stream_closed_by_the_client_frees_its_sequence(server):
+    """A curl user's Ctrl-C: the connection closes mid-stream; the generation stops within seconds and its rows in
+    target_verify and the drafter are freed (not by the idle time-out: 60 s here; 400 tokens take >10 s here)."""
+    conn, resp = http_post(server, "/v2/models/dflash/generate_stream",
+                           {"text_input": "Write a long story about a dragon.", "max_tokens": 400, "stream": True,
+                            "apply_chat_template": True})
+    events = sse_events(resp)
+    for _ in range(3):
+        next(events)
+    assert active_states(server) != (0, 0)
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client is gone
+    conn.close()
+    deadline = time.time() + 6
+    while active_states(server) != (0, 0) and time.time() < deadline:
+        time.sleep(0.5)
+    assert active_states(server) == (0, 0), "the abandoned generation kept its rows"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from trtllm_dflash.serve.lifecycle import stub_pids
+from trtllm_dflash.serve.lifecycle import StubWatch, python_stubs, stub_pids
 
 
 def fake_stub(tmp_path, model: str, name: str) -> subprocess.Popen:
@@ -70,3 +70,24 @@ def test_only_instance_stubs_count_and_an_autocomplete_stub_exiting_is_not_a_shu
         for proc in (auto, loop, inst):
             if proc is not None and proc.poll() is None:
                 proc.kill()
+
+
+def test_one_scan_serves_every_model_and_a_dead_stub_forces_the_next(tmp_path):
+    """``serve`` watches ~10 python models every second: one /proc scan finds all their stubs, asking again costs no
+    scan while they live, and a stub that exited is noticed at the next question (a fresh scan), as is its successor."""
+    stubs = {m: fake_stub(tmp_path, m, f"{m}_0_0") for m in ("drafter", "kv_inject", "target_verify")}
+    try:
+        _wait_for(lambda: python_stubs(os.getpid()) == {m: {p.pid} for m, p in stubs.items()})  # after their exec
+        watch = StubWatch(period_s=60.0, parent=os.getpid())
+        for _ in range(3):
+            assert {m: watch.current(m) for m in stubs} == {m: {p.pid} for m, p in stubs.items()}
+        assert watch.scans == 1
+        stubs["kv_inject"].kill()
+        stubs["kv_inject"].wait()
+        assert watch.current("drafter") == {stubs["drafter"].pid} and watch.scans == 1  # its own stub lives
+        assert watch.current("kv_inject") == set() and watch.scans == 2
+        stubs["kv_inject"] = fake_stub(tmp_path, "kv_inject", "kv_inject_0_0")  # reloaded
+        _wait_for(lambda: watch.current("kv_inject") == {stubs["kv_inject"].pid})  # rescans at most every 1 s
+    finally:
+        for proc in stubs.values():
+            proc.kill()

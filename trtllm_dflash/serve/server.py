@@ -31,6 +31,7 @@ from trtllm_dflash.errors import ArtifactError
 OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
 EXIT_TIMEOUT_S = 5  # Triton's own wait for in-flight requests on SIGTERM
 STOP_GRACE_S = 10.0  # then TritonServer.stop kills what is left (stubs still generating included)
+STUB_RESCAN_S = 30.0  # dead_models looks for new stubs this often; a known stub's exit is seen at the next call
 
 
 def _die_with_parent() -> None:
@@ -195,6 +196,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
         self._stubs: dict[str, set[int]] = {}  # python model -> its stub pids last seen alive (dead_models)
+        self._watch = None  # lifecycle.StubWatch over this server's stubs (dead_models)
 
     @property
     def grpc_url(self) -> str:
@@ -244,13 +246,15 @@ class TritonServer:
     def dead_models(self) -> dict[str, set[int]]:
         """{model: exited stub pids} for python models whose every stub seen alive so far has exited while the
         server runs (a killed or crashed step model: Triton 2.51 neither restarts it nor reports it not ready)."""
-        from trtllm_dflash.serve.lifecycle import stub_pids
+        from trtllm_dflash.serve.lifecycle import StubWatch
 
         if self.proc is None or self.proc.poll() is not None:
             return {}
+        if self._watch is None or self._watch.parent != self.proc.pid:
+            self._watch = StubWatch(period_s=STUB_RESCAN_S, parent=self.proc.pid)
         dead = {}
         for model in self.python_models():
-            now = stub_pids(model, parent=self.proc.pid)
+            now = self._watch.current(model)
             seen = self._stubs.get(model, set())
             if seen and not now:
                 dead[model] = seen

@@ -41,29 +41,36 @@ class IncrementalDetokenizer:
 
     A delta is held back while the decoded tail ends in U+FFFD (a multi-byte character split across tokens), so a
     stream never shows broken characters. ``flush`` returns whatever is left at the end.
+
+    Each call decodes a window, not the whole sequence: the tokens of the previous delta (context, e.g. for a
+    SentencePiece word-start space) and the new ones; the delta is what the new ones add to the window's text. Until
+    session 39 every call decoded everything so far: 1.5 ms per streamed response at 2,000 tokens (SmolLM2), paid per
+    stream and per step in the Triton entry model's loop process.
     """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = ""
+        self._start = 0  # the window's first token: those before it are never decoded again
+        self._read = 0  # tokens whose text has been given out
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _delta(self, final: bool) -> str:
+        before = self._decode(self.ids[self._start:self._read])
+        text = self._decode(self.ids[self._start:])
+        if (text.endswith("\ufffd") and not final) or not text.startswith(before):
+            return ""
+        self._start, self._read = self._read, len(self.ids)
+        return text[len(before):]
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self._text()
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        return self._delta(final=False)
 
     def flush(self) -> str:
-        text = self._text()
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted += delta
-        return delta
+        return self._delta(final=True)
 
 
 def stable_text(tokenizer, ids: list[int]) -> str:

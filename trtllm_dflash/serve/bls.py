@@ -300,12 +300,11 @@ class LoopModel:
         """Server shutdown or unload: live generations stop at their next step instead of running to max_tokens."""
         self.stopping = True
 
-    def _response(self, u: Update):
+    def _response(self, u: Update, detok=None):
+        """``detok``: the request's ``IncrementalDetokenizer`` (entry models: text deltas decoded from its new tokens)."""
         pb = self.pb
-        if self.frontend is not None:  # the ensemble's outputs, with postprocessing's text delta
-            from trtllm_dflash.runtime.text import text_delta
-
-            delta = text_delta(self.frontend.tokenizer, u.tokens, u.prev_len, u.final)
+        if detok is not None:  # the ensemble's outputs, with postprocessing's text delta
+            delta = detok.push(u.tokens[u.prev_len:]) + (detok.flush() if u.final else "")
             tensors = [tensor(pb, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
         else:
             tensors = [tensor(pb, "prev_len", np.array([u.prev_len], dtype=np.int32)),
@@ -321,6 +320,11 @@ class LoopModel:
     async def _serve(self, request) -> None:
         pb, sender = self.pb, request.get_response_sender()
         final_sent = False
+        detok = None
+        if self.frontend is not None:
+            from trtllm_dflash.runtime.text import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.frontend.tokenizer)
 
         def cancelled() -> bool:
             return self.stopping or sender.is_cancelled()
@@ -330,7 +334,7 @@ class LoopModel:
             if self.telemetry is not None:
                 self.telemetry.record(u)
             flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if u.final else 0
-            sender.send(self._response(u), flags=flags)
+            sender.send(self._response(u, detok), flags=flags)
             final_sent = final_sent or u.final
 
         if self.telemetry is not None:

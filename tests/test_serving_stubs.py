@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from trtllm_dflash.serve.lifecycle import StubWatch, python_stubs, stub_pids
+import pytest
+
+from trtllm_dflash.serve.lifecycle import StubWatch, python_stubs, stub_pids, watchdog_argv
 
 
 def fake_stub(tmp_path, model: str, name: str) -> subprocess.Popen:
@@ -91,3 +93,29 @@ def test_one_scan_serves_every_model_and_a_dead_stub_forces_the_next(tmp_path):
     finally:
         for proc in stubs.values():
             proc.kill()
+
+
+@pytest.mark.parametrize("shell", ["/bin/bash", "/bin/sh"])
+def test_the_shell_watchdog_kills_the_stub_of_a_gone_server_and_costs_nothing_meanwhile(shell):
+    """The watchdog a stub starts (``watch_parent``): at niceness 19, nearly no CPU while its server lives (bash: no
+    ``sleep`` forked), and the stub SIGKILLed within ~1 s once the server is gone."""
+    server = subprocess.Popen(["sleep", "60"])
+    stub = subprocess.Popen(["sleep", "60"])
+    dog = subprocess.Popen(watchdog_argv(server.pid, stub.pid, shell))
+    try:
+        time.sleep(3.0)
+        stat = Path(f"/proc/{dog.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert stat[16] == "19"  # niceness
+        ticks = sum(int(x) for x in stat[11:15])  # utime, stime and its children's (the forked sleeps)
+        assert dog.poll() is None and stub.poll() is None
+        if shell == "/bin/bash":
+            assert ticks <= 2, ticks
+        server.kill()
+        server.wait()
+        t0 = time.monotonic()
+        assert stub.wait(timeout=5) == -9 and time.monotonic() - t0 < 2.5
+        assert dog.wait(timeout=5) == 0
+    finally:
+        for proc in (server, stub, dog):
+            if proc.poll() is None:
+                proc.kill()

@@ -301,7 +301,7 @@ class LoopModel:
         self.stopping = True
 
     def _response(self, u: Update, detok=None):
-        """``detok``: the request's ``IncrementalDetokenizer`` (entry models: text deltas decoded from its new tokens)."""
+        """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens)."""
         pb = self.pb
         if detok is not None:  # the ensemble's outputs, with postprocessing's text delta
             delta = detok.push(u.tokens[u.prev_len:]) + (detok.flush() if u.final else "")

@@ -170,6 +170,8 @@ BATTERY = [
     ("end_id-out-of-vocab", {"end_id": (np.array([[10**6]], np.int32), "INT32")}, ["end_id=1000000", "token id"]),
     ("stop_words-invalid-utf8", {"stop_words": (np.array([[b"ok", b"\xc3("]], dtype=object), "BYTES")},
      ["stop_words[1]", "not valid UTF-8"]),
+    ("stop_words-too-many", {"stop_words": (np.array([[b"w%d" % i for i in range(1025)]], dtype=object), "BYTES")},
+     ["number of stop_words=1025", "at most 1024"]),
 ]
 
 

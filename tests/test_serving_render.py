@@ -12,7 +12,7 @@ from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.loop import LocalSteps, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, truncate_at_stop
+from trtllm_dflash.serve.protocol import GenerateRequest, StopMatcher, decode_stops, encode_stops
 from trtllm_dflash.serve.render import MODELS, RepoConfig, make_repo, render_text
 from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
@@ -138,9 +138,31 @@ def test_make_repo_cli_bad_values_exit_2(tiny_dirs, tmp_path, capsys):
 def test_stop_sequences_roundtrip_and_truncation():
     stops = ((5,), (7, 8))
     assert decode_stops(encode_stops([list(s) for s in stops])) == stops
-    assert truncate_at_stop([1, 2, 7, 8, 9], stops, 0) == 2
-    assert truncate_at_stop([1, 2, 7], stops, 2) is None
-    assert truncate_at_stop([1, 2, 7, 8], stops, 3) == 2  # a stop spanning the previous chunk
+    m = StopMatcher(stops)
+    assert m.truncate([1, 2, 7, 8, 9], 0) == 2
+    assert m.truncate([1, 2, 7], 2) is None
+    assert m.truncate([1, 2, 7, 8], 3) == 2  # a stop spanning the previous chunk
+    assert m.longest == 2
+
+
+def test_indexed_stops_cut_where_comparing_every_stop_does():
+    """StopMatcher compares a new token with the stops ending in it only: the same cut as comparing every stop at
+    every position, on random streams and stop lists over a small vocabulary (many overlaps)."""
+    import random
+
+    def every_stop(tokens, stops, checked):
+        for end in range(max(checked, 0) + 1, len(tokens) + 1):
+            for stop in stops:
+                if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
+                    return end - len(stop)
+        return None
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = tuple(tuple(rng.randrange(6) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6)))
+        tokens = [rng.randrange(6) for _ in range(rng.randint(0, 12))]
+        checked = rng.randint(0, len(tokens))
+        assert StopMatcher(stops).truncate(tokens, checked) == every_stop(tokens, stops, checked), (stops, tokens)
 
 
 class OracleSteps(LocalSteps):

@@ -25,7 +25,8 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, decode_text, encode_stops, validate_generation
+from trtllm_dflash.serve.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
+                                         validate_generation)
 from trtllm_dflash.serve.triton_io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
                                            torch_rows_output)
 
@@ -122,10 +123,14 @@ class Preprocessor:
             stops = [[end_id]]
         words = get(pb_utils, request, "stop_words")
         if words is not None:
-            for i, w in enumerate(np.asarray(words).reshape(-1)):
+            words = np.asarray(words).reshape(-1)
+            require(len(words) <= MAX_STOP_WORDS, "number of stop_words", len(words),
+                    f"must be at most {MAX_STOP_WORDS}", "send fewer stop words")
+            stops = list(stops)
+            for i, w in enumerate(words):
                 word = decode_text(w, f"stop_words[{i}]")
                 if word:
-                    stops = stops + [self.tokenizer.encode(word, add_special_tokens=False)]
+                    stops.append(self.tokenizer.encode(word, add_special_tokens=False))
         stream = bool(scalar(pb_utils, request, "stream", False, bool))
         return GenerateRequest(tuple(ids), max_tokens, sampling, decode_stops(encode_stops(stops)), stream)
 

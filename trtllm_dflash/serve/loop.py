@@ -43,7 +43,7 @@ from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
 from trtllm_dflash.serve.coalesce import StepCoalescer
-from trtllm_dflash.serve.protocol import GenerateRequest, truncate_at_stop
+from trtllm_dflash.serve.protocol import GenerateRequest, StopMatcher
 
 
 class StepClient(Protocol):
@@ -171,13 +171,14 @@ async def run_generation(
     state = policy.new_sequence() if adaptive else None
     plan = getattr(steps, "plan", None) if adaptive else None  # the live sequences' steps decided together
     last_step: StepReport | None = None
-    holdback = max((len(s) for s in req.stop_sequences), default=1) - 1  # a stop may still cut these tokens
+    stops = StopMatcher(req.stop_sequences)
+    holdback = max(stops.longest, 1) - 1  # a stop may still cut these tokens
     p = _Progress()
 
     def add(new: list[int]) -> None:
         checked = len(p.tokens)
         p.tokens.extend(new)
-        cut = truncate_at_stop(p.tokens, req.stop_sequences, checked)
+        cut = stops.truncate(p.tokens, checked)
         if cut is not None:
             del p.tokens[cut:]
             p.finish_reason = "stop"

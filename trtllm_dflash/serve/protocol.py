@@ -15,6 +15,7 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
 
 STOP_SEPARATOR = -1  # flat encoding of stop sequences: [a, b, -1, c, -1] = {(a, b), (c,)}
+MAX_STOP_WORDS = 1024  # stop_words entries a request may send (each is tokenized when the request arrives)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +70,23 @@ def decode_stops(flat: list[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
-def truncate_at_stop(tokens: list[int], stops: tuple[tuple[int, ...], ...], checked: int) -> int | None:
-    """Length to keep if a stop sequence ends inside ``tokens[checked:]`` (the stop itself is dropped), else None."""
-    for end in range(max(checked, 0) + 1, len(tokens) + 1):
+class StopMatcher:
+    """A request's stop sequences, indexed by their last token: each new token is compared with the stops that end in
+    it, not with every stop. Until session 39 every stop was compared at every new token: one request with 20,000
+    stop words slowed every stream of its loop model (which runs all of them on one thread)."""
+
+    def __init__(self, stops: tuple[tuple[int, ...], ...]) -> None:
+        self.by_last: dict[int, list[tuple[int, ...]]] = {}
         for stop in stops:
-            if end >= len(stop) and tuple(tokens[end - len(stop) : end]) == stop:
-                return end - len(stop)
-    return None
+            self.by_last.setdefault(stop[-1], []).append(stop)  # decode_stops never yields an empty one
+        self.longest = max((len(s) for s in stops), default=0)
+
+    def truncate(self, tokens: list[int], checked: int) -> int | None:
+        """Length to keep if a stop sequence ends inside ``tokens[checked:]`` (the stop itself is dropped), else
+        None."""
+        for end in range(max(checked, 0) + 1, len(tokens) + 1):
+            for stop in self.by_last.get(tokens[end - 1], ()):
+                if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
+                    return end - len(stop)
+        return None
+

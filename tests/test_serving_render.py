@@ -343,3 +343,20 @@ def test_verify_takes_its_rows_in_slot_order_and_answers_in_the_callers(tiny_mod
         a, b = got[(10, 11, 12)][seq], got[(12, 10, 11)][seq]
         assert a.emitted == b.emitted
         torch.testing.assert_close(a.taps, b.taps, atol=1e-12, rtol=0)
+
+
+def test_token_ids_outside_the_vocabulary_are_named_and_hold_no_slot(tiny_models):
+    """A client of dflash_bls or target_verify sends token ids itself: one outside the vocabulary is refused naming
+    it, before a slot is taken (it used to fail inside the embedding after ``start`` had taken one, and the slot
+    stayed taken until the idle time-out)."""
+    target, drafter = tiny_models["llama"]
+    vocab = target.spec.vocab_size
+    v = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 64, 8)
+    for ids, bad in (([vocab, 1], vocab), ([-3, 1], -3), ([1, 10**6], 10**6)):
+        with pytest.raises(ConfigError, match=rf"prompt token id={bad}: must be in"):
+            v.start(7, ids, SamplingParams(), True)
+    assert v.slots.rows == {}
+    first = v.start(7, [1, 2], SamplingParams(), True).first_token
+    with pytest.raises(ConfigError, match=rf"verify token id={vocab}: must be in \[0, {vocab}\)"):
+        v.verify([7], [[first, vocab, -1]], True)
+    assert len(v.verify([7], [[first, 3, -1]], True)[0].emitted) >= 1  # -1 pads; the sequence goes on

@@ -276,3 +276,24 @@ def test_http_stream_closed_by_the_client_frees_its_sequence(server):
     while active_states(server) != (0, 0) and time.time() < deadline:
         time.sleep(0.5)
     assert active_states(server) == (0, 0), "the abandoned generation kept its rows"
+
+
+def test_out_of_vocabulary_ids_to_the_token_loop_are_named_and_hold_no_slot(server, oracle):
+    """dflash_bls takes token ids: ids outside the vocabulary get an error naming them, and (unlike before session
+    39: torch's "index out of range in self" and a target_verify slot held until the idle time-out) no slot stays
+    taken; the server answers the next request."""
+    _, tok = oracle
+    for bad in (len(tok) + 5, -3):
+        inputs = bls_inputs(tok, "hi", 4)
+        ids = grpcclient.InferInput("input_ids", [1, 2], "INT32")
+        ids.set_data_from_numpy(np.array([[1, bad]], np.int32))
+        errors, done = [], threading.Event()
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        c.start_stream(callback=lambda result, error: (errors.append(error), done.set()))
+        c.async_stream_infer("dflash_bls", [ids, *inputs[1:]])
+        assert done.wait(60)
+        c.stop_stream()
+        assert errors[0] is not None and f"prompt token id={bad}: must be in [0," in str(errors[0]), errors
+    assert active_states(server) == (0, 0)
+    with DFlashClient(server.grpc_url) as client:
+        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids

@@ -129,17 +129,23 @@ class TargetVerifier:
     def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
                 f"must be in [1, {self.max_seq_len}) tokens (the repository's max_seq_len)", "shorten the prompt")
+        ids = torch.tensor([prompt_ids])
+        self._check_ids(ids, "prompt token id", pad=None)
         sampling.validate()
         row = self.slots.allocate(seq_id)
-        gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-        self.sampling[seq_id] = (sampling, gen)
-        rows = torch.tensor([row])
-        self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
-        ids = torch.tensor([prompt_ids], device=self.target.device)
-        with torch.inference_mode():
-            hidden, taps = self.target(ids, self.cache, rows, self.tap_layers if want_taps else ())
-            first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
-                                   torch.tensor([len(prompt_ids)]))[0, 0]
+        try:
+            gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+            self.sampling[seq_id] = (sampling, gen)
+            rows = torch.tensor([row])
+            self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
+            with torch.inference_mode():
+                hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
+                                           self.tap_layers if want_taps else ())
+                first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
+                                       torch.tensor([len(prompt_ids)]))[0, 0]
+        except BaseException:
+            self.slots.free(seq_id)  # a failed start holds no slot
+            raise
         self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
         return StartResult(int(first), taps[0] if want_taps else None)
 
@@ -158,7 +164,9 @@ class TargetVerifier:
                 back[j] = result
             return back
         rows = torch.tensor(slots)
-        ids = torch.tensor(blocks, device=self.target.device)  # [b, B]
+        ids = torch.tensor(blocks)  # [b, B]
+        self._check_ids(ids, "verify token id", pad=-1)
+        ids = ids.to(self.target.device)
         params = [self.sampling[s] for s in seq_ids]
         if parents is not None:
             return self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
@@ -189,6 +197,17 @@ class TargetVerifier:
         if want_taps:
             taps = taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
         return self._results(samples, acc, taps if want_taps else None)
+
+    def _check_ids(self, ids: torch.Tensor, field: str, pad: int | None) -> None:
+        """Token ids a client sent (``pad``: the padding id allowed besides), checked before any state changes. Out of
+        the vocabulary, the embedding lookup failed with torch's "index out of range in self" after ``start`` had
+        taken a slot, which stayed taken until the idle time-out (until session 39: three such requests held three
+        of a demo server's four slots)."""
+        vocab = self.target.spec.vocab_size
+        bad = ((ids < 0) | (ids >= vocab)) & (ids != pad) if pad is not None else (ids < 0) | (ids >= vocab)
+        if bool(bad.any()):
+            raise ConfigError(field, int(ids[bad][0]), f"must be in [0, {vocab}) (the target's vocabulary)",
+                              "send token ids of the target's tokenizer")
 
     @staticmethod
     def _results(samples: torch.Tensor, acc: torch.Tensor, taps: torch.Tensor | None) -> list[VerifyResult]:

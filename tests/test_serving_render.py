@@ -360,3 +360,9 @@ def test_token_ids_outside_the_vocabulary_are_named_and_hold_no_slot(tiny_models
     with pytest.raises(ConfigError, match=rf"verify token id={vocab}: must be in \[0, {vocab}\)"):
         v.verify([7], [[first, vocab, -1]], True)
     assert len(v.verify([7], [[first, 3, -1]], True)[0].emitted) >= 1  # -1 pads; the sequence goes on
+    head = TargetHead.__new__(TargetHead)  # the drafter model's copy of the target's embedding and LM head
+    head.embed = head.lm_head = target.model.embed_tokens.weight.detach()
+    d = BlockDrafter(drafter, head, 2, 64)
+    with pytest.raises(ConfigError, match=rf"bonus={vocab}: must be a token id in \[0, {vocab}\)"):
+        d.draft([7], [torch.zeros(0)], [torch.zeros(0)], [vocab], 4)  # refused before the K/V are looked at
+    assert d.slots.rows == {}

@@ -272,6 +272,9 @@ class BlockDrafter:
         require(1 < block_size <= self.drafter.spec.block_size, "block_size", block_size,
                 f"must be in [2, {self.drafter.spec.block_size}] (the drafter's trained block size)")
         require(1 <= top <= 64, "top", top, "must be in [1, 64] (1: the greedy block)")
+        vocab = self.head.embed.shape[0]
+        bad = next((b for b in bonus if not 0 <= b < vocab), None)  # before any slot is taken (TargetVerifier too)
+        require(bad is None, "bonus", bad, f"must be a token id in [0, {vocab}) (the target's vocabulary)")
         rows = []
         for s, k, v in zip(seq_ids, new_k, new_v):
             if s in self.slots.rows:

@@ -17,7 +17,6 @@ server time per execution over those answers (Triton's statistics), with their m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ def _ask(url: str, model: str, prompt: str, max_tokens: int, nice: int, answers:
 
 
 def main(argv=None) -> int:
+    from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.commands.demo import DEFAULT_PROMPT
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -89,12 +89,7 @@ def main(argv=None) -> int:
            "client_niceness": {str(n): v for n, v in per.items()}}
     out["nice19_over_nice0"] = round(out["client_niceness"]["19"]["mean_tokens_per_second"]
                                      / out["client_niceness"]["0"]["mean_tokens_per_second"], 3)
-    print(json.dumps(out))
-    if args.out:
-        from trtllm_dflash.models.weights import write_json
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, Path(args.out))
+    emit_json(out, args.out)
     return 0
 
 

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
+    from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.runtime.text import IncrementalDetokenizer, load_tokenizer, text_delta
 
     if args.target is None:
@@ -80,12 +81,7 @@ def main(argv=None) -> int:
                      "incremental_ms": _median_ms(incremental(n), args.repeats)})
         rows[-1]["ratio"] = round(rows[-1]["text_delta_ms"] / max(rows[-1]["incremental_ms"], 1e-6), 1)
     out = {"tokenizer": Path(args.target).name, "identical_text": True, "per_delta": rows}
-    print(json.dumps(out))
-    if args.out:
-        from trtllm_dflash.models.weights import write_json
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, Path(args.out))
+    emit_json(out, args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.runtime.text import load_tokenizer
     from trtllm_dflash.serve.protocol import StopMatcher
 
@@ -61,12 +62,7 @@ def main(argv=None) -> int:
             return 1
     out["same_cuts"] = True
     del out["cuts"]
-    print(json.dumps(out))
-    if args.out:
-        from trtllm_dflash.models.weights import write_json
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, Path(args.out))
+    emit_json(out, args.out)
     return 0
 
 

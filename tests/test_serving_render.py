@@ -149,13 +149,11 @@ def test_indexed_stops_cut_where_comparing_every_stop_does():
     """StopMatcher compares a new token with the stops ending in it only: the same cut as comparing every stop at
     every position, on random streams and stop lists over a small vocabulary (many overlaps)."""
     import random
+    import sys
+    from pathlib import Path
 
-    def every_stop(tokens, stops, checked):
-        for end in range(max(checked, 0) + 1, len(tokens) + 1):
-            for stop in stops:
-                if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
-                    return end - len(stop)
-        return None
+    sys.path.insert(0, str(Path(__file__).parents[1] / "perf"))
+    from bench_stops import every_stop  # the check before session 39, which perf/bench_stops.py times
 
     rng = random.Random(0)
     for _ in range(2000):

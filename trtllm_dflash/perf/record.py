@@ -70,6 +70,16 @@ class PerfRecord:
 _FLOATS = {f.name for f in fields(PerfRecord) if f.type == "float"}
 
 
+def emit_json(doc: dict, out: str | Path | None = None) -> None:
+    """A benchmark script's result: one JSON line on stdout, and the same object written atomically to ``out``."""
+    print(json.dumps(doc))
+    if out:
+        from trtllm_dflash.models.weights import write_json
+
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(doc, Path(out))
+
+
 def append_record(path: str | Path, rec: PerfRecord) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -89,4 +89,3 @@ class StopMatcher:
                 if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
                     return end - len(stop)
         return None
-

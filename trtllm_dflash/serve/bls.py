@@ -303,7 +303,7 @@ class LoopModel:
     def _response(self, u: Update, detok=None):
         """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens)."""
         pb = self.pb
-        if detok is not None:  # the ensemble's outputs, with postprocessing's text delta
+        if detok is not None:  # the ensemble's outputs: text_output is the text delta postprocessing would send
             delta = detok.push(u.tokens[u.prev_len:]) + (detok.flush() if u.final else "")
             tensors = [tensor(pb, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
         else:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
+from trtllm_dflash.serve.lifecycle import StubWatch
 
 OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
 EXIT_TIMEOUT_S = 5  # Triton's own wait for in-flight requests on SIGTERM
@@ -196,7 +197,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
         self._stubs: dict[str, set[int]] = {}  # python model -> its stub pids last seen alive (dead_models)
-        self._watch = None  # lifecycle.StubWatch over this server's stubs (dead_models)
+        self._watch: StubWatch | None = None  # this server's stubs (dead_models), from start()
 
     @property
     def grpc_url(self) -> str:
@@ -219,6 +220,7 @@ class TritonServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd.argv, env=cmd.env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        self._watch = StubWatch(period_s=STUB_RESCAN_S, parent=self.proc.pid)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -246,12 +248,8 @@ class TritonServer:
     def dead_models(self) -> dict[str, set[int]]:
         """{model: exited stub pids} for python models whose every stub seen alive so far has exited while the
         server runs (a killed or crashed step model: Triton 2.51 neither restarts it nor reports it not ready)."""
-        from trtllm_dflash.serve.lifecycle import StubWatch
-
         if self.proc is None or self.proc.poll() is not None:
             return {}
-        if self._watch is None or self._watch.parent != self.proc.pid:
-            self._watch = StubWatch(period_s=STUB_RESCAN_S, parent=self.proc.pid)
         dead = {}
         for model in self.python_models():
             now = self._watch.current(model)

@@ -106,6 +106,17 @@ def real_width(block: list[int]) -> int:
     return next((j for j, t in enumerate(block) if t < 0), len(block))
 
 
+def out_of_vocab(ids: torch.Tensor, vocab: int, pad: int | None = None) -> int | None:
+    """The first of a client's token ids outside [0, ``vocab``) (``pad``: a padding id allowed besides), or None. The
+    step engines check them before any state changes: out of the vocabulary, the embedding lookup failed with torch's
+    "index out of range in self" after ``start`` had taken a slot, which stayed taken until the idle time-out (until
+    session 39: three such requests held three of a demo server's four slots)."""
+    bad = (ids < 0) | (ids >= vocab)
+    if pad is not None:
+        bad &= ids != pad
+    return int(ids[bad][0]) if bool(bad.any()) else None
+
+
 @lru_cache(maxsize=16)
 def tree_topology(parents: tuple[int, ...]) -> Topology:
     """A tree verify's topology as a request gives it (``parents``), or a ConfigError naming what is wrong."""
@@ -199,14 +210,10 @@ class TargetVerifier:
         return self._results(samples, acc, taps if want_taps else None)
 
     def _check_ids(self, ids: torch.Tensor, field: str, pad: int | None) -> None:
-        """Token ids a client sent (``pad``: the padding id allowed besides), checked before any state changes. Out of
-        the vocabulary, the embedding lookup failed with torch's "index out of range in self" after ``start`` had
-        taken a slot, which stayed taken until the idle time-out (until session 39: three such requests held three
-        of a demo server's four slots)."""
         vocab = self.target.spec.vocab_size
-        bad = ((ids < 0) | (ids >= vocab)) & (ids != pad) if pad is not None else (ids < 0) | (ids >= vocab)
-        if bool(bad.any()):
-            raise ConfigError(field, int(ids[bad][0]), f"must be in [0, {vocab}) (the target's vocabulary)",
+        bad = out_of_vocab(ids, vocab, pad)
+        if bad is not None:
+            raise ConfigError(field, bad, f"must be in [0, {vocab}) (the target's vocabulary)",
                               "send token ids of the target's tokenizer")
 
     @staticmethod
@@ -273,7 +280,7 @@ class BlockDrafter:
                 f"must be in [2, {self.drafter.spec.block_size}] (the drafter's trained block size)")
         require(1 <= top <= 64, "top", top, "must be in [1, 64] (1: the greedy block)")
         vocab = self.head.embed.shape[0]
-        bad = next((b for b in bonus if not 0 <= b < vocab), None)  # before any slot is taken (TargetVerifier too)
+        bad = out_of_vocab(torch.tensor(bonus), vocab)
         require(bad is None, "bonus", bad, f"must be a token id in [0, {vocab}) (the target's vocabulary)")
         rows = []
         for s, k, v in zip(seq_ids, new_k, new_v):

@@ -13,6 +13,7 @@ import yaml
 
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve import compat
 from trtllm_dflash.serve import llmapi
 from trtllm_dflash.serve.render import LLMAPI_MODELS, RepoConfig, make_repo
 from trtllm_dflash.specs import DrafterSpec
@@ -110,7 +111,7 @@ def test_ensemble_io_identical_across_backends(repos):
     for ens in ("dflash", "baseline"):
         a = pbtxt_io((llm / ens / "config.pbtxt").read_text())
         b = pbtxt_io((torch_repo / ens / "config.pbtxt").read_text())
-        assert a == b and len(a["input"]) == 10 and len(a["output"]) == 5
+        assert a == b and len(a["input"]) == 10 + len(compat.INPUTS) and len(a["output"]) == 5 + len(compat.OUTPUTS)
         bridge = pbtxt_io((llm / f"{ens}_llmapi" / "config.pbtxt").read_text())
         assert bridge == a  # the single ensemble step takes and returns exactly the ensemble's tensors
         assert f'model_name: "{ens}_llmapi"' in (llm / ens / "config.pbtxt").read_text()
@@ -225,7 +226,7 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
     assert model == "tensorrt_llm_dflash" and inputs["sampling_param_max_tokens"].tolist() == [5]
     assert inputs["streaming"].tolist() == [True] and "total_draft_tokens" in wanted
     assert [f for _, f in sent] == [0, 1]
-    texts = [r.outputs["text_output"][0][0].decode() for r, _ in sent]
+    texts = [r.outputs["text_output"][0].decode() for r, _ in sent]  # 1-D, as TensorRT-LLM's
     assert texts == ["ab", "c"] and sent[0][0].outputs["acceptance_lengths"][0].tolist() == [3]
     sent.clear()
     asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),

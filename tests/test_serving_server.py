@@ -297,3 +297,109 @@ def test_out_of_vocabulary_ids_to_the_token_loop_are_named_and_hold_no_slot(serv
     assert active_states(server) == (0, 0)
     with DFlashClient(server.grpc_url) as client:
         assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
+
+
+# Clients written for TensorRT-LLM's Triton ensemble (serve/compat.py, tests/data/trtllm_ensemble/ensemble_io.json):
+# its example client and GenAI-Perf send inputs beyond ours and read text_output as a 1-D tensor.
+def trtllm_stream(server, model: str, inputs: dict) -> tuple[list, str | None]:
+    """``inputs`` ({name: array with the batch dimension}) as one streamed request, as TensorRT-LLM's example client
+    and perf_analyzer send it -> (the responses, the error message or None)."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    results, errors, done = [], [], threading.Event()
+
+    def on_response(result, error):  # tritonclient passes both by keyword
+        if error is not None:
+            errors.append(str(error))
+            done.set()
+        elif result is not None:
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=on_response)
+    tensors = []
+    for name, arr in inputs.items():
+        dtype = "BYTES" if arr.dtype == object else np_to_triton_dtype(arr.dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    c.async_stream_infer(model, tensors, enable_empty_final_response=True)
+    assert done.wait(120), "no final response"
+    c.stop_stream()
+    return results, errors[0] if errors else None
+
+
+@pytest.fixture(scope="module")
+def raw_runtime(smollm2, oracle):
+    """``run(prompt, max_tokens, sampling, min_new_tokens)``: the in-process autoregressive decoding of a prompt sent
+    as is (no chat template), stopping at the target's stop tokens, as the entry models do."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.text import stop_token_ids
+
+    _, tok = oracle
+    target, _ = load_pair(smollm2["target"], smollm2["drafter"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+
+    def run(prompt, max_tokens, sampling=SamplingParams(), min_new_tokens=0):
+        ids = encode_prompt(tok, prompt, chat=False)
+        out = SpeculativeDecoder(target, None, 1).generate(
+            [Request(tuple(ids), max_tokens, sampling, stop_token_ids=stops, min_new_tokens=min_new_tokens)])[0]
+        return ids, list(out.token_ids)
+
+    return run
+
+
+def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime):
+    """What end_to_end_grpc_client.py sends (beam_width, temperature, exclude_input_in_output, stream; each [1, 1])
+    and how it reads the answer (as_numpy("text_output")[0].decode()). Until session 40 Triton refused it: unexpected
+    input 'exclude_input_in_output'; and text_output was [1, 1], so [0] was an array without decode()."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    _, tok = oracle
+    prompt = "What is machine learning?"
+    ids, ref = raw_runtime(prompt, 24, SamplingParams(1.0))  # temperature 1.0, the server's default seed 0
+    for stream in (False, True):
+        results, error = trtllm_stream(server, "dflash", {
+            "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[24]], np.int32),
+            "stream": np.array([[stream]]), "beam_width": np.array([[1]], np.int32),
+            "temperature": np.array([[1.0]], np.float32), "exclude_input_in_output": np.array([[False]])})
+        assert error is None, error
+        text = "".join(r.as_numpy("text_output")[0].decode("utf8") for r in results if r.as_numpy("text_output")
+                       is not None)
+        # TensorRT-LLM echoes the prompt (prompt and answer decoded together) when not streaming only
+        assert text == tok.decode((ids if not stream else []) + ref, skip_special_tokens=True), (stream, text)
+    _, error = trtllm_stream(server, "dflash", {"text_input": np.array([[prompt]], dtype=object),
+                                                "max_tokens": np.array([[8]], np.int32),
+                                                "beam_width": np.array([[4]], np.int32)})
+    assert error is not None and "beam_width=4: is not supported: speculative decoding here runs one beam" in error
+    with DFlashClient(server.grpc_url) as client:
+        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
+
+
+@pytest.mark.parametrize("model", ["dflash", "baseline"])
+def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_runtime, model):
+    """GenAI-Perf's request with --output-tokens-mean-deterministic (min_length = max_tokens, exclude_input_in_output,
+    streamed): exactly max_tokens tokens, the target's own greedy choice with its stop tokens held back until then;
+    TensorRT-LLM's perf metrics and token counts on the last response."""
+    prompt = "Write a long story about a dragon."  # raw, as GenAI-Perf sends it: SmolLM2-Instruct answers nothing
+    ids, free = raw_runtime(prompt, 40)
+    _, ref = raw_runtime(prompt, 40, min_new_tokens=40)
+    assert len(free) < 40 and len(ref) == 40, (len(free), len(ref))
+    results, error = trtllm_stream(server, model, {
+        "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
+        "min_length": np.array([[40]], np.int32), "exclude_input_in_output": np.array([[True]]),
+        "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]]),
+        "return_num_input_tokens": np.array([[True]]), "return_num_output_tokens": np.array([[True]])})
+    assert error is None, error
+    last = [r for r in results if r.as_numpy("output_ids") is not None][-1]
+    assert last.as_numpy("output_ids").reshape(-1).tolist() == ref
+    assert last.as_numpy("num_output_tokens").tolist() == [40]
+    assert last.as_numpy("num_input_tokens").tolist() == [len(ids)]
+    drafted, accepted = (int(last.as_numpy(n)[0]) for n in ("total_draft_tokens", "total_accepted_draft_tokens"))
+    assert (drafted > 0) == (model == "dflash") and 0 <= accepted <= drafted
+    assert last.as_numpy("acceptance_rate")[0] == pytest.approx(accepted / drafted if drafted else 0.0)
+    assert all(r.as_numpy("acceptance_rate") is None for r in results if r is not last)

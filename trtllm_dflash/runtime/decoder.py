@@ -49,6 +49,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()  # generation ends at the first of these (not included in the output)
+    min_new_tokens: int = 0  # the target does not choose a stop token before this many new tokens (min_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,11 @@ class _Seq:
     policy: SeqState | None = None
     lookup_steps: int = 0
     lookup_ms: float = 0.0
+    sampling: SamplingParams = field(init=False)  # the request's, with its min_new_tokens' ban
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.sampling = r.sampling.with_min_tokens(r.min_new_tokens, len(r.prompt_ids), r.stop_token_ids)
 
     def emit(self, new: list[int]) -> list[int]:
         """Append new tokens up to a stop token or the length limit; return what was actually kept."""
@@ -282,6 +288,8 @@ class SpeculativeDecoder:
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         require(not bad, f"{prefix}prompt_ids", bad[:3], f"token ids must be in [0, {vocab})")
         req.sampling.validate(prefix)
+        require(0 <= req.min_new_tokens <= req.max_new_tokens, f"{prefix}min_new_tokens", req.min_new_tokens,
+                f"must be in [0, max_new_tokens={req.max_new_tokens}]")
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
@@ -307,7 +315,7 @@ class SpeculativeDecoder:
         hidden, taps = self.target(ids, tcache, tap_layers=self.taps,  # [n, P_max, H], [n, P_max, K·H]
                                    widths=torch.tensor([len(r.prompt_ids) for r in requests]))  # padding: skipped
         last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
-        first = target_samples(self.target.logits(last)[:, None], [s.request.sampling for s in seqs],
+        first = target_samples(self.target.logits(last)[:, None], [s.sampling for s in seqs],
                                [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
         # ``auto`` and ``ngram`` inject lazily: the taps of committed tokens wait here until their row next drafts,
@@ -397,7 +405,7 @@ class SpeculativeDecoder:
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
                 hidden, taps = self.verify_forward(verify_ids, tcache, rows, widths)
                 samples, acc = verify_samples(
-                    self.target.logits, hidden, drafts, [seqs[i].request.sampling for i in active],
+                    self.target.logits, hidden, drafts, [seqs[i].sampling for i in active],
                     [seqs[i].generator for i in active], positions,
                 )  # [b, K + 1] (valid up to each row's bonus), [b]
                 sync()
@@ -496,7 +504,7 @@ class SpeculativeDecoder:
         sync()
         t_draft = time.perf_counter()
         hidden, taps = self.tree_forward(tokens.clamp(min=0), tcache, rows)
-        preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].request.sampling for i in active],
+        preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].sampling for i in active],
                                        [seqs[i].generator for i in active], committed)
         samples, acc, taken, best = shape.verify(preds, tokens)
         commit_path(tcache, rows, committed, taken, acc)

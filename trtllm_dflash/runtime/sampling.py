@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +31,17 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1 = no nucleus filter
     seed: int = 0
+    # the target never picks these ids for a token at an absolute position < banned_before (min_tokens: a request's
+    # end ids until it has that many new tokens); set per sequence by ``with_min_tokens``
+    banned_ids: tuple[int, ...] = ()
+    banned_before: int = 0
+
+    def with_min_tokens(self, min_tokens: int, prompt_len: int, end_ids: Sequence[int]) -> SamplingParams:
+        """These parameters for a sequence of ``prompt_len`` prompt tokens that must not end (no ``end_ids``)
+        before its ``min_tokens``-th new token."""
+        if min_tokens <= 0 or not end_ids:
+            return self
+        return replace(self, banned_ids=tuple(sorted({int(e) for e in end_ids})), banned_before=prompt_len + min_tokens)
 
     def validate(self, prefix: str = "") -> None:
         require(self.temperature >= 0, f"{prefix}temperature", self.temperature, "must be >= 0 (0 = greedy)")
@@ -79,6 +91,7 @@ def target_samples(
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
+    logits = ban_tokens(logits, params, positions, offsets)
     out = logits.argmax(-1)
     for row, p in enumerate(params):
         if not p.greedy:
@@ -91,6 +104,29 @@ def target_samples(
                 out[row] = torch.tensor([int(torch.multinomial(probs[s], 1, generator=slot_generator(
                     generators[row], start + o))) for s, o in enumerate(at)], device=out.device)
     return out
+
+
+def ban_tokens(
+    logits: torch.Tensor,  # [b, S, V] at the slots of ``target_samples``
+    params: list[SamplingParams],
+    positions: torch.Tensor | None,  # [b] absolute position slot 0 predicts
+    offsets: Sequence[int] | None = None,  # [S] slot s predicts positions + offsets[s]; None: + s
+) -> torch.Tensor:
+    """``logits`` with each row's ``banned_ids`` at −inf in the slots that predict a position before its
+    ``banned_before`` (a copy; the same tensor when no row bans anything there). Applied before any choice, so a
+    verify slot and a one-token step choose alike: lossless as ever."""
+    rows = [i for i, p in enumerate(params) if p.banned_ids]
+    if not rows:
+        return logits
+    require(positions is not None, "positions", None, "are needed to ban tokens by position")
+    at = torch.tensor(list(offsets) if offsets is not None else range(logits.shape[1]))
+    out = None
+    for i in rows:
+        slots = (int(positions[i]) + at < params[i].banned_before).nonzero().flatten().tolist()
+        if slots:
+            out = logits.clone() if out is None else out
+            out[i, torch.tensor(slots)[:, None], torch.tensor(params[i].banned_ids)[None]] = float("-inf")
+    return logits if out is None else out
 
 
 def accepted_lengths(
@@ -118,7 +154,9 @@ def verify_samples(
     row's bonus token are left at −1. Sampled rows and GPUs (where the full head is one cheap GEMM and a host sync
     per chunk would cost more) take the eager path. A draft of −1 (padding under ``--block-size auto``) never matches.
     """
-    if hidden.device.type != "cpu" or not all(p.greedy for p in params):
+    banning = positions is not None and any(p.banned_ids and int(positions[i]) < p.banned_before
+                                             for i, p in enumerate(params))
+    if hidden.device.type != "cpu" or banning or not all(p.greedy for p in params):
         samples = target_samples(head(hidden), params, generators, positions)
         return samples, accepted_lengths(drafts, samples)
     b, B = hidden.shape[:2]

@@ -23,10 +23,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
+from trtllm_dflash.serve.compat import final_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
@@ -153,13 +154,21 @@ class TritonSteps(CoalescedSteps):
             return await self.coalescer.submit("start", (seq_id,), seq_id, prompt_ids, sampling, want_taps)
         return await self._start_call(seq_id, prompt_ids, sampling, want_taps)
 
+    @staticmethod
+    def _banned(sampling: SamplingParams) -> dict[str, np.ndarray]:
+        """A sequence's min_tokens ban for target_verify's start (no inputs when it has none)."""
+        if not sampling.banned_ids:
+            return {}
+        return {"banned_ids": np.array([sampling.banned_ids], np.int32),
+                "banned_before": np.array([[sampling.banned_before]], np.int32)}
+
     async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._rows(
             self.target, ["out_tokens", "taps"], mode=np.array([[START]], np.int32), seq_id=self._seq(seq_id)[None],
             tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
-            **self._coalesced(1))
+            **self._banned(sampling), **self._coalesced(1))
         return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
     async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:
@@ -225,16 +234,17 @@ class RequestSteps:
 
 
 def parse_request(pb_utils, request) -> GenerateRequest:
-    return GenerateRequest(
-        input_ids=tuple(int(t) for t in np.asarray(get(pb_utils, request, "input_ids")).reshape(-1)),
-        max_tokens=scalar(pb_utils, request, "max_tokens", None, int),
-        sampling=SamplingParams(scalar(pb_utils, request, "temperature", 0.0, float),
-                                scalar(pb_utils, request, "top_k", 0, int),
-                                scalar(pb_utils, request, "top_p", 1.0, float),
-                                scalar(pb_utils, request, "seed", 0, int)),
-        stop_sequences=decode_stops(np.asarray(get(pb_utils, request, "stop_sequences", [])).reshape(-1).tolist()),
-        stream=bool(scalar(pb_utils, request, "stream", False, bool)),
-    )
+    """The token-level loop's request (``dflash_bls``; preprocessing's outputs, plus an optional ``min_tokens``)."""
+    from trtllm_dflash.serve.handlers import sampling_from
+
+    ids = tuple(int(t) for t in np.asarray(get(pb_utils, request, "input_ids")).reshape(-1))
+    max_tokens = scalar(pb_utils, request, "max_tokens", None, int)
+    stops = decode_stops(np.asarray(get(pb_utils, request, "stop_sequences", [])).reshape(-1).tolist())
+    min_tokens = scalar(pb_utils, request, "min_tokens", 0, int)
+    require(0 <= min_tokens <= (max_tokens or 0), "min_tokens", min_tokens, f"must be in [0, max_tokens={max_tokens}]")
+    sampling = sampling_from(pb_utils, request).with_min_tokens(min_tokens, len(ids), GenerateRequest.end_ids(stops))
+    return GenerateRequest(ids, max_tokens, sampling, stops, bool(scalar(pb_utils, request, "stream", False, bool)),
+                           min_tokens)
 
 
 def load_policy(path: str):
@@ -300,12 +310,17 @@ class LoopModel:
         """Server shutdown or unload: live generations stop at their next step instead of running to max_tokens."""
         self.stopping = True
 
-    def _response(self, u: Update, detok=None):
-        """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens)."""
+    def _response(self, u: Update, detok=None, text=None, extra=()):
+        """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens);
+        ``text``: the response's text instead (the prompt echoed: ``exclude_input_in_output`` false); ``extra``:
+        (name, 1-D array) outputs of a last response (``compat.final_outputs``)."""
         pb = self.pb
         if detok is not None:  # the ensemble's outputs: text_output is the text delta postprocessing would send
-            delta = detok.push(u.tokens[u.prev_len:]) + (detok.flush() if u.final else "")
-            tensors = [tensor(pb, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
+            if text is None:
+                text = detok.push(u.tokens[u.prev_len:]) + (detok.flush() if u.final else "")
+            # 1-D like TensorRT-LLM's postprocessing (its clients read as_numpy("text_output")[0].decode())
+            tensors = [pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
+                       *(pb.Tensor(name, value) for name, value in extra)]
         else:
             tensors = [tensor(pb, "prev_len", np.array([u.prev_len], dtype=np.int32)),
                        tensor(pb, "is_final", np.array([u.final], dtype=bool))]
@@ -329,18 +344,31 @@ class LoopModel:
         def cancelled() -> bool:
             return self.stopping or sender.is_cancelled()
 
+        gen, opts = None, None
+        totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
+
         async def on_update(u: Update) -> None:
             nonlocal final_sent
             if self.telemetry is not None:
                 self.telemetry.record(u)
             flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if u.final else 0
-            sender.send(self._response(u, detok), flags=flags)
+            text, extra = None, ()
+            totals[0] += u.num_draft_tokens
+            totals[1] += u.num_accepted_draft_tokens
+            if opts is not None and u.final:
+                extra = final_outputs(opts, len(gen.input_ids), len(u.tokens), *totals)
+                if not opts.exclude_input and not gen.stream:  # TensorRT-LLM decodes prompt and answer together
+                    text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
+            sender.send(self._response(u, detok, text, extra), flags=flags)
             final_sent = final_sent or u.final
 
         if self.telemetry is not None:
             self.telemetry.active(+1)
         try:
-            gen = self.frontend.parse(pb, request) if self.frontend is not None else parse_request(pb, request)
+            if self.frontend is not None:
+                gen, opts = self.frontend.parse_options(pb, request)
+            else:
+                gen = parse_request(pb, request)
             await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
                                  on_update, is_cancelled=cancelled, policy=self.policy,
                                  ngram=self.ngram, tree=self.tree, datastore=self.datastore)

@@ -25,6 +25,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.compat import Options, parse_options
 from trtllm_dflash.serve.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
                                          validate_generation)
 from trtllm_dflash.serve.triton_io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
@@ -78,11 +79,16 @@ def _engine_backend(params: dict[str, str]) -> bool:
 
 
 def sampling_from(pb_utils, request) -> SamplingParams:
+    """A request's sampling inputs; ``target_verify``'s start also takes the sequence's min_tokens ban
+    (``banned_ids`` INT32 [-1], ``banned_before`` INT32: ``SamplingParams.with_min_tokens``)."""
+    banned = get(pb_utils, request, "banned_ids")
     return SamplingParams(
         temperature=scalar(pb_utils, request, "temperature", 0.0, float),
         top_k=scalar(pb_utils, request, "top_k", 0, int),
         top_p=scalar(pb_utils, request, "top_p", 1.0, float),
         seed=scalar(pb_utils, request, "seed", 0, int),
+        banned_ids=() if banned is None else tuple(int(t) for t in np.asarray(banned).reshape(-1)),
+        banned_before=scalar(pb_utils, request, "banned_before", 0, int),
     )
 
 
@@ -102,6 +108,10 @@ class Preprocessor:
 
     def parse(self, pb_utils, request) -> GenerateRequest:
         """Validate a request's inputs (each error names its field) into what the loop runs."""
+        return self.parse_options(pb_utils, request)[0]
+
+    def parse_options(self, pb_utils, request) -> tuple[GenerateRequest, Options]:
+        """``parse``, and what the request asks of its responses (TensorRT-LLM's optional inputs: serve/compat.py)."""
         from trtllm_dflash.runtime.text import encode_prompt
 
         raw = get(pb_utils, request, "text_input")
@@ -132,7 +142,11 @@ class Preprocessor:
                 if word:
                     stops.append(self.tokenizer.encode(word, add_special_tokens=False))
         stream = bool(scalar(pb_utils, request, "stream", False, bool))
-        return GenerateRequest(tuple(ids), max_tokens, sampling, decode_stops(encode_stops(stops)), stream)
+        opts = parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind),
+                             get(pb_utils, request, "bad_words"), max_tokens, len(self.tokenizer))
+        stops = decode_stops(encode_stops(stops))
+        sampling = sampling.with_min_tokens(opts.min_tokens, len(ids), GenerateRequest.end_ids(stops))
+        return GenerateRequest(tuple(ids), max_tokens, sampling, stops, stream, opts.min_tokens), opts
 
     def __call__(self, pb_utils, request) -> list:
         g = self.parse(pb_utils, request)

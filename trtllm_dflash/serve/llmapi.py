@@ -24,6 +24,7 @@ import numpy as np
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.serve.compat import Options, final_outputs, parse_options
 
 LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
                           "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
@@ -38,6 +39,7 @@ DERIVED_OUTPUTS = {
 }
 UNAVAILABLE_INPUTS = {
     "end_id": "the llmapi model has no end_id input; a request that sets it is rejected (use stop_words)",
+    "min_tokens": "the llmapi model has no min_tokens input; a request that asks for more than 0 is rejected",
 }
 
 
@@ -196,13 +198,12 @@ class LlmApiBridge:
         for request in requests:
             asyncio.get_running_loop().create_task(self._serve(request))
 
-    def _parse(self, request) -> BridgeRequest:
+    def _parse(self, request) -> tuple[BridgeRequest, Options]:
         from trtllm_dflash.serve.handlers import sampling_from
         from trtllm_dflash.serve.protocol import decode_text
         from trtllm_dflash.serve.triton_io import get, scalar
 
         pb = self.pb
-        reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int)})
         raw = get(pb, request, "text_input")
         require(raw is not None, "text_input", None, "is required")
         text = decode_text(np.asarray(raw).reshape(-1)[0], "text_input")
@@ -214,15 +215,21 @@ class LlmApiBridge:
             w for w in (decode_text(x, "stop_words") for x in np.asarray(words).reshape(-1)) if w)
         max_tokens = scalar(pb, request, "max_tokens", None, int)
         require(max_tokens is not None, "max_tokens", None, "is required")
+        opts = parse_options(lambda name, default, kind: scalar(pb, request, name, default, kind),
+                             get(pb, request, "bad_words"), max_tokens, len(self.tokenizer))
+        reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)),
-                             sampling_from(pb, request), stops)
+                             sampling_from(pb, request), stops), opts
 
-    def _response(self, u: BridgeUpdate):
+    def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):
+        """``text``: instead of the delta (the prompt echoed); ``extra``: ``compat.final_outputs``."""
         from trtllm_dflash.serve.triton_io import tensor
 
         pb = self.pb
+        text = u.text_delta if text is None else text
         return pb.InferenceResponse(output_tensors=[
-            tensor(pb, "text_output", np.array([u.text_delta.encode("utf-8")], dtype=object)),
+            pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),  # 1-D, as TensorRT-LLM's
+            *(pb.Tensor(name, value) for name, value in extra),
             tensor(pb, "output_ids", np.array(u.output_ids, dtype=np.int32)),
             tensor(pb, "acceptance_lengths", np.array(u.acceptance_lengths, dtype=np.int32)),
             tensor(pb, "num_draft_tokens", np.array([u.num_draft_tokens], dtype=np.int32)),
@@ -235,7 +242,7 @@ class LlmApiBridge:
         pb, sender = self.pb, request.get_response_sender()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            req = self._parse(request)
+            req, opts = self._parse(request)
             inputs = [pb.Tensor(k, v) for k, v in llmapi_inputs(req).items()]
             call = pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, requested_output_names=[
                 "text_output", "total_draft_tokens", "total_accepted_draft_tokens"])
@@ -254,6 +261,10 @@ class LlmApiBridge:
                 if pending is not None:
                     sender.send(self._response(pending))
                 pending = bridge_update(state, text, ids, *counts)
-            sender.send(self._response(pending or BridgeUpdate("", [], [], 0, 0)), flags=final)
+            last = pending or BridgeUpdate("", [], [], 0, 0)
+            echo = None if opts.exclude_input or req.stream else req.prompt + state.text
+            extra = final_outputs(opts, len(self.tokenizer.encode(req.prompt, add_special_tokens=False)),
+                                  state.num_ids, state.total_draft, state.total_accepted)
+            sender.send(self._response(last, echo, extra), flags=final)
         except Exception as exc:  # the client gets the message; the server keeps serving
             sender.send(error_response(pb, exc), flags=final)

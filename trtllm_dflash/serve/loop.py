@@ -171,7 +171,7 @@ async def run_generation(
     state = policy.new_sequence() if adaptive else None
     plan = getattr(steps, "plan", None) if adaptive else None  # the live sequences' steps decided together
     last_step: StepReport | None = None
-    stops = StopMatcher(req.stop_sequences)
+    stops = StopMatcher(req.stop_sequences, req.min_tokens)
     holdback = max(stops.longest, 1) - 1  # a stop may still cut these tokens
     p = _Progress()
 

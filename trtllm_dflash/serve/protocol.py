@@ -27,6 +27,12 @@ class GenerateRequest:
     sampling: SamplingParams
     stop_sequences: tuple[tuple[int, ...], ...]
     stream: bool
+    min_tokens: int = 0  # no stop ends the answer before this many tokens (sampling bans the end ids until then)
+
+    @staticmethod
+    def end_ids(stops: tuple[tuple[int, ...], ...]) -> list[int]:
+        """The single-token stops: what ``min_tokens`` keeps the target from choosing."""
+        return [s[0] for s in stops if len(s) == 1]
 
 
 def decode_text(raw: bytes | str, field: str) -> str:
@@ -75,7 +81,9 @@ class StopMatcher:
     it, not with every stop. Until session 39 every stop was compared at every new token: one request with 20,000
     stop words slowed every stream of its loop model (which runs all of them on one thread)."""
 
-    def __init__(self, stops: tuple[tuple[int, ...], ...]) -> None:
+    def __init__(self, stops: tuple[tuple[int, ...], ...], min_tokens: int = 0) -> None:
+        """``min_tokens``: a stop ending within the first that many tokens does not count (``GenerateRequest``)."""
+        self.min_end = min_tokens + 1
         self.by_last: dict[int, list[tuple[int, ...]]] = {}
         for stop in stops:
             self.by_last.setdefault(stop[-1], []).append(stop)  # decode_stops never yields an empty one
@@ -84,7 +92,7 @@ class StopMatcher:
     def truncate(self, tokens: list[int], checked: int) -> int | None:
         """Length to keep if a stop sequence ends inside ``tokens[checked:]`` (the stop itself is dropped), else
         None."""
-        for end in range(max(checked, 0) + 1, len(tokens) + 1):
+        for end in range(max(checked + 1, self.min_end), len(tokens) + 1):
             for stop in self.by_last.get(tokens[end - 1], ()):
                 if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
                     return end - len(stop)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError, require
+from trtllm_dflash.serve import compat
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
@@ -28,7 +29,9 @@ QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
 # the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), the tree verify (on / off) and
 # its datastore file ("" = none), its step coalescer (on / off) and the step models' batch
 LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "tree", "datastore", "coalesce", "max_batch_size")
-ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice")
+# TensorRT-LLM's ensemble inputs and outputs beyond ours (serve/compat.py), in the entry points' configs
+TRTLLM_IO_KEYS = ("trtllm_inputs", "trtllm_outputs")
+ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", *TRTLLM_IO_KEYS)
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
@@ -50,11 +53,13 @@ LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tensorrt_llm_dflash": ("llmapi_model", ("name",)),
     "tensorrt_llm_baseline": ("llmapi_model", ("name",)),
     "dflash_llmapi": ("llmapi_bridge", ("name", "max_batch_size", "llm_model", "max_draft_len", "target_dir",
-                                        "instances")),
+                                        "instances", *TRTLLM_IO_KEYS)),
     "baseline_llmapi": ("llmapi_bridge", ("name", "max_batch_size", "llm_model", "max_draft_len", "target_dir",
-                                          "instances")),
-    "dflash": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model")),
-    "baseline": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model")),
+                                          "instances", *TRTLLM_IO_KEYS)),
+    "dflash": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model", *TRTLLM_IO_KEYS, "trtllm_input_map",
+                                   "trtllm_output_map")),
+    "baseline": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model", *TRTLLM_IO_KEYS, "trtllm_input_map",
+                                     "trtllm_output_map")),
 }
 
 
@@ -182,6 +187,7 @@ class RepoConfig:
             "tap_layers": ",".join(map(str, tap_layers)),
             "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
+            **compat.template_values(),
         }
         per_model = {
             "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file,

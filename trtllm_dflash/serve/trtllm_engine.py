@@ -215,6 +215,9 @@ class SequenceBook:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
                 f"must be in [1, {self.max_seq_len}) tokens (the repository's max_seq_len)", "shorten the prompt")
         sampling.validate()
+        # each verify is a new executor request, whose own min_tokens would count from that request's start
+        require(not sampling.banned_ids, "min_tokens", sampling.banned_before - len(prompt_ids),
+                "is not supported by the trtllm-engine backend", "omit it, or serve a --backend torch repository")
         self.slots.allocate(seq_id)
         self.state[seq_id] = SequenceState(list(prompt_ids), sampling)
         return self.state[seq_id]

@@ -1,0 +1,125 @@
+"""What clients written for TensorRT-LLM's Triton ``ensemble`` send, accepted by the entry models.
+
+Those clients send more than ``text_input`` and ``max_tokens``: TensorRT-LLM's ``end_to_end_grpc_client.py`` always
+sends ``beam_width``, ``temperature`` and ``exclude_input_in_output``; GenAI-Perf 0.0.16 (``--backend tensorrtllm``)
+always sends ``exclude_input_in_output: true`` and, with ``--output-tokens-mean-deterministic``, ``min_length``
+(``genai_perf/inputs/converters/tensorrtllm_converter.py``). Triton refuses an input a model does not declare, and
+perf_analyzer refuses it on the client side, so until session 40 both failed against ``dflash`` before generating a
+token; and both read ``text_output`` as ``as_numpy("text_output")[0].decode()``, which needs a 1-D tensor.
+
+The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-level inputs below with its names, dtypes
+and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
+and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
+server can do exactly and accept only the neutral value of what it does not do, refusing any other by name. The
+ensemble's prompt-table, embedding-bias, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses
+them naming the input.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from trtllm_dflash.errors import require
+from trtllm_dflash.serve.protocol import decode_text
+
+# name: (Triton dtype, dims); all optional, all [1] but bad_words
+INPUTS = {
+    "num_return_sequences": ("TYPE_INT32", 1), "bad_words": ("TYPE_STRING", -1),
+    "exclude_input_in_output": ("TYPE_BOOL", 1), "pad_id": ("TYPE_INT32", 1), "min_tokens": ("TYPE_INT32", 1),
+    "min_length": ("TYPE_INT32", 1), "beam_width": ("TYPE_INT32", 1), "length_penalty": ("TYPE_FP32", 1),
+    "repetition_penalty": ("TYPE_FP32", 1), "presence_penalty": ("TYPE_FP32", 1),
+    "frequency_penalty": ("TYPE_FP32", 1), "return_log_probs": ("TYPE_BOOL", 1),
+    "return_context_logits": ("TYPE_BOOL", 1), "return_generation_logits": ("TYPE_BOOL", 1),
+    "return_perf_metrics": ("TYPE_BOOL", 1), "return_num_input_tokens": ("TYPE_BOOL", 1),
+    "return_num_output_tokens": ("TYPE_BOOL", 1),
+}
+# sent on a request's last response when asked for (return_perf_metrics: the speculative-decoding ones)
+OUTPUTS = {"acceptance_rate": "TYPE_FP32", "total_accepted_draft_tokens": "TYPE_INT32",
+           "total_draft_tokens": "TYPE_INT32", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32"}
+
+# inputs accepted at one value only: (neutral value, what this server does instead)
+NEUTRAL = {
+    "beam_width": (1, "speculative decoding here runs one beam"),
+    "num_return_sequences": (1, "one sequence per request"),
+    "repetition_penalty": (1.0, "the drafts are verified against the target's unpenalised distribution"),
+    "presence_penalty": (0.0, "the drafts are verified against the target's unpenalised distribution"),
+    "frequency_penalty": (0.0, "the drafts are verified against the target's unpenalised distribution"),
+    "return_log_probs": (False, "log-probabilities are not returned"),
+    "return_context_logits": (False, "logits are not returned"),
+    "return_generation_logits": (False, "logits are not returned"),
+}
+
+
+def template_values() -> dict[str, str]:
+    """The config.pbtxt lines of ``INPUTS`` and ``OUTPUTS`` (each entry ends with a comma: the templates put them
+    before their last entry) and, for an ensemble, their maps to its step."""
+    def entry(name: str, dtype: str, dims: int, optional: str = "") -> str:
+        return f'  {{ name: "{name}" data_type: {dtype} dims: [ {dims} ]{optional} }},'
+
+    def maps(kind: str, names) -> str:
+        return "\n".join(f'      {kind}_map {{ key: "{n}" value: "{n}" }}' for n in names)
+
+    return {"trtllm_inputs": "\n".join(entry(n, t, d, " optional: true") for n, (t, d) in INPUTS.items()),
+            "trtllm_outputs": "\n".join(entry(n, t, 1) for n, t in OUTPUTS.items()),
+            "trtllm_input_map": maps("input", INPUTS), "trtllm_output_map": maps("output", OUTPUTS)}
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """What a request asks beyond its tokens."""
+
+    min_tokens: int = 0  # end ids are not generated, and stop sequences do not end it, before this many tokens
+    exclude_input: bool = True  # False (and not streaming): the prompt text comes before the answer, as TRT-LLM
+    perf_metrics: bool = False
+    num_input_tokens: bool = False
+    num_output_tokens: bool = False
+
+
+Reader = Callable[[str, Any, type], Any]  # (name, default, kind) -> the request's scalar input, or the default
+
+
+def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> Options:
+    """Check TensorRT-LLM's optional inputs of one request (``bad_words``: that input's array or None); every error
+    names its field, its value and the fix."""
+    for name, (neutral, why) in NEUTRAL.items():
+        value = read(name, None, type(neutral))
+        require(value is None or value == neutral, name, value, f"is not supported: {why}",
+                f"send {name} {str(neutral).lower() if isinstance(neutral, bool) else neutral} or omit it")
+    length_penalty = read("length_penalty", None, float)  # scales beam scores only: nothing to do with one beam
+    require(length_penalty is None or math.isfinite(length_penalty), "length_penalty", length_penalty, "must be finite")
+    pad_id = read("pad_id", None, int)  # responses are never padded
+    require(pad_id is None or 0 <= pad_id < vocab_size, "pad_id", pad_id, f"must be a token id in [0, {vocab_size})")
+    if bad_words is not None:
+        for i, w in enumerate(np.asarray(bad_words).reshape(-1)):
+            word = decode_text(w, f"bad_words[{i}]")
+            require(word == "", f"bad_words[{i}]", word, "is not supported: bad words are not banned here",
+                    "send empty bad_words (as TensorRT-LLM's examples do) or omit it")
+    min_tokens, min_length = read("min_tokens", None, int), read("min_length", None, int)
+    require(min_tokens is None or min_length is None or min_tokens == min_length, "min_length", min_length,
+            f"differs from min_tokens={min_tokens} (min_length is the older name of min_tokens)", "send one of them")
+    low = min_tokens if min_tokens is not None else (min_length if min_length is not None else 0)
+    field = "min_tokens" if min_tokens is not None else "min_length"
+    require(0 <= low <= max_tokens, field, low, f"must be in [0, max_tokens={max_tokens}]")
+    flags = [bool(read(name, default, bool)) for name, default in (
+        ("exclude_input_in_output", True), ("return_perf_metrics", False), ("return_num_input_tokens", False),
+        ("return_num_output_tokens", False))]
+    return Options(low, *flags)
+
+
+def final_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int) -> list[tuple[str, Any]]:
+    """The extra outputs of a request's last response, as (name, 1-D array) pairs."""
+    out: list[tuple[str, Any]] = []
+    if opts.perf_metrics:
+        out += [("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
+                ("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
+                ("total_draft_tokens", np.array([drafted], dtype=np.int32))]
+    if opts.num_input_tokens:
+        out.append(("num_input_tokens", np.array([num_input], dtype=np.int32)))
+    if opts.num_output_tokens:
+        out.append(("num_output_tokens", np.array([num_output], dtype=np.int32)))
+    return out

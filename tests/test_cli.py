@@ -51,6 +51,19 @@ def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     assert json.loads(bare.stdout.splitlines()[-1])["token_ids"] == a["token_ids"]
 
 
+def test_generate_min_new_tokens_holds_the_stop_back_losslessly(smollm2):
+    """A raw prompt SmolLM2-Instruct answers with nothing at once; --min-new-tokens gets that many tokens, the same
+    from the tree verify as from autoregressive decoding (the stop masked out of the target's choice alike)."""
+    common = ["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompt",
+              "Write a long story about a dragon.", "--max-new-tokens", "24", "--json"]
+    free = run_cli([*common, "--block-size", "1"])
+    ar = run_cli([*common, "--block-size", "1", "--min-new-tokens", "24"])
+    tree = run_cli([*common, "--block-size", "16", "--tree", "--min-new-tokens", "24"])
+    assert free.returncode == ar.returncode == tree.returncode == 0, free.stderr + ar.stderr + tree.stderr
+    f, a, t = (json.loads(r.stdout.splitlines()[-1]) for r in (free, ar, tree))
+    assert f["num_new_tokens"] == 0 and a["num_new_tokens"] == 24 and t["token_ids"] == a["token_ids"]
+
+
 def test_demo_assets_is_idempotent_json(smollm2):
     r = run_cli(["demo-assets"])
     assert r.returncode == 0, r.stderr
@@ -76,6 +89,8 @@ def test_demo_assets_is_idempotent_json(smollm2):
          "proposes for the tree verify's lookup chains only"),
         (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
          "max_block_size=32: must be <= the drafter's trained block_size (16)"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--min-new-tokens", "5"],
+         "--min-new-tokens=5: must be in [0, --max-new-tokens=4]"),
         (["--prompt", "hi", "--device", "cpu", "--cuda-graphs"],
          "cuda_graphs=True: needs a CUDA device, not cpu; use --device cuda, or drop --cuda-graphs"),
     ],

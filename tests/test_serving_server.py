@@ -376,8 +376,9 @@ def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime
                                                 "max_tokens": np.array([[8]], np.int32),
                                                 "beam_width": np.array([[4]], np.int32)})
     assert error is not None and "beam_width=4: is not supported: speculative decoding here runs one beam" in error
-    with DFlashClient(server.grpc_url) as client:
-        assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
+    with DFlashClient(server.grpc_url) as client:  # our client's min_tokens (trtllm-dflash client --min-tokens)
+        params = GenerateParams("Write a long story about a dragon.", 8, chat=False, min_tokens=8)
+        assert len(client.generate("dflash", params).token_ids) == 8
 
 
 @pytest.mark.parametrize("model", ["dflash", "baseline"])

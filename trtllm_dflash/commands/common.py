@@ -29,6 +29,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, drafter_required: bool 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--min-new-tokens", type=int, default=0,
+                        help="the target does not choose a stop token before this many new tokens (default 0; "
+                             "TensorRT-LLM's min_tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")

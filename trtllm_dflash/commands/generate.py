@@ -52,6 +52,8 @@ def main(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     sampling.validate("--")
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
+    require(0 <= args.min_new_tokens <= args.max_new_tokens, "--min-new-tokens", args.min_new_tokens,
+            f"must be in [0, --max-new-tokens={args.max_new_tokens}]")
 
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
     block = resolve_block_size(args, drafter)
@@ -65,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         ids = encode_prompt(tokenizer, p.text, p.chat)
         if not ids:
             raise ConfigError("prompt", p.text, "encodes to no tokens", "pass non-empty text")
-        requests.append(Request(tuple(ids), args.max_new_tokens, sampling, stops))
+        requests.append(Request(tuple(ids), args.max_new_tokens, sampling, stops, args.min_new_tokens))
     check_capacity(decoder, requests)
 
     for start in range(0, len(requests), args.batch_size):

@@ -159,6 +159,8 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--min-tokens", type=int, default=None,
+                        help="no stop ends the answer before this many tokens (TensorRT-LLM's min_tokens)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -166,7 +168,7 @@ def client_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
 
     params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
-                            args.top_p, args.seed)
+                            args.top_p, args.seed, min_tokens=args.min_tokens)
     with DFlashClient(args.url) as client:
         on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
         done = client.generate(args.model, params, on_chunk)

@@ -46,6 +46,7 @@ def test_the_entry_declares_the_ensembles_inputs_as_tensorrt_llm_does(tiny_dirs,
     assert set(FACTS["genai_perf_request"]) <= set(ours)
     assert all(ours[n][0] == dtype for n, dtype in FACTS["genai_perf_request"].items())
     assert set(FACTS["end_to_end_grpc_client_request"]) <= set(ours)
+    assert all(ours[n][0] == dtype for n, dtype in FACTS["openai_frontend_request"].items())  # Triton's OpenAI API
     for name, dtype in compat.OUTPUTS.items():  # the extra outputs carry TRT-LLM's names and dtypes
         assert FACTS["outputs"][name]["data_type"] == dtype
 
@@ -84,7 +85,7 @@ def test_neutral_values_and_honoured_inputs_are_accepted():
                                            "return_perf_metrics": True, "return_num_output_tokens": True}),
                                 None, 8, 256)
     assert opts == compat.Options(8, False, True, False, True)
-    out = dict(compat.final_outputs(opts, 5, 8, drafted=12, accepted=3))
+    out = dict(compat.response_outputs(opts, 5, 8, drafted=12, accepted=3))
     assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens"}
     assert out["acceptance_rate"].tolist() == [0.25] and out["num_output_tokens"].tolist() == [8]
     assert all(v.ndim == 1 for v in out.values())

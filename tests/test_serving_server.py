@@ -385,7 +385,7 @@ def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime
 def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_runtime, model):
     """GenAI-Perf's request with --output-tokens-mean-deterministic (min_length = max_tokens, exclude_input_in_output,
     streamed): exactly max_tokens tokens, the target's own greedy choice with its stop tokens held back until then;
-    TensorRT-LLM's perf metrics and token counts on the last response."""
+    TensorRT-LLM's perf metrics and token counts on its responses."""
     prompt = "Write a long story about a dragon."  # raw, as GenAI-Perf sends it: SmolLM2-Instruct answers nothing
     ids, free = raw_runtime(prompt, 40)
     _, ref = raw_runtime(prompt, 40, min_new_tokens=40)
@@ -396,11 +396,39 @@ def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_r
         "stream": np.array([[True]]), "return_perf_metrics": np.array([[True]]),
         "return_num_input_tokens": np.array([[True]]), "return_num_output_tokens": np.array([[True]])})
     assert error is None, error
-    last = [r for r in results if r.as_numpy("output_ids") is not None][-1]
-    assert last.as_numpy("output_ids").reshape(-1).tolist() == ref
-    assert last.as_numpy("num_output_tokens").tolist() == [40]
-    assert last.as_numpy("num_input_tokens").tolist() == [len(ids)]
-    drafted, accepted = (int(last.as_numpy(n)[0]) for n in ("total_draft_tokens", "total_accepted_draft_tokens"))
-    assert (drafted > 0) == (model == "dflash") and 0 <= accepted <= drafted
+    sent = [r for r in results if r.as_numpy("output_ids") is not None]
+    last = sent[-1]
+    assert last.as_numpy("output_ids").reshape(-1).tolist() == ref and len(sent) > 1
+    # every response: its own tokens (summed, the usage Triton's OpenAI frontend reports), the prompt's, the totals
+    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in sent) == 40
+    assert all(r.as_numpy("num_input_tokens").tolist() == [len(ids)] for r in sent)
+    totals = [[int(r.as_numpy(n)[0]) for n in ("total_draft_tokens", "total_accepted_draft_tokens")] for r in sent]
+    assert all(0 <= a <= d for d, a in totals)
+    assert all(d1 <= d2 and a1 <= a2 for (d1, a1), (d2, a2) in zip(totals, totals[1:]))
+    drafted, accepted = totals[-1]
+    assert (drafted > 0) == (model == "dflash")
     assert last.as_numpy("acceptance_rate")[0] == pytest.approx(accepted / drafted if drafted else 0.0)
-    assert all(r.as_numpy("acceptance_rate") is None for r in results if r is not last)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_triton_openai_frontends_request_gets_its_usage(server, oracle, stream):
+    """The request Triton's OpenAI-compatible frontend builds for a model that is not vLLM's (chat: the template
+    applied by the frontend, temperature 0.7; every sampling field it always sends; the token counts it always asks
+    for) and the usage it computes: the prompt's count, and the responses' own counts summed. (The frontend itself
+    runs Triton in-process and exists only in NVIDIA's containers; its request is recorded in
+    tests/data/trtllm_ensemble/ensemble_io.json.)"""
+    _, tok = oracle
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPTS[3]}], tokenize=False,
+                                   add_generation_prompt=True)
+    results, error = trtllm_stream(server, "dflash", {
+        "text_input": np.array([[text]], dtype=object), "stream": np.array([[stream]]),
+        "max_tokens": np.array([[16]], np.int32), "return_num_input_tokens": np.array([[True]]),
+        "return_num_output_tokens": np.array([[True]]), "top_p": np.array([[1.0]], np.float32),
+        "frequency_penalty": np.array([[0.0]], np.float32), "presence_penalty": np.array([[0.0]], np.float32),
+        "temperature": np.array([[0.7]], np.float32)})
+    assert error is None, error
+    sent = [r for r in results if r.as_numpy("output_ids") is not None]
+    assert len(sent) == 1 or stream
+    completion = sum(int(r.as_numpy("num_output_tokens")[0]) for r in sent)
+    assert completion == len(sent[-1].as_numpy("output_ids").reshape(-1)) > 0
+    assert int(sent[0].as_numpy("num_input_tokens")[0]) == len(tok.encode(text, add_special_tokens=False))

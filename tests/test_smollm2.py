@@ -67,6 +67,24 @@ def test_greedy_lossless_on_the_real_model(real, block_size):
     assert [r.token_ids for r in out] == ref
 
 
+def test_min_new_tokens_equals_transformers_and_stays_lossless(smollm2, real):
+    """min_new_tokens (TensorRT-LLM's min_tokens): the same tokens as transformers' min_new_tokens (its own logits
+    processor, an independent oracle), autoregressively and with the demo drafter."""
+    target, drafter, tok, prompts = real
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2["target"], dtype=torch.float32).eval()
+    ids = torch.tensor([prompts[0]])  # "What is the capital of France?": answered in 7 tokens
+    for low in (0, 30):
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=40, min_new_tokens=low, do_sample=False, eos_token_id=list(stops),
+                              pad_token_id=stops[0])[0, ids.shape[1]:].tolist()
+        ref = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+        assert (len(ref) < 30) == (low == 0), len(ref)
+        req = Request(tuple(prompts[0]), 40, stop_token_ids=stops, min_new_tokens=low)
+        for dec in (SpeculativeDecoder(target, None, 1), SpeculativeDecoder(target, drafter, 16, ngram=True)):
+            assert list(dec.generate([req])[0].token_ids) == ref
+
+
 def test_demo_drafter_runs_lossless(real):
     target, drafter, tok, prompts = real
     stops = stop_token_ids(tok, target.spec.eos_token_ids)

@@ -27,7 +27,7 @@ from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
-from trtllm_dflash.serve.compat import final_outputs
+from trtllm_dflash.serve.compat import response_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
@@ -313,7 +313,7 @@ class LoopModel:
     def _response(self, u: Update, detok=None, text=None, extra=()):
         """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens);
         ``text``: the response's text instead (the prompt echoed: ``exclude_input_in_output`` false); ``extra``:
-        (name, 1-D array) outputs of a last response (``compat.final_outputs``)."""
+        (name, 1-D array) outputs asked for (``compat.response_outputs``)."""
         pb = self.pb
         if detok is not None:  # the ensemble's outputs: text_output is the text delta postprocessing would send
             if text is None:
@@ -355,9 +355,9 @@ class LoopModel:
             text, extra = None, ()
             totals[0] += u.num_draft_tokens
             totals[1] += u.num_accepted_draft_tokens
-            if opts is not None and u.final:
-                extra = final_outputs(opts, len(gen.input_ids), len(u.tokens), *totals)
-                if not opts.exclude_input and not gen.stream:  # TensorRT-LLM decodes prompt and answer together
+            if opts is not None:
+                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals)
+                if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer together
                     text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
             sender.send(self._response(u, detok, text, extra), flags=flags)
             final_sent = final_sent or u.final

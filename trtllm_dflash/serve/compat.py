@@ -38,7 +38,7 @@ INPUTS = {
     "return_perf_metrics": ("TYPE_BOOL", 1), "return_num_input_tokens": ("TYPE_BOOL", 1),
     "return_num_output_tokens": ("TYPE_BOOL", 1),
 }
-# sent on a request's last response when asked for (return_perf_metrics: the speculative-decoding ones)
+# sent on every response when asked for (return_perf_metrics: the speculative-decoding ones)
 OUTPUTS = {"acceptance_rate": "TYPE_FP32", "total_accepted_draft_tokens": "TYPE_INT32",
            "total_draft_tokens": "TYPE_INT32", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32"}
 
@@ -111,8 +111,11 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
     return Options(low, *flags)
 
 
-def final_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int) -> list[tuple[str, Any]]:
-    """The extra outputs of a request's last response, as (name, 1-D array) pairs."""
+def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int,
+                     accepted: int) -> list[tuple[str, Any]]:
+    """The extra outputs of one response, as (name, 1-D array) pairs: ``num_output`` = the tokens this response
+    carries (when streaming, each response's own: Triton's OpenAI frontend sums them over a stream's chunks for its
+    usage), ``drafted`` / ``accepted`` = the request's draft tokens so far (TensorRT-LLM's ``total_*``)."""
     out: list[tuple[str, Any]] = []
     if opts.perf_metrics:
         out += [("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),

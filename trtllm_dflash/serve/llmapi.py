@@ -24,7 +24,7 @@ import numpy as np
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.compat import Options, final_outputs, parse_options
+from trtllm_dflash.serve.compat import Options, response_outputs, parse_options
 
 LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
                           "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
@@ -222,7 +222,7 @@ class LlmApiBridge:
                              sampling_from(pb, request), stops), opts
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):
-        """``text``: instead of the delta (the prompt echoed); ``extra``: ``compat.final_outputs``."""
+        """``text``: instead of the delta (the prompt echoed); ``extra``: what ``compat.response_outputs`` asks."""
         from trtllm_dflash.serve.triton_io import tensor
 
         pb = self.pb
@@ -247,6 +247,15 @@ class LlmApiBridge:
             call = pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, requested_output_names=[
                 "text_output", "total_draft_tokens", "total_accepted_draft_tokens"])
             state, pending = BridgeState(self.max_draft_len), None
+            n_input = len(self.tokenizer.encode(req.prompt, add_special_tokens=False))
+            sent = [0, 0, 0]  # ids, draft tokens, accepted draft tokens reported so far
+
+            def emit(u: BridgeUpdate, flags: int = 0, text: str | None = None) -> None:
+                new_ids = len(u.output_ids) - sent[0]
+                sent[:] = [len(u.output_ids), sent[1] + u.num_draft_tokens, sent[2] + u.num_accepted_draft_tokens]
+                sender.send(self._response(u, text, response_outputs(opts, n_input, new_ids, sent[1], sent[2])),
+                            flags=flags)
+
             async for resp in await call.async_exec(decoupled=True):
                 if resp.has_error():
                     raise ConfigError("llmapi", self.llm_model, resp.error().message())
@@ -259,12 +268,9 @@ class LlmApiBridge:
                 counts = [None if out[n] is None else int(out[n].as_numpy().reshape(-1)[0])
                           for n in ("total_draft_tokens", "total_accepted_draft_tokens")]
                 if pending is not None:
-                    sender.send(self._response(pending))
+                    emit(pending)
                 pending = bridge_update(state, text, ids, *counts)
-            last = pending or BridgeUpdate("", [], [], 0, 0)
             echo = None if opts.exclude_input or req.stream else req.prompt + state.text
-            extra = final_outputs(opts, len(self.tokenizer.encode(req.prompt, add_special_tokens=False)),
-                                  state.num_ids, state.total_draft, state.total_accepted)
-            sender.send(self._response(last, echo, extra), flags=final)
+            emit(pending or BridgeUpdate("", [], [], 0, 0), final, echo)
         except Exception as exc:  # the client gets the message; the server keeps serving
             sender.send(error_response(pb, exc), flags=final)

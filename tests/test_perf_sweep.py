@@ -62,6 +62,11 @@ def test_input_data_json(tmp_path):
 def test_arguments():
     cfg = parse_args(["--out", "x", "--concurrency", "1,4", "--models", "dflash", "--serve", "--block-sizes", "4,8"])
     assert (cfg.concurrency, cfg.models, cfg.block_sizes, cfg.serve) == ((1, 4), ("dflash",), (4, 8), True)
+    assert cfg.ngram is None  # make-repo's default: prompt lookup on
+    cfg = parse_args(["--out", "x", "--serve", "--block-sizes", "auto,16", "--no-ngram"])
+    assert (cfg.block_sizes, cfg.ngram) == (("auto", 16), False)
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--block-sizes", "0"])
     with pytest.raises(ConfigError, match="--block-sizes"):
         SweepConfig(out="x", block_sizes=(4,)).validate()
     with pytest.raises(ConfigError, match="--models"):

@@ -20,7 +20,8 @@ class PerfRecord:
     # the point
     model: str  # served ensemble: dflash | baseline
     dataset: str
-    block_size: int  # the repository's draft block size (the baseline's loop is block size 1 whatever this says)
+    # the repository's draft block size or "auto", "+ngram" with prompt lookup (the baseline's loop: block size 1)
+    block_size: int | str
     concurrency: int
     max_tokens: int
     # client side, from the perf_analyzer profile export

@@ -47,7 +47,8 @@ class SweepConfig:
     models: tuple[str, ...] = ("dflash", "baseline")
     dataset: str = "humaneval"
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
-    block_sizes: tuple[int, ...] = ()  # --serve only; default the drafter's block size
+    block_sizes: tuple[int | str, ...] = ()  # --serve only; default make-repo's: "auto"
+    ngram: bool | None = None  # --serve only; default make-repo's: prompt lookup on (block sizes > 1)
     max_tokens: int = 128
     requests_per_point: int = 16  # raised to the concurrency when smaller
     num_prompts: int = 64  # prompts in the --input-data file (used round-robin)
@@ -232,7 +233,10 @@ def server_info(url: str) -> dict:
 
     bls, drafter = params("dflash_bls"), params("drafter")
     block = bls.get("block_size", "") or "0"
-    return {"server_version": meta.get("version", ""), "block_size": int(block) if block.isdigit() else block,
+    block = int(block) if block.isdigit() else block
+    if bls.get("ngram") == "on":  # bench_runtime's notation: "auto+ngram", "16+ngram"
+        block = f"{block}+ngram"
+    return {"server_version": meta.get("version", ""), "block_size": block,
             "drafter_dir": drafter.get("drafter_dir", "")}
 
 
@@ -310,15 +314,16 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
             metrics_url = cfg.metrics_url or f"http://{host}:8002/metrics"
             return _sweep_server(cfg, exe, pa_version, cfg.repo_url, metrics_url, out, input_data, "served", None, bar)
         from trtllm_dflash.assets import prepare_demo_assets
+        from trtllm_dflash.commands.common import resolve_ngram
         from trtllm_dflash.serve.render import RepoConfig, make_repo
         from trtllm_dflash.serve.server import TritonServer
-        from trtllm_dflash.specs import DrafterSpec
 
         assets = prepare_demo_assets()
-        block_sizes = cfg.block_sizes or (DrafterSpec.load(assets["drafter"]).block_size,)
+        block_sizes = cfg.block_sizes or ("auto",)  # make-repo's defaults (the sweep rendered block 16 until s40)
         records = []
         for b in block_sizes:
             repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=b, max_seq_len=cfg.max_seq_len,
+                                        ngram=resolve_ngram(cfg.ngram, b),
                                         max_sequences=cfg.max_sequences), out / "repos" / f"b{b}", force=True)
             if bar is not None:
                 bar.set_description(f"b{b}: starting the server")
@@ -339,6 +344,15 @@ def _ints(s: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers") from None
 
 
+def _blocks(s: str) -> tuple[int | str, ...]:
+    from trtllm_dflash.commands.common import block_size_arg
+
+    try:
+        return tuple(block_size_arg(x) for x in s.split(",") if x.strip())
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated integers or auto") from None
+
+
 def parse_args(argv=None) -> SweepConfig:
     p = argparse.ArgumentParser(prog="perf/sweep.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--repo-url", default="127.0.0.1:8001", help="gRPC address of a running server (without --serve)")
@@ -346,7 +360,10 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--models", default="dflash,baseline", type=lambda s: tuple(x for x in s.split(",") if x))
     p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | a JSONL file of {\"prompt\": ...}")
     p.add_argument("--concurrency", default="1,2,4,8,16", type=_ints)
-    p.add_argument("--block-sizes", default="", type=_ints, help="with --serve: one server per block size")
+    p.add_argument("--block-sizes", default="", type=_blocks,
+                   help="with --serve: one server per block size (integers or auto; default auto, as make-repo)")
+    p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --serve: prompt lookup in the dflash loop (default on, as make-repo)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-point", type=int, default=16, help="raised to the concurrency when smaller")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -360,7 +377,7 @@ def parse_args(argv=None) -> SweepConfig:
                    help="render the demo repository and start the server, once per block size")
     a = p.parse_args(argv)
     return SweepConfig(out=a.out, repo_url=a.repo_url, metrics_url=a.metrics_url, models=a.models, dataset=a.dataset,
-                       concurrency=a.concurrency, block_sizes=a.block_sizes, max_tokens=a.max_tokens,
+                       concurrency=a.concurrency, block_sizes=a.block_sizes, ngram=a.ngram, max_tokens=a.max_tokens,
                        requests_per_point=a.requests_per_point, num_prompts=a.num_prompts, serve=a.serve,
                        max_seq_len=a.max_seq_len, max_sequences=a.max_sequences, perf_analyzer=a.perf_analyzer,
                        progress=not a.no_progress, extra={"label": a.label} if a.label else {})

@@ -233,3 +233,22 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
                                       end_id=np.array([2], np.int32))))
     (resp, flags), = sent
     assert flags == 1 and "end_id=2" in resp.error.message()
+    # TensorRT-LLM's ensemble inputs (serve/compat.py): the prompt echoed when not streaming, each response's own
+    # token count and the draft totals so far; min_tokens, which the llmapi model has no input for, refused by name
+    sent.clear()
+    asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
+                                      stream=np.array([True]), return_num_output_tokens=np.array([True]),
+                                      return_perf_metrics=np.array([True]))))
+    counts = [int(r.outputs["num_output_tokens"][0]) for r, _ in sent]
+    assert sum(counts) == len(sent[-1][0].outputs["output_ids"][0]) and len(counts) == 2
+    assert [int(r.outputs["total_draft_tokens"][0]) for r, _ in sent] == [7, 14]
+    assert sent[-1][0].outputs["acceptance_rate"].tolist() == [pytest.approx(2 / 14)]
+    sent.clear()
+    asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
+                                      exclude_input_in_output=np.array([False]))))
+    assert sent[-1][0].outputs["text_output"][0].decode() == "hiabc" and sent[-1][1] == 1
+    sent.clear()
+    asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
+                                      min_tokens=np.array([3], np.int32))))
+    (resp, flags), = sent
+    assert flags == 1 and "min_tokens=3: is not supported by the trtllm-pytorch backend" in resp.error.message()

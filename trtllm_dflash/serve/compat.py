@@ -88,6 +88,8 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
     names its field, its value and the fix."""
     for name, (neutral, why) in NEUTRAL.items():
         value = read(name, None, type(neutral))
+        if isinstance(value, float):
+            value = float(f"{value:.7g}")  # an FP32 input as its sender wrote it: 1.3, not 1.2999999523162842
         require(value is None or value == neutral, name, value, f"is not supported: {why}",
                 f"send {name} {str(neutral).lower() if isinstance(neutral, bool) else neutral} or omit it")
     length_penalty = read("length_penalty", None, float)  # scales beam scores only: nothing to do with one beam

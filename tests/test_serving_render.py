@@ -353,6 +353,8 @@ def test_token_ids_outside_the_vocabulary_are_named_and_hold_no_slot(tiny_models
     for ids, bad in (([vocab, 1], vocab), ([-3, 1], -3), ([1, 10**6], 10**6)):
         with pytest.raises(ConfigError, match=rf"prompt token id={bad}: must be in"):
             v.start(7, ids, SamplingParams(), True)
+    with pytest.raises(ConfigError, match=rf"banned_ids={vocab}: must be in"):  # min_tokens' end ids too
+        v.start(7, [1, 2], SamplingParams(banned_ids=(1, vocab), banned_before=9), True)
     assert v.slots.rows == {}
     first = v.start(7, [1, 2], SamplingParams(), True).first_token
     with pytest.raises(ConfigError, match=rf"verify token id={vocab}: must be in \[0, {vocab}\)"):

@@ -48,6 +48,7 @@ class SamplingParams:
         require(math.isfinite(self.temperature), f"{prefix}temperature", self.temperature, "must be finite")
         require(self.top_k >= 0, f"{prefix}top_k", self.top_k, "must be >= 0 (0 = off)")
         require(0 < self.top_p <= 1, f"{prefix}top_p", self.top_p, "must be in (0, 1]")
+        require(self.banned_before >= 0, f"{prefix}banned_before", self.banned_before, "must be >= 0")
 
     @property
     def greedy(self) -> bool:

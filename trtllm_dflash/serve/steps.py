@@ -142,6 +142,8 @@ class TargetVerifier:
                 f"must be in [1, {self.max_seq_len}) tokens (the repository's max_seq_len)", "shorten the prompt")
         ids = torch.tensor([prompt_ids])
         self._check_ids(ids, "prompt token id", pad=None)
+        if sampling.banned_ids:  # min_tokens' end ids (runtime.sampling.ban_tokens indexes the logits with them)
+            self._check_ids(torch.tensor([sampling.banned_ids]), "banned_ids", pad=None)
         sampling.validate()
         row = self.slots.allocate(seq_id)
         try:

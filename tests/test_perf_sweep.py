@@ -57,6 +57,8 @@ def test_input_data_json(tmp_path):
     data = json.loads(path.read_text())["data"]
     assert data[0] == {"text_input": ["hello"], "max_tokens": [32], "stream": [True], "apply_chat_template": [True]}
     assert data[1]["apply_chat_template"] == [False]
+    fixed = json.loads(write_input_data([Prompt("a", "hi", True)], 8, tmp_path / "f.json", True).read_text())
+    assert fixed["data"][0]["min_tokens"] == [8]
 
 
 def test_arguments():
@@ -133,13 +135,15 @@ def test_smoke_sweep_with_the_real_perf_analyzer(server, tmp_path):
     out = tmp_path / "sweep"
     assert main(["--repo-url", server.grpc_url, "--metrics-url", server.metrics_url, "--models", "dflash,baseline",
                  "--dataset", "humaneval", "--concurrency", "1,2", "--max-tokens", "8", "--requests-per-point", "2",
-                 "--num-prompts", "4", "--perf-analyzer", exe, "--no-progress", "--out", str(out)]) == 0
+                 "--num-prompts", "4", "--perf-analyzer", exe, "--no-progress", "--fixed-length",
+                 "--out", str(out)]) == 0
     records = load_records(out / "records.jsonl")
     points = [(r.model, r.concurrency) for r in records]
     assert points == [("dflash", 1), ("dflash", 2), ("baseline", 1), ("baseline", 2)]
     for r in records:
-        assert r.block_size == 8
+        assert r.block_size == 8 and r.env["fixed_length"] is True
         check_record(r, out)
+        assert r.output_tokens == r.requests * r.max_tokens  # --fixed-length: min_tokens = max_tokens
     assert records[0].env["perf_analyzer"].startswith("Perf Analyzer Version")
     assert records[0].env["triton_server"] and records[0].env["git_commit"] and records[0].env["drafter_sha256"]
 

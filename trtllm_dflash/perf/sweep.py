@@ -50,6 +50,8 @@ class SweepConfig:
     block_sizes: tuple[int | str, ...] = ()  # --serve only; default make-repo's: "auto"
     ngram: bool | None = None  # --serve only; default make-repo's: prompt lookup on (block sizes > 1)
     max_tokens: int = 128
+    fixed_length: bool = False  # every answer exactly max_tokens long (min_tokens = max_tokens, as GenAI-Perf's
+    # --output-tokens-mean-deterministic): the same work per request whatever the model would have said
     requests_per_point: int = 16  # raised to the concurrency when smaller
     num_prompts: int = 64  # prompts in the --input-data file (used round-robin)
     serve: bool = False
@@ -93,10 +95,12 @@ def perf_analyzer_version(exe: str) -> str:
     return text.splitlines()[-1]
 
 
-def write_input_data(prompts, max_tokens: int, path: Path) -> Path:
-    """perf_analyzer's --input-data JSON: one object per request, used round-robin (trtllm_triton.md §5.3)."""
-    data = [{"text_input": [p.text], "max_tokens": [max_tokens], "stream": [True], "apply_chat_template": [p.chat]}
-            for p in prompts]
+def write_input_data(prompts, max_tokens: int, path: Path, fixed_length: bool = False) -> Path:
+    """perf_analyzer's --input-data JSON: one object per request, used round-robin (trtllm_triton.md §5.3);
+    ``fixed_length``: with min_tokens = max_tokens."""
+    fixed = {"min_tokens": [max_tokens]} if fixed_length else {}
+    data = [{"text_input": [p.text], "max_tokens": [max_tokens], "stream": [True], "apply_chat_template": [p.chat],
+             **fixed} for p in prompts]
     path.write_text(json.dumps({"data": data}))
     return path
 
@@ -301,7 +305,8 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
     exe = find_perf_analyzer(cfg.perf_analyzer)
     pa_version = perf_analyzer_version(exe)
     prompts = load_prompts(cfg.dataset, limit=cfg.num_prompts)
-    input_data = write_input_data(prompts, cfg.max_tokens, out / f"input_data-{Path(cfg.dataset).stem}.json")
+    input_data = write_input_data(prompts, cfg.max_tokens, out / f"input_data-{Path(cfg.dataset).stem}.json",
+                                  cfg.fixed_length)
     points = len(cfg.models) * len(cfg.concurrency) * max(1, len(cfg.block_sizes))
     bar = None
     if cfg.progress:
@@ -365,6 +370,8 @@ def parse_args(argv=None) -> SweepConfig:
     p.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
                    help="with --serve: prompt lookup in the dflash loop (default on, as make-repo)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--fixed-length", action="store_true",
+                   help="every answer exactly --max-tokens long (min_tokens: the stop tokens held back until then)")
     p.add_argument("--requests-per-point", type=int, default=16, help="raised to the concurrency when smaller")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=2048, help="with --serve")
@@ -378,9 +385,11 @@ def parse_args(argv=None) -> SweepConfig:
     a = p.parse_args(argv)
     return SweepConfig(out=a.out, repo_url=a.repo_url, metrics_url=a.metrics_url, models=a.models, dataset=a.dataset,
                        concurrency=a.concurrency, block_sizes=a.block_sizes, ngram=a.ngram, max_tokens=a.max_tokens,
+                       fixed_length=a.fixed_length,
                        requests_per_point=a.requests_per_point, num_prompts=a.num_prompts, serve=a.serve,
                        max_seq_len=a.max_seq_len, max_sequences=a.max_sequences, perf_analyzer=a.perf_analyzer,
-                       progress=not a.no_progress, extra={"label": a.label} if a.label else {})
+                       progress=not a.no_progress, extra={**({"label": a.label} if a.label else {}),
+                                                          **({"fixed_length": True} if a.fixed_length else {})})
 
 
 def main(argv=None) -> int:

@@ -88,13 +88,11 @@ def main(argv=None) -> int:
         assets = prepare_demo_assets()
         tokenizer = tokenizer or assets["target"]
         if args.serve and not args.dry_run:
-            from trtllm_dflash.serve.render import RepoConfig, make_repo
+            from trtllm_dflash.perf.sweep import render_demo_repo
             from trtllm_dflash.serve.server import TritonServer
 
-            # make-repo's defaults for the torch backend: block size auto, prompt lookup on
-            repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size="auto", ngram=True),
-                             Path(args.out) / "repo", force=True)
-            server = TritonServer(repo, log_path=Path(args.out) / "server.log")
+            server = TritonServer(render_demo_repo(Path(args.out) / "repo", assets),
+                                  log_path=Path(args.out) / "server.log")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     records = []
     with server as s:

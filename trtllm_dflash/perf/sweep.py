@@ -319,17 +319,14 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
             metrics_url = cfg.metrics_url or f"http://{host}:8002/metrics"
             return _sweep_server(cfg, exe, pa_version, cfg.repo_url, metrics_url, out, input_data, "served", None, bar)
         from trtllm_dflash.assets import prepare_demo_assets
-        from trtllm_dflash.commands.common import resolve_ngram
-        from trtllm_dflash.serve.render import RepoConfig, make_repo
         from trtllm_dflash.serve.server import TritonServer
 
         assets = prepare_demo_assets()
         block_sizes = cfg.block_sizes or ("auto",)  # make-repo's defaults (the sweep rendered block 16 until s40)
         records = []
         for b in block_sizes:
-            repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=b, max_seq_len=cfg.max_seq_len,
-                                        ngram=resolve_ngram(cfg.ngram, b),
-                                        max_sequences=cfg.max_sequences), out / "repos" / f"b{b}", force=True)
+            repo = render_demo_repo(out / "repos" / f"b{b}", assets, b, cfg.ngram, max_seq_len=cfg.max_seq_len,
+                                    max_sequences=cfg.max_sequences)
             if bar is not None:
                 bar.set_description(f"b{b}: starting the server")
             digest = file_digest(assets["drafter"])  # before the server loads it
@@ -340,6 +337,17 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
     finally:
         if bar is not None:
             bar.close()
+
+
+def render_demo_repo(out: Path, assets: dict, block_size: int | str = "auto", ngram: bool | None = None,
+                     **settings) -> Path:
+    """The demo pair's repository (``prepare_demo_assets()``) rendered into ``out`` as make-repo renders it by default:
+    block size auto, prompt lookup on wherever it applies; ``settings``: other ``RepoConfig`` fields."""
+    from trtllm_dflash.commands.common import resolve_ngram
+    from trtllm_dflash.serve.render import RepoConfig, make_repo
+
+    return make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=block_size,
+                                ngram=resolve_ngram(ngram, block_size), **settings), out, force=True)
 
 
 def _ints(s: str) -> tuple[int, ...]:

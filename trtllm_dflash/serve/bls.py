@@ -30,7 +30,7 @@ from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.compat import response_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops
+from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, generate_request
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
 
@@ -242,9 +242,8 @@ def parse_request(pb_utils, request) -> GenerateRequest:
     stops = decode_stops(np.asarray(get(pb_utils, request, "stop_sequences", [])).reshape(-1).tolist())
     min_tokens = scalar(pb_utils, request, "min_tokens", 0, int)
     require(0 <= min_tokens <= (max_tokens or 0), "min_tokens", min_tokens, f"must be in [0, max_tokens={max_tokens}]")
-    sampling = sampling_from(pb_utils, request).with_min_tokens(min_tokens, len(ids), GenerateRequest.end_ids(stops))
-    return GenerateRequest(ids, max_tokens, sampling, stops, bool(scalar(pb_utils, request, "stream", False, bool)),
-                           min_tokens)
+    return generate_request(ids, max_tokens, sampling_from(pb_utils, request), stops,
+                            bool(scalar(pb_utils, request, "stream", False, bool)), min_tokens)
 
 
 def load_policy(path: str):

@@ -113,6 +113,14 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
     return Options(low, *flags)
 
 
+def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Options:
+    """``parse_options`` over a Triton request's inputs (the entry models and the trtllm-pytorch bridge)."""
+    from trtllm_dflash.serve.triton_io import get, scalar
+
+    return parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind),
+                         get(pb_utils, request, "bad_words"), max_tokens, vocab_size)
+
+
 def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int,
                      accepted: int) -> list[tuple[str, Any]]:
     """The extra outputs of one response, as (name, 1-D array) pairs: ``num_output`` = the tokens this response

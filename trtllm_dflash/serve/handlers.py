@@ -25,9 +25,9 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.compat import Options, parse_options
+from trtllm_dflash.serve.compat import Options, request_options
 from trtllm_dflash.serve.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
-                                         validate_generation)
+                                         generate_request, validate_generation)
 from trtllm_dflash.serve.triton_io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
                                            torch_rows_output)
 
@@ -142,11 +142,9 @@ class Preprocessor:
                 if word:
                     stops.append(self.tokenizer.encode(word, add_special_tokens=False))
         stream = bool(scalar(pb_utils, request, "stream", False, bool))
-        opts = parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind),
-                             get(pb_utils, request, "bad_words"), max_tokens, len(self.tokenizer))
-        stops = decode_stops(encode_stops(stops))
-        sampling = sampling.with_min_tokens(opts.min_tokens, len(ids), GenerateRequest.end_ids(stops))
-        return GenerateRequest(tuple(ids), max_tokens, sampling, stops, stream, opts.min_tokens), opts
+        opts = request_options(pb_utils, request, max_tokens, len(self.tokenizer))
+        return generate_request(ids, max_tokens, sampling, decode_stops(encode_stops(stops)), stream,
+                                opts.min_tokens), opts
 
     def __call__(self, pb_utils, request) -> list:
         g = self.parse(pb_utils, request)

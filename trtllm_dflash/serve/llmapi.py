@@ -24,7 +24,7 @@ import numpy as np
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.compat import Options, response_outputs, parse_options
+from trtllm_dflash.serve.compat import Options, request_options, response_outputs
 
 LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
                           "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
@@ -215,8 +215,7 @@ class LlmApiBridge:
             w for w in (decode_text(x, "stop_words") for x in np.asarray(words).reshape(-1)) if w)
         max_tokens = scalar(pb, request, "max_tokens", None, int)
         require(max_tokens is not None, "max_tokens", None, "is required")
-        opts = parse_options(lambda name, default, kind: scalar(pb, request, name, default, kind),
-                             get(pb, request, "bad_words"), max_tokens, len(self.tokenizer))
+        opts = request_options(pb, request, max_tokens, len(self.tokenizer))
         reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)),
                              sampling_from(pb, request), stops), opts
@@ -247,7 +246,7 @@ class LlmApiBridge:
             call = pb.InferenceRequest(model_name=self.llm_model, inputs=inputs, requested_output_names=[
                 "text_output", "total_draft_tokens", "total_accepted_draft_tokens"])
             state, pending = BridgeState(self.max_draft_len), None
-            n_input = len(self.tokenizer.encode(req.prompt, add_special_tokens=False))
+            n_input = len(self.tokenizer.encode(req.prompt, add_special_tokens=False)) if opts.num_input_tokens else 0
             sent = [0, 0, 0]  # ids, draft tokens, accepted draft tokens reported so far
 
             def emit(u: BridgeUpdate, flags: int = 0, text: str | None = None) -> None:

@@ -29,10 +29,15 @@ class GenerateRequest:
     stream: bool
     min_tokens: int = 0  # no stop ends the answer before this many tokens (sampling bans the end ids until then)
 
-    @staticmethod
-    def end_ids(stops: tuple[tuple[int, ...], ...]) -> list[int]:
-        """The single-token stops: what ``min_tokens`` keeps the target from choosing."""
-        return [s[0] for s in stops if len(s) == 1]
+
+def generate_request(ids, max_tokens: int, sampling: SamplingParams, stops: tuple[tuple[int, ...], ...],
+                     stream: bool, min_tokens: int = 0) -> GenerateRequest:
+    """A ``GenerateRequest`` whose sampling keeps the target from choosing a single-token stop (the end ids) before
+    ``min_tokens`` new tokens (``SamplingParams.with_min_tokens``)."""
+    ids = tuple(ids)
+    end_ids = [s[0] for s in stops if len(s) == 1]
+    return GenerateRequest(ids, max_tokens, sampling.with_min_tokens(min_tokens, len(ids), end_ids), stops, stream,
+                           min_tokens)
 
 
 def decode_text(raw: bytes | str, field: str) -> str:

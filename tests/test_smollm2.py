@@ -85,6 +85,35 @@ def test_min_new_tokens_equals_transformers_and_stays_lossless(smollm2, real):
             assert list(dec.generate([req])[0].token_ids) == ref
 
 
+def test_repetition_penalty_equals_transformers_and_penalties_stay_lossless(smollm2, real):
+    """repetition_penalty: the same tokens as transformers' repetition_penalty (its own logits processor, over prompt
+    and answer as TensorRT-LLM's), autoregressively, with the demo drafter (block 16 + prompt lookup, auto) and with
+    drafts that are the penalised answer corrupted a quarter of the time; presence and frequency penalties (no
+    transformers counterpart) give the autoregressive answer too, and all of them change the answer."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    target, drafter, tok, prompts = real
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2["target"], dtype=torch.float32).eval()
+    ids = torch.tensor([prompts[2]])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=48, repetition_penalty=1.3, do_sample=False, eos_token_id=list(stops),
+                          pad_token_id=stops[0])[0, ids.shape[1]:].tolist()
+    hf_ref = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+    plain = greedy_reference(target, [prompts[2]], 48, stop=stops)[0]
+    penalties = (SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=1.5, frequency_penalty=0.5))
+    for sampling in penalties:
+        req = Request(tuple(prompts[2]), 48, sampling, stop_token_ids=stops)
+        ref = list(SpeculativeDecoder(target, None, 1).generate([req])[0].token_ids)
+        assert ref != list(plain)
+        if sampling.repetition_penalty != 1.0:
+            assert ref == hf_ref
+        for dec in (SpeculativeDecoder(target, drafter, 16, ngram=True),
+                    SpeculativeDecoder(target, drafter, "auto", ngram=True),
+                    OracleDecoder(target, drafter, 16, [prompts[2]], [ref], corrupt=0.25)):
+            assert list(dec.generate([req])[0].token_ids) == ref, sampling
+
+
 def test_demo_drafter_runs_lossless(real):
     target, drafter, tok, prompts = real
     stops = stop_token_ids(tok, target.spec.eos_token_ids)

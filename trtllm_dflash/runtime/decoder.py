@@ -35,7 +35,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_lookup
-from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.sampling import History, SamplingParams, target_samples, verify_samples
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
@@ -316,7 +316,7 @@ class SpeculativeDecoder:
                                    widths=torch.tensor([len(r.prompt_ids) for r in requests]))  # padding: skipped
         last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
         first = target_samples(self.target.logits(last)[:, None], [s.sampling for s in seqs],
-                               [s.generator for s in seqs], prompt_lens)[:, 0]  # [n]
+                               [s.generator for s in seqs], prompt_lens, history=self._history(seqs))[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
         # ``auto`` and ``ngram`` inject lazily: the taps of committed tokens wait here until their row next drafts,
         # then go through the drafter's K/V projection in one call (same K/V as eager injection; k = 0 steps and
@@ -407,6 +407,7 @@ class SpeculativeDecoder:
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].sampling for i in active],
                     [seqs[i].generator for i in active], positions,
+                    self._history([seqs[i] for i in active], torch.cat([cur[:, None], drafts], dim=1)),
                 )  # [b, K + 1] (valid up to each row's bonus), [b]
                 sync()
                 t_verify = time.perf_counter()
@@ -475,6 +476,14 @@ class SpeculativeDecoder:
             self._inject(taps, torch.tensor(num, device=dev), dcache,
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
+    def _history(self, seqs: list[_Seq], ids: torch.Tensor | None = None, parents=None) -> History | None:
+        """What the penalised rows among ``seqs`` count (``sampling.penalize``): their prompt and tokens so far, and
+        a verify's input ``ids`` (a tree's with its ``parents``); None when no row is penalised."""
+        if not any(s.sampling.penalized for s in seqs):
+            return None
+        return History.of([s.request.prompt_ids + tuple(s.tokens) if s.sampling.penalized else None for s in seqs],
+                          self.target.spec.vocab_size, ids, parents)
+
     def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs, sync=lambda: None):
         """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under
         its layout; returns the kept path's samples [b, K + 1], accepted lengths [b], taps, and when the draft and
@@ -505,7 +514,8 @@ class SpeculativeDecoder:
         t_draft = time.perf_counter()
         hidden, taps = self.tree_forward(tokens.clamp(min=0), tcache, rows)
         preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].sampling for i in active],
-                                       [seqs[i].generator for i in active], committed)
+                                       [seqs[i].generator for i in active], committed,
+                                       self._history([seqs[i] for i in active], tokens, shape.topology.parents))
         samples, acc, taken, best = shape.verify(preds, tokens)
         commit_path(tcache, rows, committed, taken, acc)
         for j in shape.tables(dev)["from_lookup"][best].nonzero()[:, 0].tolist():

@@ -18,11 +18,15 @@ import math
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
 from trtllm_dflash.errors import require
 from trtllm_dflash.models.layers import widen
+
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")  # SamplingParams' names, TensorRT-LLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,10 @@ class SamplingParams:
     # end ids until it has that many new tokens); set per sequence by ``with_min_tokens``
     banned_ids: tuple[int, ...] = ()
     banned_before: int = 0
+    # TensorRT-LLM's occurrence penalties (``penalize``): 1.0 / 0.0 / 0.0 = off
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def with_min_tokens(self, min_tokens: int, prompt_len: int, end_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a sequence of ``prompt_len`` prompt tokens that must not end (no ``end_ids``)
@@ -44,15 +52,27 @@ class SamplingParams:
         return replace(self, banned_ids=tuple(sorted({int(e) for e in end_ids})), banned_before=prompt_len + min_tokens)
 
     def validate(self, prefix: str = "") -> None:
-        require(self.temperature >= 0, f"{prefix}temperature", self.temperature, "must be >= 0 (0 = greedy)")
-        require(math.isfinite(self.temperature), f"{prefix}temperature", self.temperature, "must be finite")
-        require(self.top_k >= 0, f"{prefix}top_k", self.top_k, "must be >= 0 (0 = off)")
-        require(0 < self.top_p <= 1, f"{prefix}top_p", self.top_p, "must be in (0, 1]")
-        require(self.banned_before >= 0, f"{prefix}banned_before", self.banned_before, "must be >= 0")
+        """Every field in range, or a ConfigError naming it: ``prefix`` + its name (prefix "--": the CLI's flag)."""
+        def field(name: str) -> str:
+            return f"--{name.replace('_', '-')}" if prefix == "--" else f"{prefix}{name}"
+
+        require(self.temperature >= 0, field("temperature"), self.temperature, "must be >= 0 (0 = greedy)")
+        require(math.isfinite(self.temperature), field("temperature"), self.temperature, "must be finite")
+        require(self.top_k >= 0, field("top_k"), self.top_k, "must be >= 0 (0 = off)")
+        require(0 < self.top_p <= 1, field("top_p"), self.top_p, "must be in (0, 1]")
+        require(self.banned_before >= 0, field("banned_before"), self.banned_before, "must be >= 0")
+        require(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, field("repetition_penalty"),
+                self.repetition_penalty, "must be a finite number > 0 (1.0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            require(math.isfinite(getattr(self, name)), field(name), getattr(self, name), "must be finite (0.0 = off)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -82,6 +102,96 @@ def slot_generator(generator: torch.Generator, position: int) -> torch.Generator
     return torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + position) % (1 << 63))
 
 
+@lru_cache(maxsize=64)
+def _on_path(parents: tuple[int, ...] | None, size: int) -> torch.Tensor:
+    """[size, size] bool: node t (t >= 1) is on the path from node 0 down to node s, s included. A chain
+    (``parents`` None) is the path 0, 1, ..., s."""
+    if parents is None:
+        out = torch.ones(size, size, dtype=torch.bool).tril()
+    else:
+        out = torch.zeros(size, size, dtype=torch.bool)
+        for s, p in enumerate(parents):
+            if s:
+                out[s] = out[p]
+                out[s, s] = True
+    out[:, 0] = False
+    return out
+
+
+@dataclass(frozen=True)
+class History:
+    """What each verified slot's occurrence penalties count (``penalize``): per row, every token of the sequence up
+    to and including slot 0's input token (prompt and answer so far, the bonus among them), and the step's own input
+    tokens, which the later slots see too."""
+
+    counts: list[torch.Tensor | None]  # [b] of [V]: occurrences of each token id; None for a row without penalties
+    ids: torch.Tensor | None = None  # [b, S] the verify's input tokens (slot 0 the bonus; < 0: no token)
+    parents: tuple[int, ...] | None = None  # a tree verify's node parents (runtime.tree.Topology); None: a chain
+
+    @staticmethod
+    def of(sequences: Sequence[Sequence[int] | None], vocab: int, ids: torch.Tensor | None = None,
+           parents: Sequence[int] | None = None) -> History:
+        """The history of rows whose tokens so far are ``sequences`` (None: a row without penalties)."""
+        counts = [None if seq is None else torch.bincount(torch.tensor(list(seq), dtype=torch.long),
+                                                          minlength=vocab).float() for seq in sequences]
+        return History(counts, ids, None if parents is None else tuple(parents))
+
+    def rows(self, index: Sequence[int]) -> History:
+        return History([self.counts[i] for i in index], None if self.ids is None else self.ids[list(index)],
+                       self.parents)
+
+    def slot_counts(self, row: int, first: int, n: int) -> torch.Tensor:
+        """[n, V] the occurrences behind slots first..first + n − 1 of ``row``: its counts plus the step's input
+        tokens on the path to each slot (node 0, the bonus, is counted already)."""
+        base = self.counts[row]
+        assert base is not None
+        out = base.expand(n, -1).clone()
+        if self.ids is None:
+            return out
+        ids = self.ids[row].cpu()
+        slot, node = _on_path(self.parents, ids.shape[0])[first : first + n].nonzero(as_tuple=True)
+        tok = ids[node]
+        keep = tok >= 0
+        out.index_put_((slot[keep], tok[keep]), torch.ones(int(keep.sum())), accumulate=True)
+        return out
+
+
+def penalize(
+    logits: torch.Tensor,  # [b, S, V] at slots first..first + S − 1 of a step
+    params: list[SamplingParams],
+    history: History | None,
+    first: int = 0,
+) -> torch.Tensor:
+    """``logits`` with each row's occurrence penalties applied, as TensorRT-LLM's sampling layer applies them
+    (``cpp/tensorrt_llm/kernels/penaltyKernels.cu``, ``batchApplyPenalty``, with its default promptIgnoreLength 0):
+    over every token of the prompt and of the answer so far, a token that occurs c > 0 times has its logit l, after
+    temperature, turned into l / r (l >= 0) or l · r (l < 0) for ``repetition_penalty`` r, then lowered by
+    ``presence_penalty`` and by c × ``frequency_penalty``. Here the temperature divides later (``processed_probs``),
+    so the subtracted terms are scaled by it. A verify slot counts the step's tokens before it as a one-token step
+    would count them once emitted, so drafts are checked against the penalised distribution: lossless as ever. A
+    copy; the same tensor when no row is penalised."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    require(history is not None, "history", None, "is needed to apply repetition/presence/frequency penalties")
+    out = widen(logits).clone()
+    for i in rows:
+        p = params[i]
+        counts = history.slot_counts(i, first, out.shape[1]).to(out.device, out.dtype)  # [S, V'], V' <= V
+        counts = torch.nn.functional.pad(counts, (0, out.shape[-1] - counts.shape[-1]))  # a padded head's extra ids
+        seen = counts > 0
+        x = out[i]
+        if p.repetition_penalty != 1.0:
+            x = torch.where(seen, torch.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        scale = 1.0 if p.greedy else p.temperature
+        if p.presence_penalty:
+            x = x - (p.presence_penalty * scale) * seen
+        if p.frequency_penalty:
+            x = x - (p.frequency_penalty * scale) * counts
+        out[i] = x
+    return out
+
+
 def target_samples(
     logits: torch.Tensor,  # [b, S, V] target logits at the verified slots
     params: list[SamplingParams],  # [b]
@@ -89,10 +199,11 @@ def target_samples(
     positions: torch.Tensor | None = None,  # [b] absolute position of the token slot 0 predicts; None = sequential
     offsets: list[int] | None = None,  # [S] with positions: slot s predicts position positions + offsets[s] (a tree's
     # node depths); None: + s
+    history: History | None = None,  # what penalised rows' slots count (``penalize``)
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
-    logits = ban_tokens(logits, params, positions, offsets)
+    logits = ban_tokens(penalize(logits, params, history), params, positions, offsets)
     out = logits.argmax(-1)
     for row, p in enumerate(params):
         if not p.greedy:
@@ -146,6 +257,7 @@ def verify_samples(
     params: list[SamplingParams],  # [b]
     generators: list[torch.Generator | None],  # [b]
     positions: torch.Tensor | None = None,  # [b] see ``target_samples``
+    history: History | None = None,  # see ``target_samples``
 ) -> tuple[torch.Tensor, torch.Tensor]:  # samples [b, B] (x_0..x_a valid), accepted lengths a [b]
     """Target samples and accepted lengths of one verify step (= ``target_samples`` then ``accepted_lengths``).
 
@@ -154,13 +266,14 @@ def verify_samples(
     τ ≈ 1.3) computes one slot instead of B; in-process B=16 decoding got 3.5% faster on the 2-core VM. Slots after a
     row's bonus token are left at −1. Sampled rows and GPUs (where the full head is one cheap GEMM and a host sync
     per chunk would cost more) take the eager path. A draft of −1 (padding under ``--block-size auto``) never matches.
-    Rows with a min_tokens ban (``SamplingParams.banned_ids``) have it applied to each chunk's logits.
+    Rows with a min_tokens ban (``SamplingParams.banned_ids``) or penalties have them applied to each chunk's logits.
     """
     if hidden.device.type != "cpu" or not all(p.greedy for p in params):
-        samples = target_samples(head(hidden), params, generators, positions)
+        samples = target_samples(head(hidden), params, generators, positions, history=history)
         return samples, accepted_lengths(drafts, samples)
     b, B = hidden.shape[:2]
     banning = any(p.banned_ids for p in params)
+    penalized = any(p.penalized for p in params)
     samples = torch.full((b, B), -1, dtype=torch.long, device=hidden.device)
     acc = torch.zeros(b, dtype=torch.long, device=hidden.device)
     alive = torch.arange(b, device=hidden.device)  # rows whose drafts all matched so far
@@ -168,6 +281,9 @@ def verify_samples(
     while lo < B and len(alive):
         hi = min(B, lo + width)
         x = head(hidden[alive, lo:hi])  # [a, hi − lo, V]
+        if penalized:
+            live = alive.tolist()
+            x = penalize(x, [params[i] for i in live], history and history.rows(live), first=lo)
         if banning:  # min_tokens: the rows' end ids out of the slots before their positions
             x = ban_tokens(x, [params[i] for i in alive.tolist()], None if positions is None else positions[alive] + lo)
         x = x.argmax(-1)  # [a, hi − lo]

@@ -40,7 +40,7 @@ import torch
 
 from trtllm_dflash.runtime.adaptive import held, ngram_candidates
 from trtllm_dflash.runtime.datastore import Datastore
-from trtllm_dflash.runtime.sampling import target_samples
+from trtllm_dflash.runtime.sampling import History, target_samples
 
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
 # (``perf/tree_shapes.py``: first 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the
@@ -125,11 +125,13 @@ class Topology:
             out.append(path + [n] * (self.k + 1 - len(path)))
         return out
 
-    def samples(self, logits: torch.Tensor, params, generators, lengths: torch.Tensor) -> torch.Tensor:
+    def samples(self, logits: torch.Tensor, params, generators, lengths: torch.Tensor,
+                history: History | None = None) -> torch.Tensor:
         """The target's token after every node [b, N] from the verify's ``logits`` [b, N, V], for rows with committed
         ``lengths`` [b]: the argmax for greedy rows; for sampled rows (``sampling.SamplingParams``, a generator each)
-        a draw from the noise of the position node n predicts, lengths + 1 + depth(n)."""
-        return target_samples(logits, params, generators, lengths + 1, self.depths)
+        a draw from the noise of the position node n predicts, lengths + 1 + depth(n). ``history``: what penalised
+        rows count (its ids the nodes' tokens, its parents these)."""
+        return target_samples(logits, params, generators, lengths + 1, self.depths, history)
 
     def tables(self, device) -> dict[str, torch.Tensor]:
         """The index tables on ``device`` (made once per device: a step reuses them)."""

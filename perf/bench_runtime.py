@@ -62,6 +62,8 @@ def block_label(text: str) -> int | str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from trtllm_dflash.commands.common import add_penalty_arguments
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="humaneval", help="humaneval | mtbench | path to a JSONL file of {\"prompt\"}")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -76,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="with --temperature: 0 = off (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: 1.0 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: every request's seed (default 0)")
+    add_penalty_arguments(p, (1.0, 0.0, 0.0), " (default %(default)s: off)")
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
@@ -144,7 +147,9 @@ def main(argv=None) -> int:
                                      datastore=args.datastore, cuda_graphs=args.cuda_graphs)
                      for b in blocks})
     prompts = load_prompts(args.dataset, args.limit)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty)
     sampling.validate("--")
 
     ms, tokens, capture_ms = collections.Counter(), collections.Counter(), collections.Counter()

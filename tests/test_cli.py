@@ -89,6 +89,8 @@ def test_demo_assets_is_idempotent_json(smollm2):
          "proposes for the tree verify's lookup chains only"),
         (["--prompt", "hi", "--block-size", "auto", "--max-block-size", "32"],
          "max_block_size=32: must be <= the drafter's trained block_size (16)"),
+        (["--prompt", "hi", "--repetition-penalty", "0"], "--repetition-penalty=0.0: must be a finite number > 0"),
+        (["--prompt", "hi", "--top-k", "-1"], "--top-k=-1: must be >= 0"),
         (["--prompt", "hi", "--max-new-tokens", "4", "--min-new-tokens", "5"],
          "--min-new-tokens=5: must be in [0, --max-new-tokens=4]"),
         (["--prompt", "hi", "--device", "cpu", "--cuda-graphs"],

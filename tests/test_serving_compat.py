@@ -59,9 +59,6 @@ def read_from(values: dict):
     ({"beam_width": 2}, None, "beam_width=2: is not supported: speculative decoding here runs one beam; send "
                               "beam_width 1"),
     ({"num_return_sequences": 3}, None, "num_return_sequences=3: is not supported"),
-    ({"repetition_penalty": 1.2}, None, "repetition_penalty=1.2: is not supported: the drafts are verified against"),
-    ({"presence_penalty": 0.5}, None, "presence_penalty=0.5: is not supported"),
-    ({"frequency_penalty": -1.0}, None, "frequency_penalty=-1.0: is not supported"),
     ({"return_log_probs": True}, None, "return_log_probs=True: is not supported: log-probabilities are not returned; "
                                        "send return_log_probs false"),
     ({"return_generation_logits": True}, None, "return_generation_logits=True: is not supported"),

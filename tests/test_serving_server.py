@@ -432,3 +432,28 @@ def test_triton_openai_frontends_request_gets_its_usage(server, oracle, stream):
     completion = sum(int(r.as_numpy("num_output_tokens")[0]) for r in sent)
     assert completion == len(sent[-1].as_numpy("output_ids").reshape(-1)) > 0
     assert int(sent[0].as_numpy("num_input_tokens")[0]) == len(tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("model", ["dflash", "baseline"])
+def test_penalised_requests_get_the_penalised_autoregressive_answer(server, raw_runtime, model):
+    """TensorRT-LLM's repetition, presence and frequency penalties (as its clients send them: FP32): the answer is
+    the in-process autoregressive one with the same penalties, which differs from the unpenalised answer; the drafts
+    were verified against the penalised distribution (block 8: drafts are accepted and rejected)."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    prompt = "def fibonacci(n):"
+    values = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2}
+    sampling = SamplingParams(**{k: float(np.float32(v)) for k, v in values.items()})
+    _, ref = raw_runtime(prompt, 48, sampling)
+    _, plain = raw_runtime(prompt, 48)
+    assert ref != plain
+    results, error = trtllm_stream(server, model, {
+        "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[48]], np.int32),
+        "stream": np.array([[True]]), **{k: np.array([[v]], np.float32) for k, v in values.items()}})
+    assert error is None, error
+    sent = [r for r in results if r.as_numpy("output_ids") is not None]
+    assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == ref
+    _, error = trtllm_stream(server, model, {
+        "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[8]], np.int32),
+        "repetition_penalty": np.array([[0.0]], np.float32)})
+    assert "repetition_penalty=0.0: must be a finite number > 0" in error

@@ -37,6 +37,9 @@ class GenerateParams:
     end_id: int | None = None
     stop_words: tuple[str, ...] = ()
     min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 @dataclass
@@ -99,7 +102,10 @@ def build_inputs(p: GenerateParams):
     ]
     optional = [("temperature", p.temperature, np.float32, "FP32"), ("top_k", p.top_k, np.int32, "INT32"),
                 ("top_p", p.top_p, np.float32, "FP32"), ("seed", p.seed, np.uint64, "UINT64"),
-                ("end_id", p.end_id, np.int32, "INT32"), ("min_tokens", p.min_tokens, np.int32, "INT32")]
+                ("end_id", p.end_id, np.int32, "INT32"), ("min_tokens", p.min_tokens, np.int32, "INT32"),
+                ("repetition_penalty", p.repetition_penalty, np.float32, "FP32"),
+                ("presence_penalty", p.presence_penalty, np.float32, "FP32"),
+                ("frequency_penalty", p.frequency_penalty, np.float32, "FP32")]
     for name, value, np_type, dtype in optional:
         if value is not None:
             inputs.append(make(name, np.array([[value]], dtype=np_type), dtype))

@@ -36,6 +36,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off (default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed, per prompt (default 0)")
+    add_penalty_arguments(parser, (1.0, 0.0, 0.0), " (default %(default)s: off)")
+
+
+def add_penalty_arguments(parser: argparse.ArgumentParser, defaults=(None, None, None), note: str = "") -> None:
+    """TensorRT-LLM's occurrence penalties over the prompt and the answer so far (runtime.sampling.penalize)."""
+    for flag, default, what in zip(("--repetition-penalty", "--presence-penalty", "--frequency-penalty"), defaults, (
+            "divide a repeated token's positive logit by this, multiply a negative one", "subtract this from a "
+            "repeated token's logit", "subtract this times a token's occurrences from its logit")):
+        parser.add_argument(flag, type=float, default=default, help=f"{what}; TensorRT-LLM's{note}")
 
 
 def add_ngram_argument(parser: argparse.ArgumentParser, where: str = "") -> None:

@@ -49,7 +49,9 @@ def main(args: argparse.Namespace) -> int:
         prompts = [Prompt("prompt", args.prompt, args.chat)]
     else:
         prompts = file_prompts(args.prompts_file, args.chat)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
+                              repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty)
     sampling.validate("--")
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
     require(0 <= args.min_new_tokens <= args.max_new_tokens, "--min-new-tokens", args.min_new_tokens,

@@ -149,6 +149,8 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    from trtllm_dflash.commands.common import add_penalty_arguments
+
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC endpoint")
     parser.add_argument("--model", default="dflash", help="ensemble to call: dflash or baseline")
     parser.add_argument("--prompt", required=True)
@@ -161,6 +163,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--min-tokens", type=int, default=None,
                         help="no stop ends the answer before this many tokens (TensorRT-LLM's min_tokens)")
+    add_penalty_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -168,7 +171,9 @@ def client_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
 
     params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
-                            args.top_p, args.seed, min_tokens=args.min_tokens)
+                            args.top_p, args.seed, min_tokens=args.min_tokens,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
     with DFlashClient(args.url) as client:
         on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
         done = client.generate(args.model, params, on_chunk)

@@ -25,7 +25,7 @@ import torch
 
 from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.models.layers import stack_padded
-from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.compat import response_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
@@ -156,11 +156,14 @@ class TritonSteps(CoalescedSteps):
 
     @staticmethod
     def _banned(sampling: SamplingParams) -> dict[str, np.ndarray]:
-        """A sequence's min_tokens ban for target_verify's start (no inputs when it has none)."""
-        if not sampling.banned_ids:
-            return {}
-        return {"banned_ids": np.array([sampling.banned_ids], np.int32),
-                "banned_before": np.array([[sampling.banned_before]], np.int32)}
+        """A sequence's min_tokens ban and penalties for target_verify's start (no inputs for what it has not)."""
+        out = {}
+        if sampling.banned_ids:
+            out = {"banned_ids": np.array([sampling.banned_ids], np.int32),
+                   "banned_before": np.array([[sampling.banned_before]], np.int32)}
+        if sampling.penalized:
+            out.update({name: np.array([[getattr(sampling, name)]], np.float32) for name in PENALTIES})
+        return out
 
     async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._rows(

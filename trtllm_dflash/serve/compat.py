@@ -10,7 +10,8 @@ token; and both read ``text_output`` as ``as_numpy("text_output")[0].decode()``,
 The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-level inputs below with its names, dtypes
 and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
-server can do exactly and accept only the neutral value of what it does not do, refusing any other by name. The
+server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``)
+and accept only the neutral value of what it does not do, refusing any other by name. The
 ensemble's prompt-table, embedding-bias, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses
 them naming the input.
 """
@@ -46,9 +47,6 @@ OUTPUTS = {"acceptance_rate": "TYPE_FP32", "total_accepted_draft_tokens": "TYPE_
 NEUTRAL = {
     "beam_width": (1, "speculative decoding here runs one beam"),
     "num_return_sequences": (1, "one sequence per request"),
-    "repetition_penalty": (1.0, "the drafts are verified against the target's unpenalised distribution"),
-    "presence_penalty": (0.0, "the drafts are verified against the target's unpenalised distribution"),
-    "frequency_penalty": (0.0, "the drafts are verified against the target's unpenalised distribution"),
     "return_log_probs": (False, "log-probabilities are not returned"),
     "return_context_logits": (False, "logits are not returned"),
     "return_generation_logits": (False, "logits are not returned"),

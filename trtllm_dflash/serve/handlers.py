@@ -79,8 +79,9 @@ def _engine_backend(params: dict[str, str]) -> bool:
 
 
 def sampling_from(pb_utils, request) -> SamplingParams:
-    """A request's sampling inputs; ``target_verify``'s start also takes the sequence's min_tokens ban
-    (``banned_ids`` INT32 [-1], ``banned_before`` INT32: ``SamplingParams.with_min_tokens``)."""
+    """A request's sampling inputs (TensorRT-LLM's names, the penalties included); ``target_verify``'s start also
+    takes the sequence's min_tokens ban (``banned_ids`` INT32 [-1], ``banned_before`` INT32:
+    ``SamplingParams.with_min_tokens``)."""
     banned = get(pb_utils, request, "banned_ids")
     return SamplingParams(
         temperature=scalar(pb_utils, request, "temperature", 0.0, float),
@@ -89,6 +90,9 @@ def sampling_from(pb_utils, request) -> SamplingParams:
         seed=scalar(pb_utils, request, "seed", 0, int),
         banned_ids=() if banned is None else tuple(int(t) for t in np.asarray(banned).reshape(-1)),
         banned_before=scalar(pb_utils, request, "banned_before", 0, int),
+        repetition_penalty=scalar(pb_utils, request, "repetition_penalty", 1.0, float),
+        presence_penalty=scalar(pb_utils, request, "presence_penalty", 0.0, float),
+        frequency_penalty=scalar(pb_utils, request, "frequency_penalty", 0.0, float),
     )
 
 

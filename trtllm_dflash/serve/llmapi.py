@@ -40,6 +40,8 @@ DERIVED_OUTPUTS = {
 UNAVAILABLE_INPUTS = {
     "end_id": "the llmapi model has no end_id input; a request that sets it is rejected (use stop_words)",
     "min_tokens": "the llmapi model has no min_tokens input; a request that asks for more than 0 is rejected",
+    "repetition_penalty": "the llmapi model has no repetition_penalty input; a request that sets one other than 1.0 "
+                          "is rejected (presence_penalty and frequency_penalty are passed on)",
 }
 
 
@@ -112,6 +114,9 @@ def llmapi_inputs(req: BridgeRequest) -> dict[str, np.ndarray]:
             out["sampling_param_top_k"] = np.array([s.top_k], dtype=np.int32)
         if s.top_p < 1.0:
             out["sampling_param_top_p"] = np.array([s.top_p], dtype=np.float32)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            out[f"sampling_param_{name}"] = np.array([getattr(s, name)], dtype=np.float32)
     if req.stop_words:
         out["sampling_param_stop"] = np.array([w.encode("utf-8") for w in req.stop_words], dtype=object)
     return out
@@ -216,9 +221,11 @@ class LlmApiBridge:
         max_tokens = scalar(pb, request, "max_tokens", None, int)
         require(max_tokens is not None, "max_tokens", None, "is required")
         opts = request_options(pb, request, max_tokens, len(self.tokenizer))
-        reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None})
-        return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)),
-                             sampling_from(pb, request), stops), opts
+        sampling = sampling_from(pb, request)
+        reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None,
+                            "repetition_penalty": None if sampling.repetition_penalty == 1.0
+                            else sampling.repetition_penalty})
+        return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)), sampling, stops), opts
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):
         """``text``: instead of the delta (the prompt echoed); ``extra``: what ``compat.response_outputs`` asks."""

@@ -28,7 +28,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
-from trtllm_dflash.runtime.sampling import SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.sampling import History, SamplingParams, target_samples, verify_samples
 from trtllm_dflash.runtime.tree import Topology, commit_path
 
 
@@ -135,7 +135,9 @@ class TargetVerifier:
         self.max_seq_len, self.max_tree_nodes = max_seq_len, max_tree_nodes
         self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
         self.slots = SlotTable(max_sequences, idle_timeout_s)
-        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None]] = self.slots.data
+        # seq_id -> its sampling, generator and, when penalised, its tokens' occurrences so far [V] (prompt and
+        # returned tokens: what runtime.sampling.penalize counts)
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None, torch.Tensor | None]] = self.slots.data
 
     def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
@@ -148,14 +150,16 @@ class TargetVerifier:
         row = self.slots.allocate(seq_id)
         try:
             gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-            self.sampling[seq_id] = (sampling, gen)
+            history = History.of([prompt_ids], self.target.spec.vocab_size) if sampling.penalized else None
+            self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None)
             rows = torch.tensor([row])
             self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
             with torch.inference_mode():
                 hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
                                            self.tap_layers if want_taps else ())
                 first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
-                                       torch.tensor([len(prompt_ids)]))[0, 0]
+                                       torch.tensor([len(prompt_ids)]), history=history)[0, 0]
+            self._count(seq_id, [int(first)])
         except BaseException:
             self.slots.free(seq_id)  # a failed start holds no slot
             raise
@@ -182,15 +186,33 @@ class TargetVerifier:
         ids = ids.to(self.target.device)
         params = [self.sampling[s] for s in seq_ids]
         if parents is not None:
-            return self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
-        positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
-        with torch.inference_mode():
-            hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
-                                       widths=self.target.verify_widths([real_width(b) for b in blocks]))
-            samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _ in params],
-                                          [g for _, g in params], positions)  # [b, B], [b]
-        self.cache.commit(rows, acc + 1)
-        return self._results(samples, acc, taps if want_taps else None)
+            results = self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
+        else:
+            positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
+            with torch.inference_mode():
+                hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
+                                           widths=self.target.verify_widths([real_width(b) for b in blocks]))
+                samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _, _ in params],
+                                              [g for _, g, _ in params], positions,
+                                              self._history(params, ids))  # [b, B], [b]
+            self.cache.commit(rows, acc + 1)
+            results = self._results(samples, acc, taps if want_taps else None)
+        for seq_id, r in zip(seq_ids, results):
+            self._count(seq_id, r.emitted)
+        return results
+
+    @staticmethod
+    def _history(params, ids: torch.Tensor, parents: tuple[int, ...] | None = None) -> History | None:
+        """What the penalised sequences of a verify count: their occurrences so far, and the block's tokens."""
+        if all(c is None for _, _, c in params):
+            return None
+        return History([c for _, _, c in params], ids, parents)
+
+    def _count(self, seq_id: int, tokens: list[int]) -> None:
+        """Add a penalised sequence's returned tokens to its occurrences (the next verify's slot 0 is the last)."""
+        counts = self.sampling[seq_id][2]
+        if counts is not None:
+            counts.index_put_((torch.tensor(tokens, dtype=torch.long),), torch.ones(len(tokens)), accumulate=True)
 
     def _verify_tree(self, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
         require(topology.size <= self.max_tree_nodes, "parents", f"a tree of {topology.size} nodes",
@@ -202,8 +224,8 @@ class TargetVerifier:
         with torch.inference_mode():
             hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                        layout=topology.layout(committed))
-            preds = topology.samples(self.target.logits(hidden), [p for p, _ in params], [g for _, g in params],
-                                     committed)
+            preds = topology.samples(self.target.logits(hidden), [p for p, _, _ in params],
+                                     [g for _, g, _ in params], committed, self._history(params, ids, topology.parents))
             samples, acc, taken, _ = topology.verify(preds, ids)
         commit_path(self.cache, rows, committed, taken, acc)
         self.cache.commit(rows, acc + 1)

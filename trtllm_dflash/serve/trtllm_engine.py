@@ -33,7 +33,7 @@ import torch
 
 from trtllm_dflash.engine import contract
 from trtllm_dflash.errors import ArtifactError, ConfigError, read_json, require
-from trtllm_dflash.runtime.sampling import SamplingParams, accepted_lengths
+from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams, accepted_lengths
 from trtllm_dflash.serve.steps import SlotTable, StartResult, VerifyResult
 
 BUILD_MANIFEST = "build_manifest.json"
@@ -218,6 +218,9 @@ class SequenceBook:
         # each verify is a new executor request, whose own min_tokens would count from that request's start
         require(not sampling.banned_ids, "min_tokens", sampling.banned_before - len(prompt_ids),
                 "is not supported by the trtllm-engine backend", "omit it, or serve a --backend torch repository")
+        for name in PENALTIES:  # the executor would count them over each verify request alone, not the drafts
+            require(getattr(sampling, name) == getattr(SamplingParams(), name), name, getattr(sampling, name),
+                    "is not supported by the trtllm-engine backend", "omit it, or serve a --backend torch repository")
         self.slots.allocate(seq_id)
         self.state[seq_id] = SequenceState(list(prompt_ids), sampling)
         return self.state[seq_id]

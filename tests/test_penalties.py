@@ -89,3 +89,36 @@ def test_penalised_decoding_is_lossless(tmp_path_factory, penalties, temperature
     assert [r.token_ids for r in tree.generate(reqs)] == ar
     for kw in (dict(block_size=4, ngram=True), dict(block_size="auto", ngram=True)):
         assert [r.token_ids for r in SpeculativeDecoder(target, drafter, **kw).generate(reqs)] == ar, kw
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_models, tree, temperature):
+    """The served path without Triton: target_verify's engine keeps each sequence's occurrences from its start
+    (prompt and first token) through every verify's returned tokens, chain or tree; the loop's answer is the
+    in-process autoregressive one with the same penalties."""
+    import asyncio
+
+    from trtllm_dflash.runtime.tree import tree_for
+    from trtllm_dflash.serve.loop import LocalSteps, run_generation
+    from trtllm_dflash.serve.protocol import GenerateRequest
+    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+
+    target, drafter = tiny_models["llama"]
+    shape = tree_for(7) if tree else None
+    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16,
+                              max_tree_nodes=shape.size if tree else 0)
+    steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
+                                                                                       torch.float64), 2, 256))
+    sampling = SamplingParams(temperature, seed=3, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)
+    for prompt in ([9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]):
+        want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0].token_ids
+        updates = []
+
+        async def on_update(u):
+            updates.append(u)
+
+        req = GenerateRequest(tuple(prompt), 32, sampling, (), True)
+        asyncio.run(run_generation(steps, req, 8, 3, on_update, ngram=True, tree=shape))
+        assert updates[-1].tokens == list(want)
+    assert not verifier.slots.rows

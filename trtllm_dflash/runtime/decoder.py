@@ -401,13 +401,14 @@ class SpeculativeDecoder:
                     drafts = torch.empty(b, 0, dtype=torch.long, device=dev)
                 sync()
                 t_draft = time.perf_counter()
-                verify_ids = torch.cat([cur[:, None], drafts.clamp(min=0)], dim=1)  # [b, K + 1]
+                block = torch.cat([cur[:, None], drafts], dim=1)  # [b, K + 1]; −1: padding
+                verify_ids = block.clamp(min=0)
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
                 hidden, taps = self.verify_forward(verify_ids, tcache, rows, widths)
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].sampling for i in active],
                     [seqs[i].generator for i in active], positions,
-                    self._history([seqs[i] for i in active], torch.cat([cur[:, None], drafts], dim=1)),
+                    self._history([seqs[i] for i in active], block),
                 )  # [b, K + 1] (valid up to each row's bonus), [b]
                 sync()
                 t_verify = time.perf_counter()

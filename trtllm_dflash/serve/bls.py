@@ -155,7 +155,7 @@ class TritonSteps(CoalescedSteps):
         return await self._start_call(seq_id, prompt_ids, sampling, want_taps)
 
     @staticmethod
-    def _banned(sampling: SamplingParams) -> dict[str, np.ndarray]:
+    def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
         """A sequence's min_tokens ban and penalties for target_verify's start (no inputs for what it has not)."""
         out = {}
         if sampling.banned_ids:
@@ -171,7 +171,7 @@ class TritonSteps(CoalescedSteps):
             tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
-            **self._banned(sampling), **self._coalesced(1))
+            **self._start_inputs(sampling), **self._coalesced(1))
         return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
 
     async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:

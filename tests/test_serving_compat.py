@@ -47,8 +47,9 @@ def test_the_entry_declares_the_ensembles_inputs_as_tensorrt_llm_does(tiny_dirs,
     assert all(ours[n][0] == dtype for n, dtype in FACTS["genai_perf_request"].items())
     assert set(FACTS["end_to_end_grpc_client_request"]) <= set(ours)
     assert all(ours[n][0] == dtype for n, dtype in FACTS["openai_frontend_request"].items())  # Triton's OpenAI API
-    for name, dtype in compat.OUTPUTS.items():  # the extra outputs carry TRT-LLM's names and dtypes
+    for name, (dtype, dims) in compat.OUTPUTS.items():  # the extra outputs carry TRT-LLM's names, dtypes and dims
         assert FACTS["outputs"][name]["data_type"] == dtype
+        assert FACTS["outputs"][name]["dims"] == [int(x) for x in dims.split(",")], name
 
 
 def read_from(values: dict):
@@ -59,8 +60,8 @@ def read_from(values: dict):
     ({"beam_width": 2}, None, "beam_width=2: is not supported: speculative decoding here runs one beam; send "
                               "beam_width 1"),
     ({"num_return_sequences": 3}, None, "num_return_sequences=3: is not supported"),
-    ({"return_log_probs": True}, None, "return_log_probs=True: is not supported: log-probabilities are not returned; "
-                                       "send return_log_probs false"),
+    ({"return_context_logits": True}, None, "return_context_logits=True: is not supported: logits are not returned; "
+                                            "send return_context_logits false"),
     ({"return_generation_logits": True}, None, "return_generation_logits=True: is not supported"),
     ({"length_penalty": float("nan")}, None, "length_penalty=nan: must be finite"),
     ({"pad_id": 999}, None, r"pad_id=999: must be a token id in \[0, 256\)"),
@@ -86,6 +87,17 @@ def test_neutral_values_and_honoured_inputs_are_accepted():
     assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens"}
     assert out["acceptance_rate"].tolist() == [0.25] and out["num_output_tokens"].tolist() == [8]
     assert all(v.ndim == 1 for v in out.values())
+
+
+def test_log_probs_go_out_shaped_as_the_tensorrt_llm_model_sends_them():
+    """[batch 1, beam 1, this response's tokens] and [1, 1] the sum over every token so far."""
+    opts = compat.parse_options(read_from({"return_log_probs": True}), None, 8, 256)
+    assert opts == compat.Options(log_probs=True)
+    out = dict(compat.response_outputs(opts, 5, 2, 0, 0, [-0.5, -1.0, -0.25, -2.0]))
+    assert out["output_log_probs"].shape == (1, 1, 2) and out["output_log_probs"].tolist() == [[[-0.25, -2.0]]]
+    assert out["cum_log_probs"].tolist() == [[-3.75]] and out["cum_log_probs"].dtype.name == "float32"
+    empty = dict(compat.response_outputs(opts, 5, 0, 0, 0, [-0.5]))  # a final response with no new token
+    assert empty["output_log_probs"].shape == (1, 1, 0) and empty["cum_log_probs"].tolist() == [[-0.5]]
 
 
 def test_stops_do_not_count_before_min_tokens():

@@ -344,11 +344,12 @@ def raw_runtime(smollm2, oracle):
     target, _ = load_pair(smollm2["target"], smollm2["drafter"])
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
 
-    def run(prompt, max_tokens, sampling=SamplingParams(), min_new_tokens=0):
+    def run(prompt, max_tokens, sampling=SamplingParams(), min_new_tokens=0, result=False):
+        """(prompt ids, answer tokens); ``result``: (prompt ids, the GenerationResult)."""
         ids = encode_prompt(tok, prompt, chat=False)
         out = SpeculativeDecoder(target, None, 1).generate(
             [Request(tuple(ids), max_tokens, sampling, stop_token_ids=stops, min_new_tokens=min_new_tokens)])[0]
-        return ids, list(out.token_ids)
+        return ids, out if result else list(out.token_ids)
 
     return run
 
@@ -457,3 +458,72 @@ def test_penalised_requests_get_the_penalised_autoregressive_answer(server, raw_
         "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[8]], np.int32),
         "repetition_penalty": np.array([[0.0]], np.float32)})
     assert "repetition_penalty=0.0: must be a finite number > 0" in error
+
+
+@pytest.mark.parametrize("model", ["dflash", "baseline"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_log_probs_are_the_autoregressive_ones(server, raw_runtime, model, stream):
+    """``return_log_probs`` (TensorRT-LLM's input): every response carries ``output_log_probs`` [1, 1, its tokens]
+    and ``cum_log_probs`` [1, 1] (the sum over every token so far), equal to the in-process autoregressive decoding's
+    (block 8 here: the verify's slots give a one-token step's values, up to float rounding); greedy and sampled."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    prompt = "def fibonacci(n):"
+    for temperature in (0.0, 0.8):
+        _, ref = raw_runtime(prompt, 40, SamplingParams(temperature, seed=5, logprobs=True), result=True)
+        results, error = trtllm_stream(server, model, {
+            "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
+            "stream": np.array([[stream]]), "temperature": np.array([[temperature]], np.float32),
+            "seed": np.array([[5]], np.uint64), "return_log_probs": np.array([[True]])})
+        assert error is None, error
+        sent = [r for r in results if r.as_numpy("output_ids") is not None]
+        assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == list(ref.token_ids)
+        got, before = [], 0
+        for r in sent:
+            lp, cum = r.as_numpy("output_log_probs"), r.as_numpy("cum_log_probs")
+            assert lp.dtype == np.float32 and lp.shape[:2] == (1, 1) and cum.shape == (1, 1)
+            assert lp.shape[2] == r.as_numpy("output_ids").size - before  # this response's tokens
+            before = r.as_numpy("output_ids").size
+            got += lp.reshape(-1).tolist()
+            assert float(cum[0, 0]) == pytest.approx(sum(got), abs=1e-3)
+        assert got == pytest.approx(list(ref.logprobs), abs=2e-4)
+        assert all(v <= 0 for v in got) and len(sent) > (1 if stream else 0)
+    results, _ = trtllm_stream(server, model, {"text_input": np.array([[prompt]], dtype=object),
+                                               "max_tokens": np.array([[8]], np.int32)})
+    assert results[-1].as_numpy("output_log_probs") is None  # not asked: not sent
+
+
+def test_the_token_level_loop_returns_log_probs_too(server, smollm2, oracle):
+    """dflash_bls (the loop model over token ids) with return_log_probs: output_log_probs per response, the
+    in-process autoregressive values over the same ids."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    _, tok = oracle
+    prompt = "Write a haiku about the sea."
+    target, _ = load_pair(smollm2["target"], smollm2["drafter"])
+    want = SpeculativeDecoder(target, None, 1).generate([Request(
+        tuple(encode_prompt(tok, prompt, chat=True)), 24, SamplingParams(logprobs=True), stop_token_ids=(2,))])[0]
+    results, errors, done = [], [], threading.Event()
+
+    def on_response(result, error):  # tritonclient passes both by keyword
+        if error is not None:
+            errors.append(error)
+        else:
+            results.append(result)
+        if error is not None or bool(result.as_numpy("is_final")[0]):
+            done.set()
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=on_response)
+    flag = grpcclient.InferInput("return_log_probs", [1, 1], "BOOL")
+    flag.set_data_from_numpy(np.array([[True]]))
+    c.async_stream_infer("dflash_bls", [*bls_inputs(tok, prompt, 24), flag])
+    assert done.wait(120), "no final response"
+    c.stop_stream()
+    assert not errors, errors
+    assert results[-1].as_numpy("output_ids").reshape(-1).tolist() == list(want.token_ids)
+    got = [v for r in results for v in r.as_numpy("output_log_probs").reshape(-1).tolist()]
+    assert got == pytest.approx(list(want.logprobs), abs=2e-4)
+    assert float(results[-1].as_numpy("cum_log_probs")[0, 0]) == pytest.approx(sum(want.logprobs), abs=1e-3)

@@ -114,6 +114,36 @@ def test_repetition_penalty_equals_transformers_and_penalties_stay_lossless(smol
             assert list(dec.generate([req])[0].token_ids) == ref, sampling
 
 
+def test_log_probs_equal_transformers_and_every_decoder_returns_them(smollm2, real):
+    """The returned tokens' log-probabilities: transformers' own (``compute_transition_scores`` with
+    ``normalize_logits``: the log-softmax of the scores it chose from) autoregressively, greedy; and the demo drafter
+    at block 16 + prompt lookup, ``auto`` + prompt lookup and a tree return the autoregressive values (a verify slot
+    is a one-token step: equal up to float rounding) with the same tokens."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.tree import tree_for
+
+    target, drafter, tok, prompts = real
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2["target"], dtype=torch.float32).eval()
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=list(stops), pad_token_id=stops[0],
+                          output_scores=True, return_dict_in_generate=True)
+    scores = hf.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0].tolist()
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    n = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+    req = Request(tuple(prompts[1]), 40, SamplingParams(logprobs=True), stop_token_ids=stops)
+    ref = SpeculativeDecoder(target, None, 1).generate([req])[0]
+    assert list(ref.token_ids) == tokens[:n]
+    assert list(ref.logprobs) == pytest.approx(scores[:n], abs=1e-4)
+    for dec in (SpeculativeDecoder(target, drafter, 16, ngram=True),
+                SpeculativeDecoder(target, drafter, "auto", ngram=True),
+                SpeculativeDecoder(target, drafter, 8, tree=tree_for(7))):
+        got = dec.generate([req])[0]
+        assert got.token_ids == ref.token_ids
+        assert list(got.logprobs) == pytest.approx(list(ref.logprobs), abs=1e-4)
+
+
 def test_demo_drafter_runs_lossless(real):
     target, drafter, tok, prompts = real
     stops = stop_token_ids(tok, target.spec.eos_token_ids)

@@ -35,7 +35,8 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_lookup
-from trtllm_dflash.runtime.sampling import History, SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, target_samples,
+                                            verify_samples)
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
@@ -63,6 +64,7 @@ class GenerationResult:
     draft_lengths: tuple[int, ...] = ()  # k (drafts verified) per step; set under block size "auto"
     lookup_steps: int = 0  # steps that verified a prompt-lookup continuation instead of the drafter's block (ngram)
     lookup_ms: float = 0.0  # tree verify: host time spent making this sequence's lookup chains' proposals
+    logprobs: tuple[float, ...] = ()  # with ``sampling.logprobs``: each token's log-probability (chosen_logprobs)
 
     @property
     def num_new_tokens(self) -> int:
@@ -92,14 +94,16 @@ class _Seq:
     policy: SeqState | None = None
     lookup_steps: int = 0
     lookup_ms: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # the kept tokens', when the request asks for them
     sampling: SamplingParams = field(init=False)  # the request's, with its min_new_tokens' ban
 
     def __post_init__(self) -> None:
         r = self.request
         self.sampling = r.sampling.with_min_tokens(r.min_new_tokens, len(r.prompt_ids), r.stop_token_ids)
 
-    def emit(self, new: list[int]) -> list[int]:
-        """Append new tokens up to a stop token or the length limit; return what was actually kept."""
+    def emit(self, new: list[int], logprobs: list[float] | None = None) -> list[int]:
+        """Append new tokens (and their ``logprobs``) up to a stop token or the length limit; return what was
+        actually kept."""
         kept = []
         for tok in new:
             if tok in self.request.stop_token_ids:
@@ -110,6 +114,8 @@ class _Seq:
                 self.finish_reason = "length"
                 break
         self.tokens.extend(kept)
+        if self.sampling.logprobs and logprobs is not None:
+            self.logprobs.extend(logprobs[: len(kept)])
         return kept
 
 
@@ -315,8 +321,10 @@ class SpeculativeDecoder:
         hidden, taps = self.target(ids, tcache, tap_layers=self.taps,  # [n, P_max, H], [n, P_max, K·H]
                                    widths=torch.tensor([len(r.prompt_ids) for r in requests]))  # padding: skipped
         last = hidden[torch.arange(n, device=dev), prompt_lens - 1]  # [n, H]
+        lp = logprobs_buffer([s.sampling for s in seqs], n, 1, dev)
         first = target_samples(self.target.logits(last)[:, None], [s.sampling for s in seqs],
-                               [s.generator for s in seqs], prompt_lens, history=self._history(seqs))[:, 0]  # [n]
+                               [s.generator for s in seqs], prompt_lens, history=self._history(seqs),
+                               logprobs=lp)[:, 0]  # [n]
         tcache.commit(None, prompt_lens)
         # ``auto`` and ``ngram`` inject lazily: the taps of committed tokens wait here until their row next drafts,
         # then go through the drafter's K/V projection in one call (same K/V as eager injection; k = 0 steps and
@@ -328,7 +336,7 @@ class SpeculativeDecoder:
             self._inject(taps, prompt_lens, dcache)
         bonus = first.clone()  # [n]: last emitted token, not yet fed to the target
         ttft_ms = (time.perf_counter() - t0) * 1e3
-        self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0)
+        self._emit(seqs, range(n), [[int(t)] for t in first], on_tokens, t0, lp)
 
         # the step's device syncs only serve the adaptive policy's timings; without a policy the one sync a step
         # needs is reading the accepted lengths and samples back, and the host queues the next step's work
@@ -364,7 +372,8 @@ class SpeculativeDecoder:
                 ks = policy.decide(states, lookups and [len(c) for c in lookups])
             use_tree = bool(self.tree) and (policy is None or policy.choose_tree(states))
             if use_tree:  # runtime.tree: the drafter's block, its alternates and the lookup chains at once
-                samples, acc, taps, t_draft = self._tree_verify(cur, rows, active, tcache, dcache, pending, seqs, sync)
+                samples, acc, taps, t_draft, lp = self._tree_verify(cur, rows, active, tcache, dcache, pending, seqs,
+                                                                    sync)
                 sync()
                 t_verify = time.perf_counter()
             else:
@@ -405,10 +414,11 @@ class SpeculativeDecoder:
                 verify_ids = block.clamp(min=0)
                 positions = (tcache.lengths if rows is None else tcache.lengths[rows]) + 1  # [b] token slot 0 predicts
                 hidden, taps = self.verify_forward(verify_ids, tcache, rows, widths)
+                lp = logprobs_buffer([seqs[i].sampling for i in active], b, block.shape[1], dev)
                 samples, acc = verify_samples(
                     self.target.logits, hidden, drafts, [seqs[i].sampling for i in active],
                     [seqs[i].generator for i in active], positions,
-                    self._history([seqs[i] for i in active], block),
+                    self._history([seqs[i] for i in active], block), lp,
                 )  # [b, K + 1] (valid up to each row's bonus), [b]
                 sync()
                 t_verify = time.perf_counter()
@@ -445,7 +455,7 @@ class SpeculativeDecoder:
                 now = time.perf_counter()
                 policy.observe_step(ks, accepted, t_draft - t_step, t_verify - t_draft, now - t_verify, len(drafting),
                                     timed=timed)
-            self._emit(seqs, active, emitted, on_tokens, t0)
+            self._emit(seqs, active, emitted, on_tokens, t0, lp)
 
         return [
             GenerationResult(
@@ -455,6 +465,7 @@ class SpeculativeDecoder:
                 draft_lengths=tuple(s.policy.chosen) if s.policy is not None else (),
                 lookup_steps=s.lookup_steps,
                 lookup_ms=s.lookup_ms,
+                logprobs=tuple(s.logprobs),
                 finish_reason=s.finish_reason or "length",
                 ttft_ms=ttft_ms,
                 total_ms=s.total_ms,
@@ -487,8 +498,9 @@ class SpeculativeDecoder:
 
     def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs, sync=lambda: None):
         """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under
-        its layout; returns the kept path's samples [b, K + 1], accepted lengths [b], taps, and when the draft and
-        the proposals were done (``sync`` first: the adaptive policy's timing)."""
+        its layout; returns the kept path's samples [b, K + 1], accepted lengths [b], taps, when the draft and
+        the proposals were done (``sync`` first: the adaptive policy's timing) and the path's log-probabilities
+        [b, K + 1] (None when no row asks for them)."""
         shape, dev = self.tree, cur.device
         k = shape.k
         if pending is not None:
@@ -514,14 +526,16 @@ class SpeculativeDecoder:
         sync()
         t_draft = time.perf_counter()
         hidden, taps = self.tree_forward(tokens.clamp(min=0), tcache, rows)
+        lp = logprobs_buffer([seqs[i].sampling for i in active], *tokens.shape, dev)
         preds = shape.topology.samples(self.target.logits(hidden), [seqs[i].sampling for i in active],
                                        [seqs[i].generator for i in active], committed,
-                                       self._history([seqs[i] for i in active], tokens, shape.topology.parents))
+                                       self._history([seqs[i] for i in active], tokens, shape.topology.parents), lp)
         samples, acc, taken, best = shape.verify(preds, tokens)
         commit_path(tcache, rows, committed, taken, acc)
         for j in shape.tables(dev)["from_lookup"][best].nonzero()[:, 0].tolist():
             seqs[active[j]].lookup_steps += 1
-        return samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1])), t_draft
+        return (samples, acc, taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1])), t_draft,
+                None if lp is None else lp.gather(1, taken))
 
     def propose(
         self,
@@ -549,9 +563,12 @@ class SpeculativeDecoder:
         return out[0] if static else out
 
     @staticmethod
-    def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float):
-        for i, new in zip(rows, new_tokens):
-            kept = seqs[i].emit(new)
+    def _emit(seqs: list[_Seq], rows, new_tokens: list[list[int]], on_tokens: TokenCallback | None, t0: float,
+              logprobs: torch.Tensor | None = None):
+        """``logprobs``: the step's [len(rows), ≥ tokens] buffer (``sampling.logprobs_buffer``) or None."""
+        host = None if logprobs is None else logprobs.tolist()
+        for j, (i, new) in enumerate(zip(rows, new_tokens)):
+            kept = seqs[i].emit(new, None if host is None else host[j])
             if kept and on_tokens is not None:
                 on_tokens(i, kept)
             if seqs[i].finish_reason is not None:

@@ -43,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # also return each chosen token's log-probability (``chosen_logprobs``; TensorRT-LLM's return_log_probs)
+    logprobs: bool = False
 
     def with_min_tokens(self, min_tokens: int, prompt_len: int, end_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a sequence of ``prompt_len`` prompt tokens that must not end (no ``end_ids``)
@@ -192,6 +194,33 @@ def penalize(
     return out
 
 
+def chosen_logprobs(
+    logits: torch.Tensor,  # [b, S, V] processed logits (``ban_tokens``, ``penalize``): what the choice was made from
+    params: list[SamplingParams],  # [b]
+    tokens: torch.Tensor,  # [b, S] the chosen tokens (< 0: none; its value is meaningless)
+) -> torch.Tensor:  # [b, S], float32 or wider (the logits' widened dtype)
+    """The log-probability of each chosen token under the distribution it was drawn from: the softmax of the
+    processed logits at the row's temperature (1 for a greedy row), before top-k / top-p truncation — what
+    TensorRT-LLM's sampling kernels add to ``cum_log_probs`` and write to ``output_log_probs`` when
+    ``normalize_log_probs`` is off (``samplingTopKKernels.cu``: log P(i | vocabulary), "the same way as OpenAI
+    does"). A verify slot's logits are a one-token step's, so speculative decoding returns the autoregressive values
+    (up to float rounding: the forward's shapes differ)."""
+    x = widen(logits)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=x.dtype, device=x.device)
+    x = x / temps[:, None, None]
+    picked = x.gather(-1, tokens.clamp(min=0)[..., None].to(x.device))[..., 0]
+    return picked - torch.logsumexp(x, dim=-1)
+
+
+def logprobs_buffer(params: Sequence[SamplingParams], rows: int, slots: int, device) -> torch.Tensor | None:
+    """A step's [rows, slots] buffer for its tokens' log-probabilities (``target_samples`` writes it; NaN where
+    nothing is written; float64, so a float64 model's values stay exact) when one of its rows asks for them
+    (``SamplingParams.logprobs``); None otherwise."""
+    if not any(p.logprobs for p in params):
+        return None
+    return torch.full((rows, slots), float("nan"), dtype=torch.float64, device=device)
+
+
 def target_samples(
     logits: torch.Tensor,  # [b, S, V] target logits at the verified slots
     params: list[SamplingParams],  # [b]
@@ -200,6 +229,7 @@ def target_samples(
     offsets: list[int] | None = None,  # [S] with positions: slot s predicts position positions + offsets[s] (a tree's
     # node depths); None: + s
     history: History | None = None,  # what penalised rows' slots count (``penalize``)
+    logprobs: torch.Tensor | None = None,  # [b, S] written: each sample's log-probability (``logprobs_buffer``)
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
@@ -215,6 +245,8 @@ def target_samples(
                 at = range(probs.shape[0]) if offsets is None else offsets
                 out[row] = torch.tensor([int(torch.multinomial(probs[s], 1, generator=slot_generator(
                     generators[row], start + o))) for s, o in enumerate(at)], device=out.device)
+    if logprobs is not None:
+        logprobs.copy_(chosen_logprobs(logits, params, out))
     return out
 
 
@@ -258,6 +290,7 @@ def verify_samples(
     generators: list[torch.Generator | None],  # [b]
     positions: torch.Tensor | None = None,  # [b] see ``target_samples``
     history: History | None = None,  # see ``target_samples``
+    logprobs: torch.Tensor | None = None,  # [b, B] written at x_0..x_a at least (``logprobs_buffer``)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # samples [b, B] (x_0..x_a valid), accepted lengths a [b]
     """Target samples and accepted lengths of one verify step (= ``target_samples`` then ``accepted_lengths``).
 
@@ -269,7 +302,7 @@ def verify_samples(
     Rows with a min_tokens ban (``SamplingParams.banned_ids``) or penalties have them applied to each chunk's logits.
     """
     if hidden.device.type != "cpu" or not all(p.greedy for p in params):
-        samples = target_samples(head(hidden), params, generators, positions, history=history)
+        samples = target_samples(head(hidden), params, generators, positions, history=history, logprobs=logprobs)
         return samples, accepted_lengths(drafts, samples)
     b, B = hidden.shape[:2]
     banning = any(p.banned_ids for p in params)
@@ -286,11 +319,13 @@ def verify_samples(
             x = penalize(x, [params[i] for i in live], history and history.rows(live), first=lo)
         if banning:  # min_tokens: the rows' end ids out of the slots before their positions
             x = ban_tokens(x, [params[i] for i in alive.tolist()], None if positions is None else positions[alive] + lo)
-        x = x.argmax(-1)  # [a, hi − lo]
-        samples[alive, lo:hi] = x
+        chosen = x.argmax(-1)  # [a, hi − lo]
+        if logprobs is not None:
+            logprobs[alive, lo:hi] = chosen_logprobs(x, [params[i] for i in alive.tolist()], chosen).to(logprobs.dtype)
+        samples[alive, lo:hi] = chosen
         m = min(hi, B - 1) - lo  # slots of this chunk that have a draft to check (the last slot has none)
         if m > 0:
-            match = (drafts[alive, lo : lo + m] == x[:, :m]).long().cumprod(-1)  # [a, m]
+            match = (drafts[alive, lo : lo + m] == chosen[:, :m]).long().cumprod(-1)  # [a, m]
             acc[alive] += match.sum(-1)
             alive = alive[match[:, -1].bool()]
         lo, width = hi, 2 * width

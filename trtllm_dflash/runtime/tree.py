@@ -126,12 +126,13 @@ class Topology:
         return out
 
     def samples(self, logits: torch.Tensor, params, generators, lengths: torch.Tensor,
-                history: History | None = None) -> torch.Tensor:
+                history: History | None = None, logprobs: torch.Tensor | None = None) -> torch.Tensor:
         """The target's token after every node [b, N] from the verify's ``logits`` [b, N, V], for rows with committed
         ``lengths`` [b]: the argmax for greedy rows; for sampled rows (``sampling.SamplingParams``, a generator each)
         a draw from the noise of the position node n predicts, lengths + 1 + depth(n). ``history``: what penalised
-        rows count (its ids the nodes' tokens, its parents these)."""
-        return target_samples(logits, params, generators, lengths + 1, self.depths, history)
+        rows count (its ids the nodes' tokens, its parents these); ``logprobs`` [b, N]: written, each token's
+        log-probability (``sampling.chosen_logprobs``)."""
+        return target_samples(logits, params, generators, lengths + 1, self.depths, history, logprobs)
 
     def tables(self, device) -> dict[str, torch.Tensor]:
         """The index tables on ``device`` (made once per device: a step reuses them)."""

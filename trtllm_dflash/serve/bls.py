@@ -27,7 +27,7 @@ from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
 from trtllm_dflash.serve.coalesce import Call, StepCoalescer
-from trtllm_dflash.serve.compat import response_outputs
+from trtllm_dflash.serve.compat import Options, response_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, generate_request
@@ -156,8 +156,9 @@ class TritonSteps(CoalescedSteps):
 
     @staticmethod
     def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
-        """A sequence's min_tokens ban and penalties for target_verify's start (no inputs for what it has not)."""
-        out = {}
+        """A sequence's min_tokens ban, penalties and log-probability request for target_verify's start (no inputs
+        for what it has not)."""
+        out = {"return_log_probs": np.array([[True]])} if sampling.logprobs else {}
         if sampling.banned_ids:
             out = {"banned_ids": np.array([sampling.banned_ids], np.int32),
                    "banned_before": np.array([[sampling.banned_before]], np.int32)}
@@ -167,12 +168,14 @@ class TritonSteps(CoalescedSteps):
 
     async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
         out = await self._rows(
-            self.target, ["out_tokens", "taps"], mode=np.array([[START]], np.int32), seq_id=self._seq(seq_id)[None],
+            self.target, ["out_tokens", "out_log_probs", "taps"], mode=np.array([[START]], np.int32),
+            seq_id=self._seq(seq_id)[None],
             tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
             **self._start_inputs(sampling), **self._coalesced(1))
-        return int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None
+        return (int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None,
+                out["out_log_probs"][0, :1].tolist() if sampling.logprobs else None)
 
     async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:
         """The coalescer's batched call: one request with a row per sequence, the results split back per row."""
@@ -192,12 +195,15 @@ class TritonSteps(CoalescedSteps):
         if kind == "verify":
             _, want, parents = key
             tree = {} if parents is None else {"parents": np.array([parents] * n, np.int32)}
-            out = await self._rows(self.target, ["out_tokens", "taps"], mode=column([VERIFY] * n, np.int32),
-                                   seq_id=seqs, tokens=np.array([c.args[1] for c in calls], np.int32),
+            out = await self._rows(self.target, ["out_tokens", "out_log_probs", "taps"],
+                                   mode=column([VERIFY] * n, np.int32), seq_id=seqs,
+                                   tokens=np.array([c.args[1] for c in calls], np.int32),
                                    want_taps=column([want] * n, bool), **tree, **self._coalesced(n))
             tokens = out["out_tokens"].cpu().numpy()
             emitted = [[int(t) for t in row if t >= 0] for row in tokens]
-            return [(e, out["taps"][j, :len(e)] if want else None) for j, e in enumerate(emitted)]
+            logprobs = out["out_log_probs"].tolist()  # NaN for a sequence that did not ask (the loop ignores them)
+            return [(e, out["taps"][j, :len(e)] if want else None, logprobs[j][:len(e)])
+                    for j, e in enumerate(emitted)]
         ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
         block, top = key
         choices = {} if top == 1 else {"top": column([top] * n, np.int32)}  # a repository rendered before: no input
@@ -315,7 +321,7 @@ class LoopModel:
     def _response(self, u: Update, detok=None, text=None, extra=()):
         """``detok``: the request's ``IncrementalDetokenizer`` (entry models: a text delta of the new tokens);
         ``text``: the response's text instead (the prompt echoed: ``exclude_input_in_output`` false); ``extra``:
-        (name, 1-D array) outputs asked for (``compat.response_outputs``)."""
+        (name, array) outputs asked for (``compat.response_outputs``; the token-level model: the log-probabilities)."""
         pb = self.pb
         if detok is not None:  # the ensemble's outputs: text_output is the text delta postprocessing would send
             if text is None:
@@ -325,7 +331,8 @@ class LoopModel:
                        *(pb.Tensor(name, value) for name, value in extra)]
         else:
             tensors = [tensor(pb, "prev_len", np.array([u.prev_len], dtype=np.int32)),
-                       tensor(pb, "is_final", np.array([u.final], dtype=bool))]
+                       tensor(pb, "is_final", np.array([u.final], dtype=bool)),
+                       *(pb.Tensor(name, value) for name, value in extra)]
         return pb.InferenceResponse(output_tensors=[
             *tensors,
             tensor(pb, "output_ids", np.array(u.tokens, dtype=np.int32)),
@@ -358,7 +365,7 @@ class LoopModel:
             totals[0] += u.num_draft_tokens
             totals[1] += u.num_accepted_draft_tokens
             if opts is not None:
-                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals)
+                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals, u.logprobs)
                 if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer together
                     text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
             sender.send(self._response(u, detok, text, extra), flags=flags)
@@ -369,8 +376,9 @@ class LoopModel:
         try:
             if self.frontend is not None:
                 gen, opts = self.frontend.parse_options(pb, request)
-            else:
+            else:  # the token-level model: of TensorRT-LLM's options, the log-probabilities only
                 gen = parse_request(pb, request)
+                opts = Options(log_probs=gen.sampling.logprobs)
             await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
                                  on_update, is_cancelled=cancelled, policy=self.policy,
                                  ngram=self.ngram, tree=self.tree, datastore=self.datastore)

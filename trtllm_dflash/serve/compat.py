@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,15 +39,17 @@ INPUTS = {
     "return_perf_metrics": ("TYPE_BOOL", 1), "return_num_input_tokens": ("TYPE_BOOL", 1),
     "return_num_output_tokens": ("TYPE_BOOL", 1),
 }
-# sent on every response when asked for (return_perf_metrics: the speculative-decoding ones)
-OUTPUTS = {"acceptance_rate": "TYPE_FP32", "total_accepted_draft_tokens": "TYPE_INT32",
-           "total_draft_tokens": "TYPE_INT32", "num_input_tokens": "TYPE_INT32", "num_output_tokens": "TYPE_INT32"}
+# name: (Triton dtype, dims), sent on every response when asked for (return_perf_metrics: the speculative-decoding
+# ones; return_log_probs: the log-probabilities, [beam, tokens] and [beam] as the tensorrt_llm model declares them)
+OUTPUTS = {"acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
+           "total_draft_tokens": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
+           "num_output_tokens": ("TYPE_INT32", "1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
+           "cum_log_probs": ("TYPE_FP32", "-1")}
 
 # inputs accepted at one value only: (neutral value, what this server does instead)
 NEUTRAL = {
     "beam_width": (1, "speculative decoding here runs one beam"),
     "num_return_sequences": (1, "one sequence per request"),
-    "return_log_probs": (False, "log-probabilities are not returned"),
     "return_context_logits": (False, "logits are not returned"),
     "return_generation_logits": (False, "logits are not returned"),
 }
@@ -56,14 +58,14 @@ NEUTRAL = {
 def template_values() -> dict[str, str]:
     """The config.pbtxt lines of ``INPUTS`` and ``OUTPUTS`` (each entry ends with a comma: the templates put them
     before their last entry) and, for an ensemble, their maps to its step."""
-    def entry(name: str, dtype: str, dims: int, optional: str = "") -> str:
+    def entry(name: str, dtype: str, dims, optional: str = "") -> str:
         return f'  {{ name: "{name}" data_type: {dtype} dims: [ {dims} ]{optional} }},'
 
     def maps(kind: str, names) -> str:
         return "\n".join(f'      {kind}_map {{ key: "{n}" value: "{n}" }}' for n in names)
 
     return {"trtllm_inputs": "\n".join(entry(n, t, d, " optional: true") for n, (t, d) in INPUTS.items()),
-            "trtllm_outputs": "\n".join(entry(n, t, 1) for n, t in OUTPUTS.items()),
+            "trtllm_outputs": "\n".join(entry(n, t, d) for n, (t, d) in OUTPUTS.items()),
             "trtllm_input_map": maps("input", INPUTS), "trtllm_output_map": maps("output", OUTPUTS)}
 
 
@@ -76,6 +78,7 @@ class Options:
     perf_metrics: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    log_probs: bool = False  # return_log_probs (the request's SamplingParams.logprobs too: the target computes them)
 
 
 Reader = Callable[[str, Any, type], Any]  # (name, default, kind) -> the request's scalar input, or the default
@@ -107,7 +110,7 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
     require(0 <= low <= max_tokens, field, low, f"must be in [0, max_tokens={max_tokens}]")
     flags = [bool(read(name, default, bool)) for name, default in (
         ("exclude_input_in_output", True), ("return_perf_metrics", False), ("return_num_input_tokens", False),
-        ("return_num_output_tokens", False))]
+        ("return_num_output_tokens", False), ("return_log_probs", False))]
     return Options(low, *flags)
 
 
@@ -119,11 +122,14 @@ def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Opti
                          get(pb_utils, request, "bad_words"), max_tokens, vocab_size)
 
 
-def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int,
-                     accepted: int) -> list[tuple[str, Any]]:
-    """The extra outputs of one response, as (name, 1-D array) pairs: ``num_output`` = the tokens this response
+def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int,
+                     logprobs: Sequence[float] = ()) -> list[tuple[str, Any]]:
+    """The extra outputs of one response, as (name, array) pairs: ``num_output`` = the tokens this response
     carries (when streaming, each response's own: Triton's OpenAI frontend sums them over a stream's chunks for its
-    usage), ``drafted`` / ``accepted`` = the request's draft tokens so far (TensorRT-LLM's ``total_*``)."""
+    usage), ``drafted`` / ``accepted`` = the request's draft tokens so far (TensorRT-LLM's ``total_*``),
+    ``logprobs`` = the log-probabilities of every token so far, of which the last ``num_output`` are this response's:
+    ``output_log_probs`` [1, 1, num_output] and ``cum_log_probs`` [1, 1] (their sum), shaped as the tensorrt_llm
+    model sends them (batch, beam, tokens: ``model_instance_state.cc``), one beam here."""
     out: list[tuple[str, Any]] = []
     if opts.perf_metrics:
         out += [("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
@@ -133,4 +139,8 @@ def response_outputs(opts: Options, num_input: int, num_output: int, drafted: in
         out.append(("num_input_tokens", np.array([num_input], dtype=np.int32)))
     if opts.num_output_tokens:
         out.append(("num_output_tokens", np.array([num_output], dtype=np.int32)))
+    if opts.log_probs:
+        mine = list(logprobs[len(logprobs) - num_output:]) if num_output else []
+        out += [("output_log_probs", np.array(mine, dtype=np.float32).reshape(1, 1, -1)),
+                ("cum_log_probs", np.array([[math.fsum(logprobs)]], dtype=np.float32))]
     return out

@@ -10,7 +10,8 @@ calls of one kind as one request, see ``serve/coalesce.py``; every row of a requ
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
                                    1 VERIFY (tokens = [bonus, d_1..d_{B−1}], want_taps) -> out_tokens = emitted, taps
                                      (rows of several sequences: emitted padded with −1, taps with zeros, to the
-                                     longest row)
+                                     longest row); both also out_log_probs, the tokens' log-probabilities for a
+                                     sequence started with return_log_probs (else, and in padding, NaN)
                                    2 FREE, 3 STATS                         -> num_active, freed, timed_out
     kv_inject      taps FP32 [T, K·H], start INT32 [1] -> ctx_k, ctx_v FP32 [L, T, kv_heads, head_dim]
     drafter        mode INT32 [1]: 0 DRAFT (ctx_k, ctx_v, bonus, block_size; ctx_len INT32 [1]: the row's real
@@ -79,9 +80,9 @@ def _engine_backend(params: dict[str, str]) -> bool:
 
 
 def sampling_from(pb_utils, request) -> SamplingParams:
-    """A request's sampling inputs (TensorRT-LLM's names, the penalties included); ``target_verify``'s start also
-    takes the sequence's min_tokens ban (``banned_ids`` INT32 [-1], ``banned_before`` INT32:
-    ``SamplingParams.with_min_tokens``)."""
+    """A request's sampling inputs (TensorRT-LLM's names, the penalties and ``return_log_probs`` included);
+    ``target_verify``'s start also takes the sequence's min_tokens ban (``banned_ids`` INT32 [-1], ``banned_before``
+    INT32: ``SamplingParams.with_min_tokens``)."""
     banned = get(pb_utils, request, "banned_ids")
     return SamplingParams(
         temperature=scalar(pb_utils, request, "temperature", 0.0, float),
@@ -93,6 +94,7 @@ def sampling_from(pb_utils, request) -> SamplingParams:
         repetition_penalty=scalar(pb_utils, request, "repetition_penalty", 1.0, float),
         presence_penalty=scalar(pb_utils, request, "presence_penalty", 0.0, float),
         frequency_penalty=scalar(pb_utils, request, "frequency_penalty", 0.0, float),
+        logprobs=bool(scalar(pb_utils, request, "return_log_probs", False, bool)),
     )
 
 
@@ -254,9 +256,11 @@ class TargetVerifyModel:
                                        int(params.get("max_tree_nodes", "0") or 0))
         self.tap_width = len(taps) * target.spec.hidden_size
 
-    def _outputs(self, pb_utils, tokens, taps, extra=()):
+    def _outputs(self, pb_utils, tokens, taps, extra=(), logprobs=None):
         taps = torch.zeros((0, self.tap_width)) if taps is None else taps.float()  # stays on the target's device
-        outs = [("out_tokens", np.array(tokens, dtype=np.int32)), *extra]
+        outs = [("out_tokens", np.array(tokens, dtype=np.int32)),
+                ("out_log_probs", np.array(logprobs if logprobs is not None else [np.nan] * len(tokens), np.float32)),
+                *extra]
         return pb_utils.InferenceResponse(output_tensors=[tensor(pb_utils, n, a) for n, a in outs]
                                           + [torch_output(pb_utils, "taps", taps)])
 
@@ -264,14 +268,18 @@ class TargetVerifyModel:
         """One response for a request's rows: emitted tokens padded with −1, taps with zeros, to the longest row."""
         width = max(len(r.emitted) for r in results)
         tokens = np.full((len(results), width), -1, np.int32)
+        logprobs = np.full((len(results), width), np.nan, np.float32)
         have = results[0].taps is not None
         taps = torch.zeros((len(results), width if have else 0, self.tap_width),
                            device=results[0].taps.device if have else "cpu")
         for j, r in enumerate(results):
             tokens[j, :len(r.emitted)] = r.emitted
+            if r.logprobs is not None:
+                logprobs[j, :len(r.logprobs)] = r.logprobs
             if have:
                 taps[j, :len(r.emitted)] = r.taps.float()
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("out_tokens", tokens),
+                                                          pb_utils.Tensor("out_log_probs", logprobs),
                                                           torch_rows_output(pb_utils, "taps", taps)])
 
     def execute(self, pb_utils, requests) -> list:
@@ -300,7 +308,7 @@ class TargetVerifyModel:
                 if mode == START:
                     require(len(seqs) == 1, "seq_id", seqs, "must be one sequence per start request")
                     r = self.verifier.start(seqs[0], tokens[0], sampling_from(pb_utils, requests[i]), want)
-                    responses[i] = self._outputs(pb_utils, [r.first_token], r.taps)
+                    responses[i] = self._outputs(pb_utils, [r.first_token], r.taps, logprobs=r.logprobs)
                 elif mode == VERIFY:
                     require(parents is None or self.tree_capable, "parents", list(parents or ())[:8],
                             "the tree verify runs on the torch backend only", "render without --tree")

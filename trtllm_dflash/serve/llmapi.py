@@ -42,6 +42,8 @@ UNAVAILABLE_INPUTS = {
     "min_tokens": "the llmapi model has no min_tokens input; a request that asks for more than 0 is rejected",
     "repetition_penalty": "the llmapi model has no repetition_penalty input; a request that sets one other than 1.0 "
                           "is rejected (presence_penalty and frequency_penalty are passed on)",
+    "return_log_probs": "the llmapi model returns a cumulative_logprob at most, no per-token log-probabilities; a "
+                        "request that asks for them is rejected",
 }
 
 
@@ -224,7 +226,7 @@ class LlmApiBridge:
         sampling = sampling_from(pb, request)
         reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None,
                             "repetition_penalty": None if sampling.repetition_penalty == 1.0
-                            else sampling.repetition_penalty})
+                            else sampling.repetition_penalty, "return_log_probs": sampling.logprobs or None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)), sampling, stops), opts
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):

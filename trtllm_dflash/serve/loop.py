@@ -49,13 +49,14 @@ from trtllm_dflash.serve.protocol import GenerateRequest, StopMatcher
 class StepClient(Protocol):
     """The three step models as the loop sees them. Taps and K/V are opaque to the loop, only handed from one step to
     the next: torch tensors in-process (LocalSteps), Triton tensors in the BLS model (TritonSteps), which stay in
-    device memory between the models when they run on a GPU."""
+    device memory between the models when they run on a GPU. ``start`` and ``verify`` also return their tokens'
+    log-probabilities where the sequence's sampling asks for them (``SamplingParams.logprobs``), else None."""
 
     async def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams,
-                    want_taps: bool) -> tuple[int, torch.Tensor | None]: ...
+                    want_taps: bool) -> tuple[int, torch.Tensor | None, list[float] | None]: ...
 
-    async def verify(self, seq_id: int, block: list[int], want_taps: bool,
-                     parents: tuple[int, ...] | None = None) -> tuple[list[int], torch.Tensor | None]: ...
+    async def verify(self, seq_id: int, block: list[int], want_taps: bool, parents: tuple[int, ...] | None = None
+                     ) -> tuple[list[int], torch.Tensor | None, list[float] | None]: ...
 
     async def inject(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -127,6 +128,7 @@ class Update:
     finish_reason: str | None = None
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified (k) per step since the previous update
     seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / overhead seconds since then
+    logprobs: list[float] = field(default_factory=list)  # ``tokens``' log-probabilities, when the request asks
 
 
 @dataclass
@@ -139,6 +141,7 @@ class _Progress:
     finish_reason: str | None = None
     ks: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "overhead"), 0.0))
+    logprobs: list[float] = field(default_factory=list)
 
 
 async def run_generation(
@@ -175,9 +178,11 @@ async def run_generation(
     holdback = max(stops.longest, 1) - 1  # a stop may still cut these tokens
     p = _Progress()
 
-    def add(new: list[int]) -> None:
+    def add(new: list[int], logprobs: list[float] | None) -> None:
         checked = len(p.tokens)
         p.tokens.extend(new)
+        if req.sampling.logprobs:
+            p.logprobs.extend(logprobs)
         cut = stops.truncate(p.tokens, checked)
         if cut is not None:
             del p.tokens[cut:]
@@ -185,13 +190,14 @@ async def run_generation(
         if len(p.tokens) >= req.max_tokens:
             del p.tokens[req.max_tokens:]
             p.finish_reason = p.finish_reason or "length"
+        del p.logprobs[len(p.tokens):]
 
     async def report(final: bool) -> None:
         upto = len(p.tokens) if final else max(p.reported, len(p.tokens) - holdback)
         if not final and (not req.stream or upto == p.reported):
             return
         await on_update(Update(p.tokens[:upto], p.reported, p.taus, p.proposed, p.accepted, final, p.finish_reason,
-                               p.ks, p.seconds))
+                               p.ks, p.seconds, p.logprobs[:upto]))
         p.reported, p.taus, p.proposed, p.accepted = upto, [], 0, 0
         p.ks, p.seconds = [], dict.fromkeys(p.seconds, 0.0)
 
@@ -204,12 +210,12 @@ async def run_generation(
 
     started = False
     try:
-        first, taps = await steps.start(seq_id, list(req.input_ids), req.sampling, want_taps)
+        first, taps, logprobs = await steps.start(seq_id, list(req.input_ids), req.sampling, want_taps)
         started = True
         committed = len(req.input_ids)
         pending = [taps] if want_taps else []  # taps of committed tokens the drafter has not received yet
         injected = 0  # tokens whose K/V the drafter has
-        add([first])
+        add([first], logprobs)
         await report(False)
         bonus = first
         while p.finish_reason is None:
@@ -240,7 +246,7 @@ async def run_generation(
                 block, parents = tree_block(tree, bonus, choices, context, datastore), tuple(tree.parents)
                 drafts = block[1: tree.k + 1]  # the main chain: a tree step counts k drafts (its depth), as a chain
                 t1 = time.perf_counter()
-                emitted, taps = await steps.verify(seq_id, block, True, parents=parents)
+                emitted, taps, logprobs = await steps.verify(seq_id, block, True, parents=parents)
                 t2 = time.perf_counter()
             else:
                 if lookup and (not adaptive or state.source == "ngram"):
@@ -252,12 +258,12 @@ async def run_generation(
                     drafts = []
                 t1 = time.perf_counter()
                 pad = [-1] * (width - len(drafts)) if plan is not None else []  # the step's common width
-                emitted, taps = await steps.verify(seq_id, [bonus, *drafts, *pad], want_taps)
+                emitted, taps, logprobs = await steps.verify(seq_id, [bonus, *drafts, *pad], want_taps)
                 t2 = time.perf_counter()
             p.taus.append(len(emitted))
             p.proposed += len(drafts)
             p.accepted += len(emitted) - 1
-            add(emitted)
+            add(emitted, logprobs)
             if p.finish_reason is None and want_taps:
                 pending.append(taps)
             committed += len(emitted)
@@ -293,12 +299,12 @@ class LocalSteps:
 
     async def start(self, seq_id, prompt_ids, sampling, want_taps):
         r = self.verifier.start(seq_id, prompt_ids, sampling, want_taps)
-        return r.first_token, r.taps
+        return r.first_token, r.taps, r.logprobs
 
     async def verify(self, seq_id, block, want_taps, parents=None):
         tree = () if parents is None else (parents,)  # the engine backend's verifier takes no tree
         r = self.verifier.verify([seq_id], [block], want_taps, *tree)[0]
-        return r.emitted, r.taps
+        return r.emitted, r.taps, r.logprobs
 
     async def inject(self, taps, start):
         return self.injector(taps, start)
@@ -373,7 +379,8 @@ class BatchedLocalSteps(CoalescedSteps, LocalSteps):
         if kind == "verify":
             _, want, parents = key
             tree = () if parents is None else (parents,)
-            return [(r.emitted, r.taps) for r in self.verifier.verify(seqs, [c.args[1] for c in calls], want, *tree)]
+            return [(r.emitted, r.taps, r.logprobs)
+                    for r in self.verifier.verify(seqs, [c.args[1] for c in calls], want, *tree)]
         block, top = key
         return self.drafter.draft(seqs, [c.args[1] for c in calls], [c.args[2] for c in calls],
                                   [c.args[3] for c in calls], block, top).tolist()

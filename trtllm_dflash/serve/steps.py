@@ -28,7 +28,8 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
-from trtllm_dflash.runtime.sampling import History, SamplingParams, target_samples, verify_samples
+from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, target_samples,
+                                            verify_samples)
 from trtllm_dflash.runtime.tree import Topology, commit_path
 
 
@@ -92,12 +93,14 @@ class SlotTable:
 class StartResult:
     first_token: int
     taps: torch.Tensor | None  # [P, K·H] of the prompt, or None when taps were not requested
+    logprobs: list[float] | None = None  # [1] the first token's log-probability, when its sampling asks
 
 
 @dataclass(frozen=True, slots=True)
 class VerifyResult:
     emitted: list[int]  # x_0..x_a: accepted drafts + bonus (τ = len)
     taps: torch.Tensor | None  # [τ, K·H] of the committed tokens [bonus, d_1..d_a]
+    logprobs: list[float] | None = None  # [τ] the emitted tokens' log-probabilities, when the sequence asks
 
 
 def real_width(block: list[int]) -> int:
@@ -154,17 +157,18 @@ class TargetVerifier:
             self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None)
             rows = torch.tensor([row])
             self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
+            lp = logprobs_buffer([sampling], 1, 1, self.target.device)
             with torch.inference_mode():
                 hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
                                            self.tap_layers if want_taps else ())
                 first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
-                                       torch.tensor([len(prompt_ids)]), history=history)[0, 0]
+                                       torch.tensor([len(prompt_ids)]), history=history, logprobs=lp)[0, 0]
             self._count(seq_id, [int(first)])
         except BaseException:
             self.slots.free(seq_id)  # a failed start holds no slot
             raise
         self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
-        return StartResult(int(first), taps[0] if want_taps else None)
+        return StartResult(int(first), taps[0] if want_taps else None, None if lp is None else lp[0].tolist())
 
     def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool,
                parents: tuple[int, ...] | None = None) -> list[VerifyResult]:
@@ -189,14 +193,15 @@ class TargetVerifier:
             results = self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
         else:
             positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
+            lp = logprobs_buffer([p for p, _, _ in params], *ids.shape, self.target.device)
             with torch.inference_mode():
                 hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                            widths=self.target.verify_widths([real_width(b) for b in blocks]))
                 samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _, _ in params],
                                               [g for _, g, _ in params], positions,
-                                              self._history(params, ids))  # [b, B], [b]
+                                              self._history(params, ids), lp)  # [b, B], [b]
             self.cache.commit(rows, acc + 1)
-            results = self._results(samples, acc, taps if want_taps else None)
+            results = self._results(samples, acc, taps if want_taps else None, lp)
         for seq_id, r in zip(seq_ids, results):
             self._count(seq_id, r.emitted)
         return results
@@ -221,17 +226,19 @@ class TargetVerifier:
         require(ids.shape[1] == topology.size, "tokens", ids.shape[1],
                 f"must hold one token per tree node ({topology.size})")
         committed = self.cache.lengths[rows]
+        lp = logprobs_buffer([p for p, _, _ in params], *ids.shape, self.target.device)
         with torch.inference_mode():
             hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                        layout=topology.layout(committed))
             preds = topology.samples(self.target.logits(hidden), [p for p, _, _ in params],
-                                     [g for _, g, _ in params], committed, self._history(params, ids, topology.parents))
+                                     [g for _, g, _ in params], committed, self._history(params, ids, topology.parents),
+                                     lp)
             samples, acc, taken, _ = topology.verify(preds, ids)
         commit_path(self.cache, rows, committed, taken, acc)
         self.cache.commit(rows, acc + 1)
         if want_taps:
             taps = taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
-        return self._results(samples, acc, taps if want_taps else None)
+        return self._results(samples, acc, taps if want_taps else None, None if lp is None else lp.gather(1, taken))
 
     def _check_ids(self, ids: torch.Tensor, field: str, pad: int | None) -> None:
         vocab = self.target.spec.vocab_size
@@ -241,10 +248,12 @@ class TargetVerifier:
                               "send token ids of the target's tokenizer")
 
     @staticmethod
-    def _results(samples: torch.Tensor, acc: torch.Tensor, taps: torch.Tensor | None) -> list[VerifyResult]:
+    def _results(samples: torch.Tensor, acc: torch.Tensor, taps: torch.Tensor | None,
+                 logprobs: torch.Tensor | None = None) -> list[VerifyResult]:
         accepted = acc.tolist()
-        return [VerifyResult(samples[j, : a + 1].tolist(), taps[j, : a + 1] if taps is not None else None)
-                for j, a in enumerate(accepted)]
+        lps = None if logprobs is None else logprobs.tolist()
+        return [VerifyResult(samples[j, : a + 1].tolist(), taps[j, : a + 1] if taps is not None else None,
+                             None if lps is None else lps[j][: a + 1]) for j, a in enumerate(accepted)]
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)

@@ -221,6 +221,8 @@ class SequenceBook:
         for name in PENALTIES:  # the executor would count them over each verify request alone, not the drafts
             require(getattr(sampling, name) == getattr(SamplingParams(), name), name, getattr(sampling, name),
                     "is not supported by the trtllm-engine backend", "omit it, or serve a --backend torch repository")
+        require(not sampling.logprobs, "return_log_probs", True, "is not supported by the trtllm-engine backend "
+                "(its verify returns tokens only)", "omit it, or serve a --backend torch repository")
         self.slots.allocate(seq_id)
         self.state[seq_id] = SequenceState(list(prompt_ids), sampling)
         return self.state[seq_id]

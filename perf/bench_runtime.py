@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: 1.0 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="with --temperature: every request's seed (default 0)")
     add_penalty_arguments(p, (1.0, 0.0, 0.0), " (default %(default)s: off)")
+    p.add_argument("--logprobs", action="store_true",
+                   help="every request also returns its tokens' log-probabilities (TensorRT-LLM's return_log_probs); "
+                        "reports the largest difference between DFlash's and the autoregressive ones")
     p.add_argument("--target", default=None, help="default: the demo target")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty)
+                              frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
     sampling.validate("--")
 
     ms, tokens, capture_ms = collections.Counter(), collections.Counter(), collections.Counter()
@@ -157,6 +160,7 @@ def main(argv=None) -> int:
     lookups: collections.Counter = collections.Counter()
     lookup_ms: collections.Counter = collections.Counter()
     mismatches: dict[int | str, list[str]] = {b: [] for b in blocks}
+    logprob_diff: dict[int | str, float] = dict.fromkeys(blocks, 0.0)  # largest |DFlash − AR| of a token's
     batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     if args.warmup_tokens > 0 and batches:
         warm = [Request(tuple(encode_prompt(tok, p.text, p.chat)), args.warmup_tokens, sampling, stops)
@@ -188,6 +192,8 @@ def main(argv=None) -> int:
                 lookup_ms[b] += d.lookup_ms
                 if a.token_ids != d.token_ids:
                     mismatches[b].append(p.id)
+                elif args.logprobs:
+                    logprob_diff[b] = max([logprob_diff[b], *(abs(x - y) for x, y in zip(a.logprobs, d.logprobs))])
         bar.update(len(batch))
     bar.close()
 
@@ -213,6 +219,7 @@ def main(argv=None) -> int:
             "lossless": not mismatches[b],
             "mismatched_prompts": mismatches[b],
             "num_new_tokens": tokens[b],
+            **({"logprobs": True, "max_abs_logprob_diff": float(f"{logprob_diff[b]:.3g}")} if args.logprobs else {}),
             **({"max_block_size": dec.block_size, "adaptive": dec.policy.telemetry.to_json()} if dec.adaptive else {}),
             **({"lookup_steps": lookups[b]} if dec.ngram and not dec.adaptive else {}),
             **({"tree_nodes": dec.tree.size, "tree_lookup": dec.tree.lookup, "tree_grafts": list(dec.tree.grafts),

@@ -36,11 +36,13 @@ def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     in fewer steps."""
     prompt = "Write a Python function that returns the sum of a list, then the same for the product."
     common = ["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompt", prompt,
-              "--chat", "--max-new-tokens", "48", "--json"]
+              "--chat", "--max-new-tokens", "48", "--json", "--logprobs"]
     ar, looked = run_cli([*common, "--block-size", "1"]), run_cli([*common, "--block-size", "16", "--ngram"])
     assert ar.returncode == 0 and looked.returncode == 0, ar.stderr + looked.stderr
     a, b = json.loads(ar.stdout.splitlines()[-1]), json.loads(looked.stdout.splitlines()[-1])
     assert a["token_ids"] == b["token_ids"] and b["ngram"] is True
+    assert len(a["logprobs"]) == len(a["token_ids"]) and b["logprobs"] == pytest.approx(a["logprobs"], abs=1e-4)
+    assert a["cum_log_prob"] == pytest.approx(sum(a["logprobs"]), abs=1e-3) and a["cum_log_prob"] < 0
     assert 0 < b["lookup_steps"] < len(b["acceptance_lengths"]) <= len(a["acceptance_lengths"])
     tree = run_cli([*common, "--block-size", "16", "--tree"])
     assert tree.returncode == 0, tree.stderr

@@ -69,14 +69,16 @@ def test_allow_mismatch_reports_identity_without_failing(smollm2):
 
 def test_sampled_decoders_are_token_identical_to_sampled_autoregressive(smollm2):
     """--temperature: every decoder samples with the same seed; the chain, prompt lookup and the tree must give the
-    autoregressive sampled tokens (each position's token drawn from that position's noise)."""
+    autoregressive sampled tokens (each position's token drawn from that position's noise); --logprobs: and their
+    log-probabilities, to float rounding."""
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--dataset", "mtbench", "--limit", "2", "--batch-size", "2", "--block-size",
          "8,8+ngram,8+tree", "--max-new-tokens", "16", "--threads", "1", "--temperature", "0.8", "--top-p", "0.95",
-         "--seed", "5", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"],
+         "--seed", "5", "--logprobs", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert [x["block_size"] for x in lines] == [8, "8+ngram", "8+tree"]
     for x in lines:
         assert x["lossless"] and x["sampling"] == {"temperature": 0.8, "top_k": 0, "top_p": 0.95, "seed": 5}
+        assert x["logprobs"] and 0 <= x["max_abs_logprob_diff"] < 2e-4

@@ -75,8 +75,15 @@ def test_non_streaming_gives_one_response(server, oracle):
     assert len(done.chunks) == 1 and done.token_ids == list(run(PROMPTS[0], 16, 8).token_ids)
 
 
-def test_eight_concurrent_streams_are_correct_and_batched(server, oracle):
-    run, _ = oracle
+def test_eight_concurrent_streams_are_correct_and_batched(server, oracle, smollm2):
+    """Every other request asks for log-probabilities: rows with and without them verify in one batch, and those that
+    asked get the autoregressive values."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.text import stop_token_ids
+
+    run, tok = oracle
     lengths = [8, 24, 16, 32, 12, 20, 28, 10]
     stats = grpcclient.InferenceServerClient(server.grpc_url)
 
@@ -86,19 +93,29 @@ def test_eight_concurrent_streams_are_correct_and_batched(server, oracle):
 
     before = batched_executions()
     with DFlashClient(server.grpc_url) as client:
-        rids = [client.submit("dflash", GenerateParams(p, n)) for p, n in zip(PROMPTS, lengths)]
-        results = {}
+        rids = [client.submit("dflash", GenerateParams(p, n, logprobs=i % 2 == 0))
+                for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        results, logprobs = {}, {}
 
         def drain(rid):
-            results[rid] = [c.output_ids for c in client.responses(rid)][-1]
+            chunks = list(client.responses(rid))
+            results[rid], logprobs[rid] = chunks[-1].output_ids, [v for c in chunks for v in c.logprobs]
 
         threads = [threading.Thread(target=drain, args=(r,)) for r in rids]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=600)
-    for rid, prompt, n in zip(rids, PROMPTS, lengths):
+    target, _ = load_pair(smollm2["target"], smollm2["drafter"])
+    for i, (rid, prompt, n) in enumerate(zip(rids, PROMPTS, lengths)):
         assert results[rid] == list(run(prompt, n, 8).token_ids), prompt
+        if i % 2:
+            assert logprobs[rid] == []
+            continue
+        ar = SpeculativeDecoder(target, None, 1).generate([Request(
+            tuple(encode_prompt(tok, prompt, chat=True)), n, SamplingParams(logprobs=True),
+            stop_token_ids=stop_token_ids(tok, target.spec.eos_token_ids))])[0]
+        assert logprobs[rid] == pytest.approx(list(ar.logprobs), abs=2e-4), prompt
     assert batched_executions() > before, "target_verify never executed a batch larger than 1"
 
 
@@ -469,12 +486,13 @@ def test_log_probs_are_the_autoregressive_ones(server, raw_runtime, model, strea
     from trtllm_dflash.runtime.sampling import SamplingParams
 
     prompt = "def fibonacci(n):"
-    for temperature in (0.0, 0.8):
-        _, ref = raw_runtime(prompt, 40, SamplingParams(temperature, seed=5, logprobs=True), result=True)
+    for temperature, min_tokens in ((0.0, 0), (0.8, 40)):  # min_tokens: a start with a ban too
+        _, ref = raw_runtime(prompt, 40, SamplingParams(temperature, seed=5, logprobs=True), min_tokens, result=True)
         results, error = trtllm_stream(server, model, {
             "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
             "stream": np.array([[stream]]), "temperature": np.array([[temperature]], np.float32),
-            "seed": np.array([[5]], np.uint64), "return_log_probs": np.array([[True]])})
+            "seed": np.array([[5]], np.uint64), "min_tokens": np.array([[min_tokens]], np.int32),
+            "return_log_probs": np.array([[True]])})
         assert error is None, error
         sent = [r for r in results if r.as_numpy("output_ids") is not None]
         assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == list(ref.token_ids)

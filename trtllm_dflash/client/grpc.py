@@ -40,6 +40,7 @@ class GenerateParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logprobs: bool = False  # return_log_probs: each token's log-probability (Chunk.logprobs)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Chunk:
     num_accepted_draft_tokens: int
     output_ids: list[int]
     t: float  # perf_counter when it arrived
+    logprobs: list[float] = field(default_factory=list)  # this response's tokens' (output_log_probs), when asked
 
 
 @dataclass
@@ -69,6 +71,10 @@ class Completion:
     @property
     def acceptance_lengths(self) -> list[int]:
         return [t for c in self.chunks for t in c.acceptance_lengths]
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [v for c in self.chunks for v in c.logprobs]
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -109,6 +115,8 @@ def build_inputs(p: GenerateParams):
     for name, value, np_type, dtype in optional:
         if value is not None:
             inputs.append(make(name, np.array([[value]], dtype=np_type), dtype))
+    if p.logprobs:
+        inputs.append(make("return_log_probs", np.array([[True]]), "BOOL"))
     if p.stop_words:
         inputs.append(make("stop_words", np.array([[w.encode() for w in p.stop_words]], dtype=object), "BYTES"))
     return inputs
@@ -127,6 +135,7 @@ def _chunk(result) -> Chunk:
         num_accepted_draft_tokens=int(arr("num_accepted_draft_tokens")[0]) if len(arr("num_accepted_draft_tokens")) else 0,
         output_ids=arr("output_ids").astype(int).tolist(),
         t=time.perf_counter(),
+        logprobs=arr("output_log_probs").astype(float).tolist(),
     )
 
 

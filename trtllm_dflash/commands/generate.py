@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from trtllm_dflash.commands.common import (DTYPES, add_model_arguments, add_sampling_arguments, make_decoder,
@@ -34,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "
                              "shape; for small models at small batch, whose steps are paced by kernel launches)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="also report each token's log-probability (with --json; else their sum)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
         prompts = file_prompts(args.prompts_file, args.chat)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty)
+                              frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
     sampling.validate("--")
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
     require(0 <= args.min_new_tokens <= args.max_new_tokens, "--min-new-tokens", args.min_new_tokens,
@@ -94,11 +97,14 @@ def main(args: argparse.Namespace) -> int:
                     "block_size": decoder.block_size_label,
                     **({"draft_lengths": list(res.draft_lengths)} if decoder.adaptive else {}),
                     **({"ngram": True, "lookup_steps": res.lookup_steps} if decoder.ngram else {}),
+                    **({"logprobs": list(res.logprobs), "cum_log_prob": round(math.fsum(res.logprobs), 4)}
+                       if args.logprobs else {}),
                 }), flush=True)
             else:
                 print(detok.flush() if stream else text, flush=True)
                 print(f"[{res.num_new_tokens} tokens, {res.tokens_per_second:.1f} tok/s, mean acceptance length "
                       f"τ = {res.mean_acceptance_length:.2f}, block size {decoder.block_size_label}"
-                      f"{f', {res.lookup_steps} prompt-lookup steps' if decoder.ngram else ''}]",
+                      f"{f', {res.lookup_steps} prompt-lookup steps' if decoder.ngram else ''}"
+                      f"{f', cumulative log-probability {math.fsum(res.logprobs):.3f}' if args.logprobs else ''}]",
                       file=sys.stderr)
     return 0

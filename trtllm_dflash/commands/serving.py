@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -164,6 +165,8 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-tokens", type=int, default=None,
                         help="no stop ends the answer before this many tokens (TensorRT-LLM's min_tokens)")
     add_penalty_arguments(parser)
+    parser.add_argument("--logprobs", action="store_true",
+                        help="also ask for each token's log-probability (TensorRT-LLM's return_log_probs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -173,15 +176,17 @@ def client_main(args: argparse.Namespace) -> int:
     params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
                             args.top_p, args.seed, min_tokens=args.min_tokens,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty)
+                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
     with DFlashClient(args.url) as client:
         on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
         done = client.generate(args.model, params, on_chunk)
     stats = {"model": args.model, "ttft_ms": round(done.ttft_ms, 1), "tokens_per_second": round(done.tokens_per_second, 2),
-             "mean_acceptance_length": round(done.mean_acceptance_length, 3), "num_new_tokens": len(done.token_ids)}
+             "mean_acceptance_length": round(done.mean_acceptance_length, 3), "num_new_tokens": len(done.token_ids),
+             **({"cum_log_prob": round(math.fsum(done.logprobs), 4)} if args.logprobs else {})}
     if args.json:
         print(json.dumps({"text": done.text, "token_ids": done.token_ids,
-                          "acceptance_lengths": done.acceptance_lengths, **stats}))
+                          "acceptance_lengths": done.acceptance_lengths,
+                          **({"logprobs": done.logprobs} if args.logprobs else {}), **stats}))
     else:
         print()
         print(json.dumps(stats), file=sys.stderr)

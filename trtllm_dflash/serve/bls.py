@@ -160,8 +160,8 @@ class TritonSteps(CoalescedSteps):
         for what it has not)."""
         out = {"return_log_probs": np.array([[True]])} if sampling.logprobs else {}
         if sampling.banned_ids:
-            out = {"banned_ids": np.array([sampling.banned_ids], np.int32),
-                   "banned_before": np.array([[sampling.banned_before]], np.int32)}
+            out.update({"banned_ids": np.array([sampling.banned_ids], np.int32),
+                        "banned_before": np.array([[sampling.banned_before]], np.int32)})
         if sampling.penalized:
             out.update({name: np.array([[getattr(sampling, name)]], np.float32) for name in PENALTIES})
         return out

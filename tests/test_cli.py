@@ -51,6 +51,16 @@ def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     bare = run_cli([*common, "--block-size", "16", "--tree", "--datastore", "none"])  # the shipped datastore off
     assert bare.returncode == 0, bare.stderr
     assert json.loads(bare.stdout.splitlines()[-1])["token_ids"] == a["token_ids"]
+    # --bad-word: a word of the answer is never generated, losslessly (autoregressive = block 16 + lookup)
+    from trtllm_dflash.runtime.text import load_tokenizer
+
+    tok = load_tokenizer(smollm2["target"])
+    word = next(w for w in (tok.decode([t]) for t in a["token_ids"][2:]) if w.strip()
+                and len(tok.encode(w, add_special_tokens=False)) == 1)  # one answer token, alone the same token
+    banned = [run_cli([*common, "--block-size", b, "--bad-word", word, "--bad-word", ""]) for b in ("1", "16")]
+    assert all(r.returncode == 0 for r in banned), banned[0].stderr + banned[1].stderr
+    x, y = (json.loads(r.stdout.splitlines()[-1]) for r in banned)
+    assert x["token_ids"] == y["token_ids"] != a["token_ids"]
 
 
 def test_generate_min_new_tokens_holds_the_stop_back_losslessly(smollm2):

@@ -56,32 +56,31 @@ def read_from(values: dict):
     return lambda name, default, kind: kind(values[name]) if name in values else default
 
 
-@pytest.mark.parametrize("values, bad_words, message", [
-    ({"beam_width": 2}, None, "beam_width=2: is not supported: speculative decoding here runs one beam; send "
-                              "beam_width 1"),
-    ({"num_return_sequences": 3}, None, "num_return_sequences=3: is not supported"),
-    ({"return_context_logits": True}, None, "return_context_logits=True: is not supported: logits are not returned; "
-                                            "send return_context_logits false"),
-    ({"return_generation_logits": True}, None, "return_generation_logits=True: is not supported"),
-    ({"length_penalty": float("nan")}, None, "length_penalty=nan: must be finite"),
-    ({"pad_id": 999}, None, r"pad_id=999: must be a token id in \[0, 256\)"),
-    ({}, [b"", b"foo"], "bad_words\\[1\\]='foo': is not supported: bad words are not banned here"),
-    ({"min_tokens": 9}, None, r"min_tokens=9: must be in \[0, max_tokens=8\]"),
-    ({"min_length": -1}, None, r"min_length=-1: must be in \[0, max_tokens=8\]"),
-    ({"min_tokens": 2, "min_length": 3}, None, "min_length=3: differs from min_tokens=2"),
+@pytest.mark.parametrize("values, message", [
+    ({"beam_width": 2}, "beam_width=2: is not supported: speculative decoding here runs one beam; send "
+                        "beam_width 1"),
+    ({"num_return_sequences": 3}, "num_return_sequences=3: is not supported"),
+    ({"return_context_logits": True}, "return_context_logits=True: is not supported: logits are not returned; "
+                                      "send return_context_logits false"),
+    ({"return_generation_logits": True}, "return_generation_logits=True: is not supported"),
+    ({"length_penalty": float("nan")}, "length_penalty=nan: must be finite"),
+    ({"pad_id": 999}, r"pad_id=999: must be a token id in \[0, 256\)"),
+    ({"min_tokens": 9}, r"min_tokens=9: must be in \[0, max_tokens=8\]"),
+    ({"min_length": -1}, r"min_length=-1: must be in \[0, max_tokens=8\]"),
+    ({"min_tokens": 2, "min_length": 3}, "min_length=3: differs from min_tokens=2"),
 ])
-def test_inputs_this_server_does_not_do_are_refused_by_name(values, bad_words, message):
+def test_inputs_this_server_does_not_do_are_refused_by_name(values, message):
     with pytest.raises(ConfigError, match=message):
-        compat.parse_options(read_from(values), bad_words, 8, 256)
+        compat.parse_options(read_from(values), 8, 256)
 
 
 def test_neutral_values_and_honoured_inputs_are_accepted():
     neutral = {"beam_width": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "return_log_probs": False, "length_penalty": 0.7, "pad_id": 2}
-    assert compat.parse_options(read_from(neutral), [b"", b""], 8, 256) == compat.Options()
+    assert compat.parse_options(read_from(neutral), 8, 256) == compat.Options()
     opts = compat.parse_options(read_from({"min_length": 8, "exclude_input_in_output": False,
                                            "return_perf_metrics": True, "return_num_output_tokens": True}),
-                                None, 8, 256)
+                                8, 256)
     assert opts == compat.Options(8, False, True, False, True)
     out = dict(compat.response_outputs(opts, 5, 8, drafted=12, accepted=3))
     assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens"}
@@ -91,7 +90,7 @@ def test_neutral_values_and_honoured_inputs_are_accepted():
 
 def test_log_probs_go_out_shaped_as_the_tensorrt_llm_model_sends_them():
     """[batch 1, beam 1, this response's tokens] and [1, 1] the sum over every token so far."""
-    opts = compat.parse_options(read_from({"return_log_probs": True}), None, 8, 256)
+    opts = compat.parse_options(read_from({"return_log_probs": True}), 8, 256)
     assert opts == compat.Options(log_probs=True)
     out = dict(compat.response_outputs(opts, 5, 2, 0, 0, [-0.5, -1.0, -0.25, -2.0]))
     assert out["output_log_probs"].shape == (1, 1, 2) and out["output_log_probs"].tolist() == [[[-0.25, -2.0]]]

@@ -252,3 +252,18 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
                                       min_tokens=np.array([3], np.int32))))
     (resp, flags), = sent
     assert flags == 1 and "min_tokens=3: is not supported by the trtllm-pytorch backend" in resp.error.message()
+    # return_log_probs and non-empty bad_words (honoured by the torch backend), which the llmapi model has no input
+    # for, refused by name; empty bad words, as TensorRT-LLM's examples send them, accepted
+    for extra, words in ((dict(return_log_probs=np.array([True])), "return_log_probs=True: is not supported"),
+                         (dict(bad_words=np.array([b"", b"foo"], dtype=object)),
+                          "bad_words=['foo']: is not supported")):
+        sent.clear()
+        asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object),
+                                          max_tokens=np.array([5], np.int32), **extra)))
+        (resp, flags), = sent
+        assert flags == 1 and words in resp.error.message()
+    sent.clear()
+    asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
+                                      bad_words=np.array([b""], dtype=object))))
+    assert sent[-1][1] == 1 and all(r.error is None for r, _ in sent)
+    assert "".join(r.outputs["text_output"][0].decode() for r, _ in sent) == "abc"

@@ -545,3 +545,29 @@ def test_the_token_level_loop_returns_log_probs_too(server, smollm2, oracle):
     got = [v for r in results for v in r.as_numpy("output_log_probs").reshape(-1).tolist()]
     assert got == pytest.approx(list(want.logprobs), abs=2e-4)
     assert float(results[-1].as_numpy("cum_log_probs")[0, 0]) == pytest.approx(sum(want.logprobs), abs=1e-3)
+
+
+@pytest.mark.parametrize("model", ["dflash", "baseline"])
+def test_bad_words_are_banned_as_tensorrt_llm_bans_them(server, raw_runtime, oracle, model):
+    """TensorRT-LLM's ``bad_words`` (strings, tokenized as its preprocessing does, without special tokens): words
+    taken from the plain answer change it, and the answer is the in-process autoregressive one with those token ids
+    banned (one-token and multi-token words; block 8: drafts are checked against the same rule). An empty word, as
+    TensorRT-LLM's examples send, bans nothing."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    _, tok = oracle
+    prompt = "def fibonacci(n):"
+    _, plain = raw_runtime(prompt, 40)
+    # pieces of the plain answer that tokenize back to themselves: a two-token one and a one-token one
+    pieces = [plain[i: i + n] for n in (2, 1) for i in range(4, 30)]
+    words = [next(tok.decode(p) for p in pieces if len(p) == n and tok.encode(tok.decode(p), add_special_tokens=False)
+                  == p) for n in (2, 1)]
+    ids = tuple(tuple(tok.encode(w, add_special_tokens=False)) for w in words)
+    _, ref = raw_runtime(prompt, 40, SamplingParams(bad_words=ids))
+    assert ref != plain
+    results, error = trtllm_stream(server, model, {
+        "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
+        "stream": np.array([[True]]), "bad_words": np.array([[w.encode() for w in words] + [b""]], dtype=object)})
+    assert error is None, error
+    sent = [r for r in results if r.as_numpy("output_ids") is not None]
+    assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == ref

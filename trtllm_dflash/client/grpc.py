@@ -41,6 +41,7 @@ class GenerateParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: bool = False  # return_log_probs: each token's log-probability (Chunk.logprobs)
+    bad_words: tuple[str, ...] = ()  # never generated (TensorRT-LLM's bad_words)
 
 
 @dataclass
@@ -117,6 +118,8 @@ def build_inputs(p: GenerateParams):
             inputs.append(make(name, np.array([[value]], dtype=np_type), dtype))
     if p.logprobs:
         inputs.append(make("return_log_probs", np.array([[True]]), "BOOL"))
+    if p.bad_words:
+        inputs.append(make("bad_words", np.array([[w.encode() for w in p.bad_words]], dtype=object), "BYTES"))
     if p.stop_words:
         inputs.append(make("stop_words", np.array([[w.encode() for w in p.stop_words]], dtype=object), "BYTES"))
     return inputs

@@ -7,6 +7,8 @@ import json
 import math
 import sys
 
+from dataclasses import replace
+
 from trtllm_dflash.commands.common import (DTYPES, add_model_arguments, add_sampling_arguments, make_decoder,
                                            resolve_block_size, resolve_ngram)
 from trtllm_dflash.errors import ConfigError, require
@@ -35,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "
                              "shape; for small models at small batch, whose steps are paced by kernel launches)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    parser.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                        help="text never generated, tokenized without special tokens (TensorRT-LLM's bad_words: a "
+                             "one-token word is never chosen, a longer one's last token not after its others); "
+                             "repeat for more")
     parser.add_argument("--logprobs", action="store_true",
                         help="also report each token's log-probability (with --json; else their sum)")
 
@@ -44,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.datasets import Prompt, file_prompts
     from trtllm_dflash.runtime.decoder import Request, check_capacity
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
+    from trtllm_dflash.runtime.text import (IncrementalDetokenizer, encode_prompt, encode_words, load_tokenizer,
+                                            stop_token_ids)
 
     require(args.batch_size >= 1, "--batch-size", args.batch_size, "must be >= 1")
     if args.prompt is not None:
@@ -66,6 +73,7 @@ def main(args: argparse.Namespace) -> int:
                            ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore,
                            cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)
+    sampling = replace(sampling, bad_words=encode_words(tokenizer, args.bad_word))
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []
     for p in prompts:

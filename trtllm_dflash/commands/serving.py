@@ -167,6 +167,8 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     add_penalty_arguments(parser)
     parser.add_argument("--logprobs", action="store_true",
                         help="also ask for each token's log-probability (TensorRT-LLM's return_log_probs)")
+    parser.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
+                        help="text never generated (TensorRT-LLM's bad_words; repeat for more)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -176,7 +178,8 @@ def client_main(args: argparse.Namespace) -> int:
     params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
                             args.top_p, args.seed, min_tokens=args.min_tokens,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
+                            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+                            bad_words=tuple(args.bad_word))
     with DFlashClient(args.url) as client:
         on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
         done = client.generate(args.model, params, on_chunk)

@@ -489,12 +489,12 @@ class SpeculativeDecoder:
                          None if rows == list(range(dcache.num_rows)) else torch.tensor(rows, device=dev))
 
     def _history(self, seqs: list[_Seq], ids: torch.Tensor | None = None, parents=None) -> History | None:
-        """What the penalised rows among ``seqs`` count (``sampling.penalize``): their prompt and tokens so far, and
-        a verify's input ``ids`` (a tree's with its ``parents``); None when no row is penalised."""
-        if not any(s.sampling.penalized for s in seqs):
+        """What the rows among ``seqs`` with penalties or bad words look back at (``sampling.History``): their prompt
+        and tokens so far, and a verify's input ``ids`` (a tree's with its ``parents``); None when no row does."""
+        if not any(s.sampling.needs_history for s in seqs):
             return None
-        return History.of([s.request.prompt_ids + tuple(s.tokens) if s.sampling.penalized else None for s in seqs],
-                          self.target.spec.vocab_size, ids, parents)
+        return History.of([s.request.prompt_ids + tuple(s.tokens) if s.sampling.needs_history else None for s in seqs],
+                          self.target.spec.vocab_size, ids, parents, [s.sampling for s in seqs])
 
     def _tree_verify(self, cur, rows, active, tcache, dcache, pending, seqs, sync=lambda: None):
         """One tree step: every row drafts (its top choices per slot), then verifies all of the tree's nodes under

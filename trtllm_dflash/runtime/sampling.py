@@ -45,6 +45,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # also return each chosen token's log-probability (``chosen_logprobs``; TensorRT-LLM's return_log_probs)
     logprobs: bool = False
+    # TensorRT-LLM's bad words as token ids (``ban_words``): never chosen where the sequence ends in all but its last
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def with_min_tokens(self, min_tokens: int, prompt_len: int, end_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a sequence of ``prompt_len`` prompt tokens that must not end (no ``end_ids``)
@@ -67,6 +69,9 @@ class SamplingParams:
                 self.repetition_penalty, "must be a finite number > 0 (1.0 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             require(math.isfinite(getattr(self, name)), field(name), getattr(self, name), "must be finite (0.0 = off)")
+        for i, word in enumerate(self.bad_words):
+            require(len(word) > 0 and all(t >= 0 for t in word), field(f"bad_words[{i}]"), list(word),
+                    "must be one or more token ids")
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +80,16 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether choosing this row's tokens depends on the tokens before them (``History``)."""
+        return self.penalized or bool(self.bad_words)
+
+    @property
+    def word_context(self) -> int:
+        """How many of the latest tokens the bad words look at (the longest one's length − 1)."""
+        return max((len(w) for w in self.bad_words), default=1) - 1
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -122,25 +137,43 @@ def _on_path(parents: tuple[int, ...] | None, size: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class History:
-    """What each verified slot's occurrence penalties count (``penalize``): per row, every token of the sequence up
-    to and including slot 0's input token (prompt and answer so far, the bonus among them), and the step's own input
-    tokens, which the later slots see too."""
+    """What each verified slot's choice looks back at: per row, every token of the sequence up to and including slot
+    0's input token (prompt and answer so far, the bonus among them), and the step's own input tokens on the path to
+    the slot, which a one-token step would see once they are emitted. The occurrence penalties count them
+    (``penalize``); the bad words read the latest (``ban_words``)."""
 
     counts: list[torch.Tensor | None]  # [b] of [V]: occurrences of each token id; None for a row without penalties
     ids: torch.Tensor | None = None  # [b, S] the verify's input tokens (slot 0 the bonus; < 0: no token)
     parents: tuple[int, ...] | None = None  # a tree verify's node parents (runtime.tree.Topology); None: a chain
+    tails: list[tuple[int, ...] | None] | None = None  # [b] the sequence's latest tokens (``word_context`` of them)
 
     @staticmethod
     def of(sequences: Sequence[Sequence[int] | None], vocab: int, ids: torch.Tensor | None = None,
-           parents: Sequence[int] | None = None) -> History:
-        """The history of rows whose tokens so far are ``sequences`` (None: a row without penalties)."""
-        counts = [None if seq is None else torch.bincount(torch.tensor(list(seq), dtype=torch.long),
-                                                          minlength=vocab).float() for seq in sequences]
-        return History(counts, ids, None if parents is None else tuple(parents))
+           parents: Sequence[int] | None = None, params: Sequence[SamplingParams] | None = None) -> History:
+        """The history of rows whose tokens so far are ``sequences`` (None: a row that looks at none); with
+        ``params``, only what each row's sampling needs (counts where penalised, the tail its bad words read;
+        without, the counts of every row)."""
+        wants = [(seq is not None and (p is None or p.penalized), seq is not None and p is not None and p.bad_words)
+                 for seq, p in zip(sequences, params or [None] * len(sequences))]
+        counts = [torch.bincount(torch.tensor(list(seq), dtype=torch.long), minlength=vocab).float() if count
+                  else None for seq, (count, _) in zip(sequences, wants)]
+        tails = [tail(seq, p.word_context) if words else None
+                 for seq, p, (_, words) in zip(sequences, params or [None] * len(sequences), wants)]
+        return History(counts, ids, None if parents is None else tuple(parents), tails)
 
     def rows(self, index: Sequence[int]) -> History:
         return History([self.counts[i] for i in index], None if self.ids is None else self.ids[list(index)],
-                       self.parents)
+                       self.parents, None if self.tails is None else [self.tails[i] for i in index])
+
+    def slot_tails(self, row: int, first: int, n: int, length: int) -> list[tuple[int, ...]]:
+        """The latest ``length`` tokens before slots first..first + n − 1 of ``row`` (its tail, then the step's
+        input tokens on the path to each slot, the slot's own included)."""
+        base = self.tails[row] if self.tails is not None and self.tails[row] is not None else ()
+        if self.ids is None:
+            return [tail(base, length)] * n
+        ids = self.ids[row].tolist()
+        on_path = _on_path(self.parents, len(ids))[first : first + n].tolist()
+        return [tail(tuple(base) + tuple(t for t, on in zip(ids, path) if on and t >= 0), length) for path in on_path]
 
     def slot_counts(self, row: int, first: int, n: int) -> torch.Tensor:
         """[n, V] the occurrences behind slots first..first + n − 1 of ``row``: its counts plus the step's input
@@ -156,6 +189,36 @@ class History:
         keep = tok >= 0
         out.index_put_((slot[keep], tok[keep]), torch.ones(int(keep.sum())), accumulate=True)
         return out
+
+
+def tail(tokens: Sequence[int], length: int) -> tuple[int, ...]:
+    return tuple(tokens[len(tokens) - length:]) if length > 0 else ()
+
+
+def ban_words(
+    logits: torch.Tensor,  # [b, S, V] at slots first..first + S − 1 of a step
+    params: list[SamplingParams],
+    history: History | None,
+    first: int = 0,
+) -> torch.Tensor:
+    """``logits`` with each row's bad words applied as TensorRT-LLM's sampling layer applies them
+    (``cpp/tensorrt_llm/kernels/banBadWords.cu``): a one-token word is never chosen; a longer one's last token is not
+    chosen where the sequence so far (prompt included) ends in the word's other tokens. A verify slot looks at the
+    step's tokens before it as a one-token step would once they are emitted, so drafts are checked against the same
+    rule: lossless as ever. A copy; the same tensor when no row has bad words."""
+    rows = [i for i, p in enumerate(params) if p.bad_words]
+    if not rows:
+        return logits
+    require(history is not None, "history", None, "is needed to ban bad words")
+    out = None
+    for i in rows:
+        words = params[i].bad_words
+        for s, before in enumerate(history.slot_tails(i, first, logits.shape[1], params[i].word_context)):
+            banned = [w[-1] for w in words if len(before) >= len(w) - 1 and tail(before, len(w) - 1) == w[:-1]]
+            if banned:
+                out = logits.clone() if out is None else out
+                out[i, s, torch.tensor(banned)] = float("-inf")
+    return logits if out is None else out
 
 
 def penalize(
@@ -228,12 +291,12 @@ def target_samples(
     positions: torch.Tensor | None = None,  # [b] absolute position of the token slot 0 predicts; None = sequential
     offsets: list[int] | None = None,  # [S] with positions: slot s predicts position positions + offsets[s] (a tree's
     # node depths); None: + s
-    history: History | None = None,  # what penalised rows' slots count (``penalize``)
+    history: History | None = None,  # what the slots of penalised rows and rows with bad words look back at
     logprobs: torch.Tensor | None = None,  # [b, S] written: each sample's log-probability (``logprobs_buffer``)
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
-    logits = ban_tokens(penalize(logits, params, history), params, positions, offsets)
+    logits = ban_tokens(ban_words(penalize(logits, params, history), params, history), params, positions, offsets)
     out = logits.argmax(-1)
     for row, p in enumerate(params):
         if not p.greedy:
@@ -299,14 +362,15 @@ def verify_samples(
     τ ≈ 1.3) computes one slot instead of B; in-process B=16 decoding got 3.5% faster on the 2-core VM. Slots after a
     row's bonus token are left at −1. Sampled rows and GPUs (where the full head is one cheap GEMM and a host sync
     per chunk would cost more) take the eager path. A draft of −1 (padding under ``--block-size auto``) never matches.
-    Rows with a min_tokens ban (``SamplingParams.banned_ids``) or penalties have them applied to each chunk's logits.
+    Rows with a min_tokens ban (``SamplingParams.banned_ids``), penalties or bad words have them applied to each
+    chunk's logits.
     """
     if hidden.device.type != "cpu" or not all(p.greedy for p in params):
         samples = target_samples(head(hidden), params, generators, positions, history=history, logprobs=logprobs)
         return samples, accepted_lengths(drafts, samples)
     b, B = hidden.shape[:2]
     banning = any(p.banned_ids for p in params)
-    penalized = any(p.penalized for p in params)
+    looking = any(p.needs_history for p in params)
     samples = torch.full((b, B), -1, dtype=torch.long, device=hidden.device)
     acc = torch.zeros(b, dtype=torch.long, device=hidden.device)
     alive = torch.arange(b, device=hidden.device)  # rows whose drafts all matched so far
@@ -314,9 +378,10 @@ def verify_samples(
     while lo < B and len(alive):
         hi = min(B, lo + width)
         x = head(hidden[alive, lo:hi])  # [a, hi − lo, V]
-        if penalized:
+        if looking:  # penalties and bad words: each slot's tokens before it
             live = alive.tolist()
-            x = penalize(x, [params[i] for i in live], history and history.rows(live), first=lo)
+            rows, hist = [params[i] for i in live], history and history.rows(live)
+            x = ban_words(penalize(x, rows, hist, first=lo), rows, hist, first=lo)
         if banning:  # min_tokens: the rows' end ids out of the slots before their positions
             x = ban_tokens(x, [params[i] for i in alive.tolist()], None if positions is None else positions[alive] + lo)
         chosen = x.argmax(-1)  # [a, hi − lo]

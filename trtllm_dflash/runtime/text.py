@@ -90,3 +90,9 @@ def text_delta(tokenizer, ids: list[int], prev_len: int, final: bool) -> str:
     if not final:
         now = now.rstrip("\ufffd")
     return now[len(before):] if now.startswith(before) else now
+
+
+def encode_words(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """TensorRT-LLM's bad words as token ids: each non-empty word tokenized alone, without special tokens (as its
+    preprocessing model does)."""
+    return tuple(tuple(ids) for ids in (tokenizer.encode(w, add_special_tokens=False) for w in words if w) if ids)

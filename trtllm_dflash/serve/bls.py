@@ -30,7 +30,7 @@ from trtllm_dflash.serve.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.compat import Options, response_outputs
 from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, generate_request
+from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
 
@@ -156,9 +156,11 @@ class TritonSteps(CoalescedSteps):
 
     @staticmethod
     def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
-        """A sequence's min_tokens ban, penalties and log-probability request for target_verify's start (no inputs
-        for what it has not)."""
+        """A sequence's min_tokens ban, penalties, bad words and log-probability request for target_verify's start
+        (no inputs for what it has not)."""
         out = {"return_log_probs": np.array([[True]])} if sampling.logprobs else {}
+        if sampling.bad_words:
+            out["bad_sequences"] = np.array([encode_stops([list(w) for w in sampling.bad_words])], np.int32)
         if sampling.banned_ids:
             out.update({"banned_ids": np.array([sampling.banned_ids], np.int32),
                         "banned_before": np.array([[sampling.banned_before]], np.int32)})

@@ -10,8 +10,9 @@ token; and both read ``text_output`` as ``as_numpy("text_output")[0].decode()``,
 The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-level inputs below with its names, dtypes
 and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
-server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``)
-and accept only the neutral value of what it does not do, refusing any other by name. The
+server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``;
+the log-probabilities and the bad words since session 42) and accept only the neutral value of what it does not do,
+refusing any other by name. The
 ensemble's prompt-table, embedding-bias, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses
 them naming the input.
 """
@@ -26,9 +27,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from trtllm_dflash.errors import require
-from trtllm_dflash.serve.protocol import decode_text
 
-# name: (Triton dtype, dims); all optional, all [1] but bad_words
+# name: (Triton dtype, dims); all optional, all [1] but bad_words (strings, tokenized: ``handlers.Preprocessor``)
 INPUTS = {
     "num_return_sequences": ("TYPE_INT32", 1), "bad_words": ("TYPE_STRING", -1),
     "exclude_input_in_output": ("TYPE_BOOL", 1), "pad_id": ("TYPE_INT32", 1), "min_tokens": ("TYPE_INT32", 1),
@@ -84,9 +84,9 @@ class Options:
 Reader = Callable[[str, Any, type], Any]  # (name, default, kind) -> the request's scalar input, or the default
 
 
-def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> Options:
-    """Check TensorRT-LLM's optional inputs of one request (``bad_words``: that input's array or None); every error
-    names its field, its value and the fix."""
+def parse_options(read: Reader, max_tokens: int, vocab_size: int) -> Options:
+    """Check TensorRT-LLM's optional inputs of one request (``bad_words`` is read with the sampling: its words are
+    tokenized); every error names its field, its value and the fix."""
     for name, (neutral, why) in NEUTRAL.items():
         value = read(name, None, type(neutral))
         if isinstance(value, float):
@@ -97,11 +97,6 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
     require(length_penalty is None or math.isfinite(length_penalty), "length_penalty", length_penalty, "must be finite")
     pad_id = read("pad_id", None, int)  # responses are never padded
     require(pad_id is None or 0 <= pad_id < vocab_size, "pad_id", pad_id, f"must be a token id in [0, {vocab_size})")
-    if bad_words is not None:
-        for i, w in enumerate(np.asarray(bad_words).reshape(-1)):
-            word = decode_text(w, f"bad_words[{i}]")
-            require(word == "", f"bad_words[{i}]", word, "is not supported: bad words are not banned here",
-                    "send empty bad_words (as TensorRT-LLM's examples do) or omit it")
     min_tokens, min_length = read("min_tokens", None, int), read("min_length", None, int)
     require(min_tokens is None or min_length is None or min_tokens == min_length, "min_length", min_length,
             f"differs from min_tokens={min_tokens} (min_length is the older name of min_tokens)", "send one of them")
@@ -116,10 +111,10 @@ def parse_options(read: Reader, bad_words, max_tokens: int, vocab_size: int) -> 
 
 def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Options:
     """``parse_options`` over a Triton request's inputs (the entry models and the trtllm-pytorch bridge)."""
-    from trtllm_dflash.serve.triton_io import get, scalar
+    from trtllm_dflash.serve.triton_io import scalar
 
-    return parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind),
-                         get(pb_utils, request, "bad_words"), max_tokens, vocab_size)
+    return parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind), max_tokens,
+                         vocab_size)
 
 
 def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int,

@@ -21,6 +21,8 @@ calls of one kind as one request, see ``serve/coalesce.py``; every row of a requ
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -81,9 +83,11 @@ def _engine_backend(params: dict[str, str]) -> bool:
 
 def sampling_from(pb_utils, request) -> SamplingParams:
     """A request's sampling inputs (TensorRT-LLM's names, the penalties and ``return_log_probs`` included);
-    ``target_verify``'s start also takes the sequence's min_tokens ban (``banned_ids`` INT32 [-1], ``banned_before``
-    INT32: ``SamplingParams.with_min_tokens``)."""
+    ``target_verify``'s start and ``dflash_bls`` also take the bad words as token ids (``bad_sequences`` INT32 [-1],
+    ``protocol.encode_stops``' format), and ``target_verify``'s start the sequence's min_tokens ban (``banned_ids``
+    INT32 [-1], ``banned_before`` INT32: ``SamplingParams.with_min_tokens``)."""
     banned = get(pb_utils, request, "banned_ids")
+    bad = get(pb_utils, request, "bad_sequences")
     return SamplingParams(
         temperature=scalar(pb_utils, request, "temperature", 0.0, float),
         top_k=scalar(pb_utils, request, "top_k", 0, int),
@@ -95,6 +99,7 @@ def sampling_from(pb_utils, request) -> SamplingParams:
         presence_penalty=scalar(pb_utils, request, "presence_penalty", 0.0, float),
         frequency_penalty=scalar(pb_utils, request, "frequency_penalty", 0.0, float),
         logprobs=bool(scalar(pb_utils, request, "return_log_probs", False, bool)),
+        bad_words=() if bad is None else decode_stops(np.asarray(bad).reshape(-1).tolist()),
     )
 
 
@@ -118,7 +123,7 @@ class Preprocessor:
 
     def parse_options(self, pb_utils, request) -> tuple[GenerateRequest, Options]:
         """``parse``, and what the request asks of its responses (TensorRT-LLM's optional inputs: serve/compat.py)."""
-        from trtllm_dflash.runtime.text import encode_prompt
+        from trtllm_dflash.runtime.text import encode_prompt, encode_words
 
         raw = get(pb_utils, request, "text_input")
         require(raw is not None, "text_input", None, "is required")
@@ -149,6 +154,12 @@ class Preprocessor:
                     stops.append(self.tokenizer.encode(word, add_special_tokens=False))
         stream = bool(scalar(pb_utils, request, "stream", False, bool))
         opts = request_options(pb_utils, request, max_tokens, len(self.tokenizer))
+        bad = get(pb_utils, request, "bad_words")  # TensorRT-LLM's: strings, tokenized as its preprocessing does
+        if bad is not None:
+            words = [decode_text(w, f"bad_words[{i}]") for i, w in enumerate(np.asarray(bad).reshape(-1))]
+            require(len(words) <= MAX_STOP_WORDS, "number of bad_words", len(words),
+                    f"must be at most {MAX_STOP_WORDS}", "send fewer bad words")
+            sampling = replace(sampling, bad_words=encode_words(self.tokenizer, words))
         return generate_request(ids, max_tokens, sampling, decode_stops(encode_stops(stops)), stream,
                                 opts.min_tokens), opts
 

@@ -44,6 +44,7 @@ UNAVAILABLE_INPUTS = {
                           "is rejected (presence_penalty and frequency_penalty are passed on)",
     "return_log_probs": "the llmapi model returns a cumulative_logprob at most, no per-token log-probabilities; a "
                         "request that asks for them is rejected",
+    "bad_words": "the llmapi model has no bad-words input; a request with a non-empty bad word is rejected",
 }
 
 
@@ -220,13 +221,17 @@ class LlmApiBridge:
         words = get(pb, request, "stop_words")
         stops = () if words is None else tuple(
             w for w in (decode_text(x, "stop_words") for x in np.asarray(words).reshape(-1)) if w)
+        bad = get(pb, request, "bad_words")
+        bad = [w for w in (decode_text(x, "bad_words") for x in np.asarray(bad).reshape(-1)) if w] if bad is not None \
+            else []
         max_tokens = scalar(pb, request, "max_tokens", None, int)
         require(max_tokens is not None, "max_tokens", None, "is required")
         opts = request_options(pb, request, max_tokens, len(self.tokenizer))
         sampling = sampling_from(pb, request)
         reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None,
                             "repetition_penalty": None if sampling.repetition_penalty == 1.0
-                            else sampling.repetition_penalty, "return_log_probs": sampling.logprobs or None})
+                            else sampling.repetition_penalty, "return_log_probs": sampling.logprobs or None,
+                            "bad_words": bad or None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)), sampling, stops), opts
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):

@@ -28,7 +28,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
-from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, target_samples,
+from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, tail, target_samples,
                                             verify_samples)
 from trtllm_dflash.runtime.tree import Topology, commit_path
 
@@ -138,9 +138,11 @@ class TargetVerifier:
         self.max_seq_len, self.max_tree_nodes = max_seq_len, max_tree_nodes
         self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
         self.slots = SlotTable(max_sequences, idle_timeout_s)
-        # seq_id -> its sampling, generator and, when penalised, its tokens' occurrences so far [V] (prompt and
-        # returned tokens: what runtime.sampling.penalize counts)
-        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None, torch.Tensor | None]] = self.slots.data
+        # seq_id -> its sampling, generator, and its tokens so far (prompt and returned tokens) as runtime.sampling
+        # looks back at them: when penalised, their occurrences [V] (``penalize``); with bad words, the tokens
+        # (``ban_words``)
+        self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None, torch.Tensor | None, list[int] | None]] \
+            = self.slots.data
 
     def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
@@ -149,12 +151,16 @@ class TargetVerifier:
         self._check_ids(ids, "prompt token id", pad=None)
         if sampling.banned_ids:  # min_tokens' end ids (runtime.sampling.ban_tokens indexes the logits with them)
             self._check_ids(torch.tensor([sampling.banned_ids]), "banned_ids", pad=None)
+        for word in sampling.bad_words:  # so do the bad words' last tokens
+            self._check_ids(torch.tensor([word]), "bad_words token id", pad=None)
         sampling.validate()
         row = self.slots.allocate(seq_id)
         try:
             gen = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-            history = History.of([prompt_ids], self.target.spec.vocab_size) if sampling.penalized else None
-            self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None)
+            history = (History.of([prompt_ids], self.target.spec.vocab_size, params=[sampling])
+                       if sampling.needs_history else None)
+            self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None,
+                                     list(prompt_ids) if sampling.bad_words else None)
             rows = torch.tensor([row])
             self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
             lp = logprobs_buffer([sampling], 1, 1, self.target.device)
@@ -193,12 +199,12 @@ class TargetVerifier:
             results = self._verify_tree(rows, ids, want_taps, tree_topology(tuple(parents)), params)
         else:
             positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
-            lp = logprobs_buffer([p for p, _, _ in params], *ids.shape, self.target.device)
+            lp = logprobs_buffer([p for p, *_ in params], *ids.shape, self.target.device)
             with torch.inference_mode():
                 hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                            widths=self.target.verify_widths([real_width(b) for b in blocks]))
-                samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, _, _ in params],
-                                              [g for _, g, _ in params], positions,
+                samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, *_ in params],
+                                              [g for _, g, *_ in params], positions,
                                               self._history(params, ids), lp)  # [b, B], [b]
             self.cache.commit(rows, acc + 1)
             results = self._results(samples, acc, taps if want_taps else None, lp)
@@ -208,16 +214,21 @@ class TargetVerifier:
 
     @staticmethod
     def _history(params, ids: torch.Tensor, parents: tuple[int, ...] | None = None) -> History | None:
-        """What the penalised sequences of a verify count: their occurrences so far, and the block's tokens."""
-        if all(c is None for _, _, c in params):
+        """What the sequences of a verify with penalties or bad words look back at: their occurrences or latest tokens
+        so far, and the block's tokens."""
+        if not any(p.needs_history for p, *_ in params):
             return None
-        return History([c for _, _, c in params], ids, parents)
+        return History([c for _, _, c, _ in params], ids, parents,
+                       [None if t is None else tail(t, p.word_context) for p, _, _, t in params])
 
-    def _count(self, seq_id: int, tokens: list[int]) -> None:
-        """Add a penalised sequence's returned tokens to its occurrences (the next verify's slot 0 is the last)."""
-        counts = self.sampling[seq_id][2]
+    def _count(self, seq_id: int, returned: list[int]) -> None:
+        """Add a sequence's returned tokens to what its penalties count and its bad words read (the next verify's
+        slot 0 is the last of them)."""
+        _, _, counts, tokens = self.sampling[seq_id]
         if counts is not None:
-            counts.index_put_((torch.tensor(tokens, dtype=torch.long),), torch.ones(len(tokens)), accumulate=True)
+            counts.index_put_((torch.tensor(returned, dtype=torch.long),), torch.ones(len(returned)), accumulate=True)
+        if tokens is not None:
+            tokens.extend(returned)
 
     def _verify_tree(self, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
         require(topology.size <= self.max_tree_nodes, "parents", f"a tree of {topology.size} nodes",
@@ -226,13 +237,12 @@ class TargetVerifier:
         require(ids.shape[1] == topology.size, "tokens", ids.shape[1],
                 f"must hold one token per tree node ({topology.size})")
         committed = self.cache.lengths[rows]
-        lp = logprobs_buffer([p for p, _, _ in params], *ids.shape, self.target.device)
+        lp = logprobs_buffer([p for p, *_ in params], *ids.shape, self.target.device)
         with torch.inference_mode():
             hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
                                        layout=topology.layout(committed))
-            preds = topology.samples(self.target.logits(hidden), [p for p, _, _ in params],
-                                     [g for _, g, _ in params], committed, self._history(params, ids, topology.parents),
-                                     lp)
+            preds = topology.samples(self.target.logits(hidden), [p for p, *_ in params], [g for _, g, *_ in params],
+                                     committed, self._history(params, ids, topology.parents), lp)
             samples, acc, taken, _ = topology.verify(preds, ids)
         commit_path(self.cache, rows, committed, taken, acc)
         self.cache.commit(rows, acc + 1)

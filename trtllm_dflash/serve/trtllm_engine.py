@@ -223,6 +223,9 @@ class SequenceBook:
                     "is not supported by the trtllm-engine backend", "omit it, or serve a --backend torch repository")
         require(not sampling.logprobs, "return_log_probs", True, "is not supported by the trtllm-engine backend "
                 "(its verify returns tokens only)", "omit it, or serve a --backend torch repository")
+        require(not sampling.bad_words, "bad_words", [list(w) for w in sampling.bad_words][:4], "is not supported by "
+                "the trtllm-engine backend (each verify is a new executor request, which would see none of the "
+                "sequence before it)", "omit it, or serve a --backend torch repository")
         self.slots.allocate(seq_id)
         self.state[seq_id] = SequenceState(list(prompt_ids), sampling)
         return self.state[seq_id]

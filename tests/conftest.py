@@ -168,3 +168,29 @@ def greedy_reference(target, prompts, max_new_tokens, stop=()):
     """Target-only greedy decoding (block size 1) of each prompt alone."""
     dec = SpeculativeDecoder(target, None, 1)
     return [dec.generate([Request(tuple(p), max_new_tokens, stop_token_ids=stop)])[0].token_ids for p in prompts]
+
+
+def tokens_before_slot(seq, ids, parents, s):
+    """What a one-token step at verify slot ``s`` (node ``s`` of a tree with ``parents``; None: a chain) has seen:
+    the sequence, then the step's input tokens ``ids`` [1, S] on the path down to ``s`` (−1: no token)."""
+    path, n = [], s
+    while n:  # the nodes from s up to (not including) node 0
+        path.append(n)
+        n = (n - 1) if parents is None else parents[n]
+    return list(seq) + [int(ids[0, t]) for t in reversed(path) if ids[0, t] >= 0]
+
+
+def local_steps(tiny_dirs, tiny_models, tree: bool):
+    """The served path without Triton on the tiny llama pair: (target, verifier, LocalSteps, the tree shape or
+    None), room for 2 sequences of 256 tokens and block 16 (the tree of 7 drafts with ``tree``)."""
+    from trtllm_dflash.runtime.tree import tree_for
+    from trtllm_dflash.serve.loop import LocalSteps
+    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+
+    target, drafter = tiny_models["llama"]
+    shape = tree_for(7) if tree else None
+    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16,
+                              max_tree_nodes=shape.size if tree else 0)
+    steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
+                                                                                       torch.float64), 2, 256))
+    return target, verifier, steps, shape

@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from conftest import OracleDecoder, make_tiny_pair
+from conftest import OracleDecoder, local_steps, make_tiny_pair, tokens_before_slot
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, ban_words
-from trtllm_dflash.runtime.tree import TreeShape, tree_for
+from trtllm_dflash.runtime.tree import TreeShape
 
 
 def banned(logits: torch.Tensor) -> list[list[int]]:
@@ -43,13 +43,8 @@ def test_every_slot_looks_at_what_a_one_token_step_would(parents):
     p = SamplingParams(bad_words=((3, 4, 5), (4, 3), (2,)))
     logits = torch.randn(1, 7, 6)
     out = ban_words(logits, [p], History.of([seq], 6, ids, parents, [p]))
-    chain = parents is None
     for s in range(7):
-        path, n = [], s
-        while n:  # the nodes from s up to (not including) node 0
-            path.append(n)
-            n = (n - 1) if chain else parents[n]
-        before = seq + [int(ids[0, t]) for t in reversed(path) if ids[0, t] >= 0]
+        before = tokens_before_slot(seq, ids, parents, s)
         alone = ban_words(logits[:, s: s + 1], [p], History.of([before], 6, params=[p]))
         assert torch.equal(out[:, s], alone[:, 0]), s
     lazy = ban_words(logits[:, 2:5], [p], History.of([seq], 6, ids, parents, [p]), first=2)  # a CPU head's chunk
@@ -92,16 +87,10 @@ def test_decoding_with_bad_words_is_lossless(tmp_path_factory, temperature):
 def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_models, tree):
     """The served path without Triton: target_verify's engine keeps each sequence's tokens from its start through
     every verify's returned tokens, chain or tree; the loop's answer is the in-process autoregressive one."""
-    from trtllm_dflash.serve.loop import LocalSteps, run_generation
+    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
-    target, drafter = tiny_models["llama"]
-    shape = tree_for(7) if tree else None
-    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16,
-                              max_tree_nodes=shape.size if tree else 0)
-    steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
-                                                                                       torch.float64), 2, 256))
+    target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     for prompt in ([9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]):
         plain = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32)])[0].token_ids
         sampling = SamplingParams(bad_words=(tuple(plain[4:6]), tuple(plain[10:13]), (plain[20],)))

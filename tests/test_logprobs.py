@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from conftest import OracleDecoder, make_tiny_pair
+from conftest import OracleDecoder, local_steps, make_tiny_pair
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, chosen_logprobs, penalize
-from trtllm_dflash.runtime.tree import TreeShape, tree_for
+from trtllm_dflash.runtime.tree import TreeShape
 
 
 def test_the_log_probability_is_the_processed_distributions_before_truncation():
@@ -95,16 +95,10 @@ def test_a_stop_token_takes_its_log_probability_with_it(tiny_models):
 def test_the_serving_loop_returns_them_with_the_tokens(tiny_dirs, tiny_models, tree, temperature):
     """The served path without Triton: target_verify's engine returns each start's and verify's log-probabilities
     (chain or tree), the loop keeps them aligned with the tokens it reports, a stop sequence cuts both."""
-    from trtllm_dflash.serve.loop import LocalSteps, run_generation
+    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
-    target, drafter = tiny_models["llama"]
-    shape = tree_for(7) if tree else None
-    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16,
-                              max_tree_nodes=shape.size if tree else 0)
-    steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
-                                                                                       torch.float64), 2, 256))
+    target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     sampling = SamplingParams(temperature, seed=3, logprobs=True)
     for prompt, stop in (([9, 8, 7, 9, 8, 7, 9, 8], False), ([5, 6, 7, 8, 5, 6], True)):
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0]

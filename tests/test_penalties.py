@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from conftest import OracleDecoder, make_tiny_pair
+from conftest import OracleDecoder, local_steps, make_tiny_pair, tokens_before_slot
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
@@ -38,13 +38,8 @@ def test_every_slot_counts_what_a_one_token_step_would(parents):
     logits = torch.randn(1, 7, 12)
     p = SamplingParams(repetition_penalty=1.7, presence_penalty=0.3, frequency_penalty=0.4)
     out = penalize(logits, [p], History.of([seq], 12, ids, parents))
-    chain = list(range(7)) if parents is None else None
     for s in range(7):
-        path, n = [], s
-        while n:  # the nodes from s up to (not including) node 0
-            path.append(n)
-            n = (n - 1) if chain else parents[n]
-        before = seq + [int(ids[0, t]) for t in reversed(path) if ids[0, t] >= 0]
+        before = tokens_before_slot(seq, ids, parents, s)
         alone = penalize(logits[:, s : s + 1], [p], History.of([before], 12))
         assert torch.equal(out[:, s], alone[:, 0]), s
     lazy = penalize(logits[:, 2:5], [p], History.of([seq], 12, ids, parents), first=2)  # a CPU head's chunk
@@ -99,17 +94,10 @@ def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_mode
     in-process autoregressive one with the same penalties."""
     import asyncio
 
-    from trtllm_dflash.runtime.tree import tree_for
-    from trtllm_dflash.serve.loop import LocalSteps, run_generation
+    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
-    target, drafter = tiny_models["llama"]
-    shape = tree_for(7) if tree else None
-    verifier = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 256, 16,
-                              max_tree_nodes=shape.size if tree else 0)
-    steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
-                                                                                       torch.float64), 2, 256))
+    target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     sampling = SamplingParams(temperature, seed=3, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)
     for prompt in ([9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]):
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0].token_ids

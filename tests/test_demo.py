@@ -50,7 +50,10 @@ def check_demo_output(r, repeats, path):
     d, a = s["runs"]["dflash_tokens_per_second"], s["runs"]["baseline_tokens_per_second"]
     assert len(d) == len(a) == len(s["runs"]["dflash_steps"]) == repeats and min(d + a) > 0
     assert all(0 < n <= s["num_new_tokens"] for n in s["runs"]["dflash_steps"])
-    assert abs(s["speedup"] - s["dflash_tokens_per_second"] / s["baseline_tokens_per_second"]) < 2e-3
+    # the speed-up is rounded to 3 decimals from the unrounded medians, the tokens/s to 2 (8.30 / 5.25 printed for a
+    # 1.583x run: 2.05e-3 off their quotient)
+    d_tps, a_tps = s["dflash_tokens_per_second"], s["baseline_tokens_per_second"]
+    assert s["speedup"] == pytest.approx(d_tps / a_tps, abs=5e-4 + 0.005 * (1 + d_tps / a_tps) / a_tps)
     assert sorted(d)[0] <= s["dflash_tokens_per_second"] <= sorted(d)[-1]
     assert s["mean_acceptance_length"] >= 1 and 0 < s["num_new_tokens"] <= 24
     return s

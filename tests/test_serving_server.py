@@ -477,8 +477,7 @@ def test_penalised_requests_get_the_penalised_autoregressive_answer(server, raw_
     assert "repetition_penalty=0.0: must be a finite number > 0" in error
 
 
-@pytest.mark.parametrize("model", ["dflash", "baseline"])
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("model, stream", [("dflash", True), ("baseline", False)])  # the loop's paths are shared
 def test_log_probs_are_the_autoregressive_ones(server, raw_runtime, model, stream):
     """``return_log_probs`` (TensorRT-LLM's input): every response carries ``output_log_probs`` [1, 1, its tokens]
     and ``cum_log_probs`` [1, 1] (the sum over every token so far), equal to the in-process autoregressive decoding's

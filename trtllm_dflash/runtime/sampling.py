@@ -192,6 +192,7 @@ class History:
 
 
 def tail(tokens: Sequence[int], length: int) -> tuple[int, ...]:
+    """The last ``length`` of ``tokens`` (all of them when there are fewer)."""
     return tuple(tokens[len(tokens) - length:]) if length > 0 else ()
 
 

@@ -153,12 +153,12 @@ class History:
         """The history of rows whose tokens so far are ``sequences`` (None: a row that looks at none); with
         ``params``, only what each row's sampling needs (counts where penalised, the tail its bad words read;
         without, the counts of every row)."""
-        wants = [(seq is not None and (p is None or p.penalized), seq is not None and p is not None and p.bad_words)
-                 for seq, p in zip(sequences, params or [None] * len(sequences))]
-        counts = [torch.bincount(torch.tensor(list(seq), dtype=torch.long), minlength=vocab).float() if count
-                  else None for seq, (count, _) in zip(sequences, wants)]
-        tails = [tail(seq, p.word_context) if words else None
-                 for seq, p, (_, words) in zip(sequences, params or [None] * len(sequences), wants)]
+        counts, tails = [], []
+        for seq, p in zip(sequences, params or [None] * len(sequences)):
+            count = seq is not None and (p is None or p.penalized)
+            counts.append(torch.bincount(torch.tensor(list(seq), dtype=torch.long), minlength=vocab).float()
+                          if count else None)
+            tails.append(tail(seq, p.word_context) if seq is not None and p is not None and p.bad_words else None)
         return History(counts, ids, None if parents is None else tuple(parents), tails)
 
     def rows(self, index: Sequence[int]) -> History:
@@ -379,15 +379,16 @@ def verify_samples(
     while lo < B and len(alive):
         hi = min(B, lo + width)
         x = head(hidden[alive, lo:hi])  # [a, hi − lo, V]
+        live = alive.tolist()
+        rows = [params[i] for i in live]
         if looking:  # penalties and bad words: each slot's tokens before it
-            live = alive.tolist()
-            rows, hist = [params[i] for i in live], history and history.rows(live)
+            hist = history and history.rows(live)
             x = ban_words(penalize(x, rows, hist, first=lo), rows, hist, first=lo)
         if banning:  # min_tokens: the rows' end ids out of the slots before their positions
-            x = ban_tokens(x, [params[i] for i in alive.tolist()], None if positions is None else positions[alive] + lo)
+            x = ban_tokens(x, rows, None if positions is None else positions[alive] + lo)
         chosen = x.argmax(-1)  # [a, hi − lo]
         if logprobs is not None:
-            logprobs[alive, lo:hi] = chosen_logprobs(x, [params[i] for i in alive.tolist()], chosen).to(logprobs.dtype)
+            logprobs[alive, lo:hi] = chosen_logprobs(x, rows, chosen).to(logprobs.dtype)
         samples[alive, lo:hi] = chosen
         m = min(hi, B - 1) - lo  # slots of this chunk that have a draft to check (the last slot has none)
         if m > 0:

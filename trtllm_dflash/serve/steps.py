@@ -139,8 +139,8 @@ class TargetVerifier:
         self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
         self.slots = SlotTable(max_sequences, idle_timeout_s)
         # seq_id -> its sampling, generator, and its tokens so far (prompt and returned tokens) as runtime.sampling
-        # looks back at them: when penalised, their occurrences [V] (``penalize``); with bad words, the tokens
-        # (``ban_words``)
+        # looks back at them: when penalised, their occurrences [V] (``penalize``); with bad words, the latest
+        # ``word_context`` of them (``ban_words``)
         self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None, torch.Tensor | None, list[int] | None]] \
             = self.slots.data
 
@@ -160,7 +160,7 @@ class TargetVerifier:
             history = (History.of([prompt_ids], self.target.spec.vocab_size, params=[sampling])
                        if sampling.needs_history else None)
             self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None,
-                                     list(prompt_ids) if sampling.bad_words else None)
+                                     list(tail(prompt_ids, sampling.word_context)) if sampling.bad_words else None)
             rows = torch.tensor([row])
             self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
             lp = logprobs_buffer([sampling], 1, 1, self.target.device)
@@ -219,16 +219,16 @@ class TargetVerifier:
         if not any(p.needs_history for p, *_ in params):
             return None
         return History([c for _, _, c, _ in params], ids, parents,
-                       [None if t is None else tail(t, p.word_context) for p, _, _, t in params])
+                       [None if t is None else tuple(t) for *_, t in params])
 
     def _count(self, seq_id: int, returned: list[int]) -> None:
         """Add a sequence's returned tokens to what its penalties count and its bad words read (the next verify's
         slot 0 is the last of them)."""
-        _, _, counts, tokens = self.sampling[seq_id]
+        sampling, _, counts, tokens = self.sampling[seq_id]
         if counts is not None:
             counts.index_put_((torch.tensor(returned, dtype=torch.long),), torch.ones(len(returned)), accumulate=True)
         if tokens is not None:
-            tokens.extend(returned)
+            tokens[:] = tail(tokens + returned, sampling.word_context)
 
     def _verify_tree(self, rows, ids, want_taps, topology: Topology, params) -> list[VerifyResult]:
         require(topology.size <= self.max_tree_nodes, "parents", f"a tree of {topology.size} nodes",

@@ -101,7 +101,8 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     one (whose non-causal block differs from a truncated 16-token one), plain and in ``ngram`` mode (prompt lookup's
     continuation of a recurring 2- or 3-gram instead of the drafter's block), and the tree verify's steps
     (runtime.tree: the drafter's block, its alternates and prompt lookup's proposals in one step), also with the
-    shipped retrieval datastore's proposals (runtime.datastore); every walk is lossless."""
+    shipped retrieval datastore's proposals (runtime.datastore; at block 16 only: the same code at a smaller k); every
+    walk is lossless. 32 tokens (48 until session 43: 222 s of the suite, the tree decodes most of it)."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.datastore import Datastore
@@ -112,21 +113,24 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
     tok = load_tokenizer(smollm2["target"])
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
-    reqs = [Request(tuple(encode_prompt(tok, q.text, q.chat)), 48, stop_token_ids=stops)
+    reqs = [Request(tuple(encode_prompt(tok, q.text, q.chat)), 32, stop_token_ids=stops)
             for q in load_prompts("humaneval", 2)[1:] + load_prompts("mtbench", 1)]
     greedy = SpeculativeDecoder(target, None, 1).generate(reqs)
     plain = SpeculativeDecoder(target, drafter, block_size).generate(reqs)
     looked = SpeculativeDecoder(target, drafter, block_size, ngram=True).generate(reqs)
     both = SpeculativeDecoder(target, drafter, block_size, tree=True).generate(reqs)  # runtime.tree
     store = Datastore.load(Path(smollm2["drafter"]) / "datastore.safetensors")  # the shipped retrieval datastore
-    stored = SpeculativeDecoder(target, drafter, block_size, tree=True, datastore=store).generate(reqs)
-    assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 48 tokens
+    stored = SpeculativeDecoder(target, drafter, block_size, tree=True, datastore=store).generate(reqs) \
+        if block_size == 16 else [None] * len(reqs)
+    assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 32 tokens
     for req, ref, a, b, c, d in zip(reqs, greedy, plain, looked, both, stored):
-        assert a.token_ids == ref.token_ids == b.token_ids == c.token_ids == d.token_ids
+        assert a.token_ids == ref.token_ids == b.token_ids == c.token_ids == (d or ref).token_ids
         ids = list(req.prompt_ids) + list(ref.token_ids)
-        taus, ngram_taus, tree_taus, stored_taus = replay_taus(target, drafter, ids, len(req.prompt_ids), ngram=True,
-                                                               block_size=block_size, tree=True, datastore=store)
-        assert stored_taus == output_taus(d.acceptance_lengths, len(d.token_ids))  # with the datastore's chain
+        taus, ngram_taus, tree_taus, *stored_taus = replay_taus(target, drafter, ids, len(req.prompt_ids),
+                                                                ngram=True, block_size=block_size, tree=True,
+                                                                datastore=store if d else None)
+        if d is not None:  # with the datastore's chain
+            assert stored_taus == [output_taus(d.acceptance_lengths, len(d.token_ids))]
         assert taus == output_taus(a.acceptance_lengths, len(a.token_ids))
         assert ngram_taus == output_taus(b.acceptance_lengths, len(b.token_ids))
         assert max(taus) <= block_size and max(ngram_taus) <= block_size and max(tree_taus) <= block_size

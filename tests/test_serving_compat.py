@@ -59,7 +59,7 @@ def read_from(values: dict):
 @pytest.mark.parametrize("values, message", [
     ({"beam_width": 2}, "beam_width=2: is not supported: speculative decoding here runs one beam; send "
                         "beam_width 1"),
-    ({"num_return_sequences": 3}, "num_return_sequences=3: is not supported"),
+    ({"num_return_sequences": 0}, "num_return_sequences=0: must be at least 1"),
     ({"return_context_logits": True}, "return_context_logits=True: is not supported: logits are not returned; "
                                       "send return_context_logits false"),
     ({"return_generation_logits": True}, "return_generation_logits=True: is not supported"),
@@ -86,6 +86,7 @@ def test_neutral_values_and_honoured_inputs_are_accepted():
     assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens"}
     assert out["acceptance_rate"].tolist() == [0.25] and out["num_output_tokens"].tolist() == [8]
     assert all(v.ndim == 1 for v in out.values())
+    assert compat.parse_options(read_from({"num_return_sequences": 3}), 8, 256) == compat.Options(sequences=3)
 
 
 def test_log_probs_go_out_shaped_as_the_tensorrt_llm_model_sends_them():

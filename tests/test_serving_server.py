@@ -546,6 +546,82 @@ def test_the_token_level_loop_returns_log_probs_too(server, smollm2, oracle):
     assert float(results[-1].as_numpy("cum_log_probs")[0, 0]) == pytest.approx(sum(want.logprobs), abs=1e-3)
 
 
+def by_sequence(results) -> dict[int, list]:
+    """A request's responses that carry tokens, by their ``sequence_index`` (in arrival order)."""
+    out: dict[int, list] = {}
+    for r in results:
+        if r.as_numpy("output_ids") is not None:
+            out.setdefault(int(r.as_numpy("sequence_index").reshape(-1)[0]), []).append(r)
+    return out
+
+
+@pytest.mark.parametrize("model, stream", [("dflash", True), ("baseline", False)])
+def test_num_return_sequences_are_the_seeded_autoregressive_samples(server, raw_runtime, oracle, model, stream):
+    """TensorRT-LLM's ``num_return_sequences`` n: one request, n sequences; sequence i is the in-process
+    autoregressive sample with seed + i (the executor's child requests: ``randomSeed += sequenceIndex``), with its
+    own log-probabilities; every response names its ``sequence_index``; the final flag comes once, after the last
+    sequence's last response. Streamed, the sequences' responses interleave (they step as rows of one batch); not
+    streamed, each sequence sends one response. Greedy: n equal answers. More than --max-sequences: refused."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    _, tok = oracle
+    prompt, n, seed = "def fibonacci(n):", 3, 7
+    refs = [raw_runtime(prompt, 24, SamplingParams(0.9, top_k=40, seed=seed + i, logprobs=True), result=True)[1]
+            for i in range(n)]
+    assert len({r.token_ids for r in refs}) > 1  # different seeds, different samples
+    base = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[24]], np.int32),
+            "stream": np.array([[stream]]), "num_return_sequences": np.array([[n]], np.int32)}
+    results, error = trtllm_stream(server, model, {
+        **base, "temperature": np.array([[0.9]], np.float32), "top_k": np.array([[40]], np.int32),
+        "seed": np.array([[seed]], np.uint64), "return_log_probs": np.array([[True]])})
+    assert error is None, error
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1]
+    got = by_sequence(results)
+    assert sorted(got) == list(range(n))
+    for i, ref in enumerate(refs):
+        assert got[i][-1].as_numpy("output_ids").reshape(-1).tolist() == list(ref.token_ids)
+        text = "".join(r.as_numpy("text_output")[0].decode() for r in got[i])
+        assert text == tok.decode(list(ref.token_ids), skip_special_tokens=True)
+        logprobs = [v for r in got[i] for v in r.as_numpy("output_log_probs").reshape(-1).tolist()]
+        assert logprobs == pytest.approx(list(ref.logprobs), abs=2e-4)
+        assert len(got[i]) > 1 if stream else len(got[i]) == 1
+    if stream:  # sequence 1 streamed before sequence 0 had finished: they ran together
+        order = [int(r.as_numpy("sequence_index").reshape(-1)[0]) for r in results
+                 if r.as_numpy("output_ids") is not None]
+        assert order.index(1) < len(order) - 1 - order[::-1].index(0)
+    results, error = trtllm_stream(server, model, {**base, "num_return_sequences": np.array([[2]], np.int32)})
+    assert error is None, error
+    greedy = by_sequence(results)
+    assert [greedy[i][-1].as_numpy("output_ids").reshape(-1).tolist() for i in (0, 1)] == [raw_runtime(prompt, 24)[1]] * 2
+    _, error = trtllm_stream(server, model, {**base, "num_return_sequences": np.array([[13]], np.int32)})
+    assert "num_return_sequences=13: must be at most --max-sequences 12" in error
+
+
+def test_the_client_returns_every_sequence(server, raw_runtime):
+    """``DFlashClient.generate_sequences`` and ``trtllm-dflash client --num-return-sequences``: the interleaved
+    responses sorted into one completion per sequence (each the autoregressive sample with seed + i, with its
+    log-probabilities); ``generate`` refuses to merge several; 0 sequences is a CLI error (exit 2) naming the flag."""
+    from tests.conftest import run_cli
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    prompt = "Name three rivers."
+    refs = [raw_runtime(prompt, 16, SamplingParams(1.0, seed=3 + i, logprobs=True), result=True)[1] for i in range(2)]
+    params = GenerateParams(prompt, 16, chat=False, temperature=1.0, seed=3, logprobs=True, num_return_sequences=2)
+    with DFlashClient(server.grpc_url) as client:
+        done = client.generate_sequences("dflash", params)
+        with pytest.raises(ValueError, match="num_return_sequences=2: generate returns one sequence"):
+            client.generate("dflash", params)
+    assert [d.token_ids for d in done] == [list(r.token_ids) for r in refs]
+    assert done[1].logprobs == pytest.approx(list(refs[1].logprobs), abs=2e-4)
+    cli = run_cli(["client", "--url", server.grpc_url, "--prompt", prompt, "--raw", "--max-tokens", "16",
+                   "--temperature", "1.0", "--seed", "3", "--num-return-sequences", "2", "--json"])
+    assert cli.returncode == 0, cli.stderr
+    assert [x["token_ids"] for x in json.loads(cli.stdout)["sequences"]] == [list(r.token_ids) for r in refs]
+    bad = run_cli(["client", "--url", server.grpc_url, "--prompt", prompt, "--num-return-sequences", "0"])
+    assert bad.returncode == 2 and "--num-return-sequences=0: must be at least 1" in bad.stderr
+
+
 @pytest.mark.parametrize("model", ["dflash", "baseline"])
 def test_bad_words_are_banned_as_tensorrt_llm_bans_them(server, raw_runtime, oracle, model):
     """TensorRT-LLM's ``bad_words`` (strings, tokenized as its preprocessing does, without special tokens): words

@@ -42,6 +42,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     logprobs: bool = False  # return_log_probs: each token's log-probability (Chunk.logprobs)
     bad_words: tuple[str, ...] = ()  # never generated (TensorRT-LLM's bad_words)
+    num_return_sequences: int = 1  # sequence i samples with seed + i (``DFlashClient.generate_sequences``)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Chunk:
     output_ids: list[int]
     t: float  # perf_counter when it arrived
     logprobs: list[float] = field(default_factory=list)  # this response's tokens' (output_log_probs), when asked
+    sequence_index: int = 0  # which of the request's num_return_sequences it belongs to
 
 
 @dataclass
@@ -118,6 +120,8 @@ def build_inputs(p: GenerateParams):
             inputs.append(make(name, np.array([[value]], dtype=np_type), dtype))
     if p.logprobs:
         inputs.append(make("return_log_probs", np.array([[True]]), "BOOL"))
+    if p.num_return_sequences != 1:
+        inputs.append(make("num_return_sequences", np.array([[p.num_return_sequences]], dtype=np.int32), "INT32"))
     if p.bad_words:
         inputs.append(make("bad_words", np.array([[w.encode() for w in p.bad_words]], dtype=object), "BYTES"))
     if p.stop_words:
@@ -139,6 +143,7 @@ def _chunk(result) -> Chunk:
         output_ids=arr("output_ids").astype(int).tolist(),
         t=time.perf_counter(),
         logprobs=arr("output_log_probs").astype(float).tolist(),
+        sequence_index=int(arr("sequence_index")[0]) if len(arr("sequence_index")) else 0,
     )
 
 
@@ -194,12 +199,27 @@ class DFlashClient:
 
     def generate(self, model: str, params: GenerateParams, on_chunk: Callable[[Chunk], None] | None = None,
                  timeout_s: float = 600.0) -> Completion:
-        done = Completion(start=time.perf_counter())
+        if params.num_return_sequences != 1:
+            raise ValueError(f"num_return_sequences={params.num_return_sequences}: generate returns one sequence; "
+                             "call generate_sequences for several")
+        return self.generate_sequences(model, params, on_chunk, timeout_s)[0]
+
+    def generate_sequences(self, model: str, params: GenerateParams,
+                           on_chunk: Callable[[Chunk], None] | None = None, timeout_s: float = 600.0
+                           ) -> list[Completion]:
+        """The request's ``num_return_sequences`` completions, by ``sequence_index`` (their chunks arrive
+        interleaved when streaming; each completion ends when its own last response arrives)."""
+        start = time.perf_counter()
+        done = [Completion(start=start) for _ in range(params.num_return_sequences)]
         for chunk in self.responses(self.submit(model, params), timeout_s):
-            done.chunks.append(chunk)
+            seq = done[chunk.sequence_index]
+            seq.chunks.append(chunk)
+            seq.end = chunk.t
             if on_chunk is not None:
                 on_chunk(chunk)
-        done.end = time.perf_counter()
+        end = time.perf_counter()
+        for seq in done:  # one sequence: its request's end (the final flag), as before several were possible
+            seq.end = end if len(done) == 1 or not seq.end else seq.end
         return done
 
     def close(self, cancel: bool = False) -> None:

@@ -169,28 +169,41 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also ask for each token's log-probability (TensorRT-LLM's return_log_probs)")
     parser.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                         help="text never generated (TensorRT-LLM's bad_words; repeat for more)")
+    parser.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                        help="N sequences of the prompt, sequence i sampled with --seed + i (TensorRT-LLM's "
+                             "num_return_sequences; greedy: N equal ones); printed one after the other")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def client_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.errors import require
 
+    n = args.num_return_sequences
+    require(n >= 1, "--num-return-sequences", n, "must be at least 1")
     params = GenerateParams(args.prompt, args.max_tokens, args.stream, not args.raw, args.temperature, args.top_k,
                             args.top_p, args.seed, min_tokens=args.min_tokens,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
-                            bad_words=tuple(args.bad_word))
+                            bad_words=tuple(args.bad_word), num_return_sequences=n)
     with DFlashClient(args.url) as client:
-        on_chunk = None if args.json else (lambda c: print(c.text, end="", flush=True))
-        done = client.generate(args.model, params, on_chunk)
-    stats = {"model": args.model, "ttft_ms": round(done.ttft_ms, 1), "tokens_per_second": round(done.tokens_per_second, 2),
-             "mean_acceptance_length": round(done.mean_acceptance_length, 3), "num_new_tokens": len(done.token_ids),
-             **({"cum_log_prob": round(math.fsum(done.logprobs), 4)} if args.logprobs else {})}
+        stream_text = not args.json and n == 1  # several sequences arrive interleaved: printed when done
+        on_chunk = (lambda c: print(c.text, end="", flush=True)) if stream_text else None
+        done = client.generate_sequences(args.model, params, on_chunk)
+    results = []
+    for i, seq in enumerate(done):
+        stats = {"model": args.model, "ttft_ms": round(seq.ttft_ms, 1),
+                 "tokens_per_second": round(seq.tokens_per_second, 2),
+                 "mean_acceptance_length": round(seq.mean_acceptance_length, 3), "num_new_tokens": len(seq.token_ids),
+                 **({"cum_log_prob": round(math.fsum(seq.logprobs), 4)} if args.logprobs else {}),
+                 **({"sequence_index": i} if n > 1 else {})}
+        results.append({"text": seq.text, "token_ids": seq.token_ids, "acceptance_lengths": seq.acceptance_lengths,
+                        **({"logprobs": seq.logprobs} if args.logprobs else {}), **stats})
+        if not args.json:
+            if not stream_text:
+                print(f"--- sequence {i} ---\n{seq.text}")
+            print()
+            print(json.dumps(stats), file=sys.stderr)
     if args.json:
-        print(json.dumps({"text": done.text, "token_ids": done.token_ids,
-                          "acceptance_lengths": done.acceptance_lengths,
-                          **({"logprobs": done.logprobs} if args.logprobs else {}), **stats}))
-    else:
-        print()
-        print(json.dumps(stats), file=sys.stderr)
+        print(json.dumps(results[0] if n == 1 else {"sequences": results}))
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -344,55 +345,78 @@ class LoopModel:
         ])
 
     async def _serve(self, request) -> None:
+        """One request: its ``num_return_sequences`` sequences (TensorRT-LLM's: sequence i samples with seed + i, its
+        responses carry ``sequence_index`` i when there are several) run as concurrent loops, so they step as rows of
+        the same batched calls; the final flag goes with the last sequence's last response. A sequence that fails
+        ends its siblings at their next step and the request with its error."""
         pb, sender = self.pb, request.get_response_sender()
-        final_sent = False
-        detok = None
-        if self.frontend is not None:
-            from trtllm_dflash.runtime.text import IncrementalDetokenizer
-
-            detok = IncrementalDetokenizer(self.frontend.tokenizer)
+        done = {"final_sent": False, "failed": None, "live": 1}
 
         def cancelled() -> bool:
-            return self.stopping or sender.is_cancelled()
+            return self.stopping or sender.is_cancelled() or done["failed"] is not None
 
-        gen, opts = None, None
-        totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
+        async def sequence(gen: GenerateRequest, opts: Options, index: int) -> None:
+            detok = None
+            if self.frontend is not None:
+                from trtllm_dflash.runtime.text import IncrementalDetokenizer
 
-        async def on_update(u: Update) -> None:
-            nonlocal final_sent
-            if self.telemetry is not None:
-                self.telemetry.record(u)
-            flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if u.final else 0
-            text, extra = None, ()
-            totals[0] += u.num_draft_tokens
-            totals[1] += u.num_accepted_draft_tokens
-            if opts is not None:
+                detok = IncrementalDetokenizer(self.frontend.tokenizer)
+            if index:
+                gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2 ** 64))
+            totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
+            index_output = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
+
+            async def on_update(u: Update) -> None:
+                done["live"] -= u.final
+                last = u.final and done["live"] == 0
+                if self.telemetry is not None:
+                    self.telemetry.record(u, last)
+                totals[0] += u.num_draft_tokens
+                totals[1] += u.num_accepted_draft_tokens
                 extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals, u.logprobs)
+                text = None
                 if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer together
                     text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
-            sender.send(self._response(u, detok, text, extra), flags=flags)
-            final_sent = final_sent or u.final
+                sender.send(self._response(u, detok, text, [*extra, *index_output]),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+                done["final_sent"] = done["final_sent"] or last
 
-        if self.telemetry is not None:
-            self.telemetry.active(+1)
+            if self.telemetry is not None:
+                self.telemetry.active(+1)
+            try:
+                await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
+                                     on_update, is_cancelled=cancelled, policy=self.policy,
+                                     ngram=self.ngram, tree=self.tree, datastore=self.datastore)
+            except Cancelled:
+                pass
+            except Exception as exc:  # the first failure ends the request; its siblings stop at their next step
+                if done["failed"] is None:
+                    done["failed"] = exc
+            finally:
+                if self.telemetry is not None:
+                    self.telemetry.active(-1)
+
         try:
             if self.frontend is not None:
                 gen, opts = self.frontend.parse_options(pb, request)
-            else:  # the token-level model: of TensorRT-LLM's options, the log-probabilities only
+            else:  # the token-level model: of TensorRT-LLM's options, the log-probabilities and the sequences only
                 gen = parse_request(pb, request)
-                opts = Options(log_probs=gen.sampling.logprobs)
-            await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
-                                 on_update, is_cancelled=cancelled, policy=self.policy,
-                                 ngram=self.ngram, tree=self.tree, datastore=self.datastore)
-        except Cancelled:
-            pass
+                n = scalar(pb, request, "num_return_sequences", 1, int)
+                require(n >= 1, "num_return_sequences", n, "must be at least 1")
+                opts = Options(log_probs=gen.sampling.logprobs, sequences=n)
+            limit = self.steps.max_sequences
+            require(not limit or opts.sequences <= limit, "num_return_sequences", opts.sequences,
+                    f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
+                    f"ask for at most {limit}, or render the repository with a larger --max-sequences")
+            done["live"] = opts.sequences
+            await asyncio.gather(*(sequence(gen, opts, i) for i in range(opts.sequences)))
+            if done["failed"] is not None:
+                raise done["failed"]
         except Exception as exc:  # the client gets the message; the server keeps serving
-            if not final_sent:
-                final_sent = _send_final(pb, sender, error_response(pb, exc))
+            if not done["final_sent"]:
+                done["final_sent"] = _send_final(pb, sender, error_response(pb, exc))
         finally:
-            if self.telemetry is not None:
-                self.telemetry.active(-1)
-            if not final_sent:  # cancelled: no more data, but the stream must still be closed
+            if not done["final_sent"]:  # cancelled: no more data, but the stream must still be closed
                 _send_final(pb, sender, None)
 
 

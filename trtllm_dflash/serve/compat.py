@@ -11,8 +11,8 @@ The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-lev
 and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
 server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``;
-the log-probabilities and the bad words since session 42) and accept only the neutral value of what it does not do,
-refusing any other by name. The
+the log-probabilities and the bad words since session 42, ``num_return_sequences`` since session 43: ``bls.LoopModel``)
+and accept only the neutral value of what it does not do, refusing any other by name. The
 ensemble's prompt-table, embedding-bias, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses
 them naming the input.
 """
@@ -44,12 +44,11 @@ INPUTS = {
 OUTPUTS = {"acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
            "total_draft_tokens": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
            "num_output_tokens": ("TYPE_INT32", "1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
-           "cum_log_probs": ("TYPE_FP32", "-1")}
+           "cum_log_probs": ("TYPE_FP32", "-1"), "sequence_index": ("TYPE_INT32", "1")}
 
 # inputs accepted at one value only: (neutral value, what this server does instead)
 NEUTRAL = {
     "beam_width": (1, "speculative decoding here runs one beam"),
-    "num_return_sequences": (1, "one sequence per request"),
     "return_context_logits": (False, "logits are not returned"),
     "return_generation_logits": (False, "logits are not returned"),
 }
@@ -79,6 +78,7 @@ class Options:
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     log_probs: bool = False  # return_log_probs (the request's SamplingParams.logprobs too: the target computes them)
+    sequences: int = 1  # num_return_sequences: sequence i samples with seed + i (``bls.LoopModel``)
 
 
 Reader = Callable[[str, Any, type], Any]  # (name, default, kind) -> the request's scalar input, or the default
@@ -106,7 +106,9 @@ def parse_options(read: Reader, max_tokens: int, vocab_size: int) -> Options:
     flags = [bool(read(name, default, bool)) for name, default in (
         ("exclude_input_in_output", True), ("return_perf_metrics", False), ("return_num_input_tokens", False),
         ("return_num_output_tokens", False), ("return_log_probs", False))]
-    return Options(low, *flags)
+    sequences = read("num_return_sequences", 1, int)
+    require(sequences >= 1, "num_return_sequences", sequences, "must be at least 1")
+    return Options(low, *flags, sequences)
 
 
 def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Options:

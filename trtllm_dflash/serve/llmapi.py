@@ -45,6 +45,7 @@ UNAVAILABLE_INPUTS = {
     "return_log_probs": "the llmapi model returns a cumulative_logprob at most, no per-token log-probabilities; a "
                         "request that asks for them is rejected",
     "bad_words": "the llmapi model has no bad-words input; a request with a non-empty bad word is rejected",
+    "num_return_sequences": "the bridge relays one sequence per request; a request that asks for more is rejected",
 }
 
 
@@ -231,7 +232,8 @@ class LlmApiBridge:
         reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None,
                             "repetition_penalty": None if sampling.repetition_penalty == 1.0
                             else sampling.repetition_penalty, "return_log_probs": sampling.logprobs or None,
-                            "bad_words": bad or None})
+                            "bad_words": bad or None,
+                            "num_return_sequences": opts.sequences if opts.sequences > 1 else None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)), sampling, stops), opts
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):

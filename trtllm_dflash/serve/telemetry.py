@@ -102,7 +102,9 @@ class LoopTelemetry:
         if total > 0:
             self.trt_overhead.set(t["draft"] / total)
 
-    def record(self, update) -> None:
+    def record(self, update, request_done: bool | None = None) -> None:
+        """One response's update; ``request_done``: whether it ends its request (default: its sequence's last; with
+        num_return_sequences > 1 only the last sequence's last does)."""
         add = self._add
         for metric in (self.proposed, self.trt_drafted, self.vllm_drafted):
             add(metric, update.num_draft_tokens)
@@ -123,7 +125,7 @@ class LoopTelemetry:
         t["accepted"] += update.num_accepted_draft_tokens
         for part, sec in update.seconds.items():
             t[part] += sec
-        if update.final:
+        if update.final if request_done is None else request_done:
             add(self.requests, 1)
         self.flush(force=update.final)
 

@@ -42,16 +42,18 @@ def oracle(smollm2_decode):
     return (lambda prompt, max_tokens, block_size: decode([prompt], max_tokens, block_size)[0]), tok
 
 
-def active_states(server) -> tuple[int, int]:
+def step_stats(server, model: str):
+    """A step model's STATS response."""
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    counts = []
-    for model in ("target_verify", "drafter"):
-        mode = grpcclient.InferInput("mode", [1, 1], "INT32")
-        mode.set_data_from_numpy(np.array([[3]], dtype=np.int32))
-        seq = grpcclient.InferInput("seq_id", [1, 1], "UINT64")
-        seq.set_data_from_numpy(np.array([[0]], dtype=np.uint64))
-        counts.append(int(c.infer(model, [mode, seq]).as_numpy("num_active")[0, 0]))
-    return tuple(counts)
+    mode = grpcclient.InferInput("mode", [1, 1], "INT32")
+    mode.set_data_from_numpy(np.array([[3]], dtype=np.int32))
+    seq = grpcclient.InferInput("seq_id", [1, 1], "UINT64")
+    seq.set_data_from_numpy(np.array([[0]], dtype=np.uint64))
+    return c.infer(model, [mode, seq])
+
+
+def active_states(server) -> tuple[int, int]:
+    return tuple(int(step_stats(server, m).as_numpy("num_active")[0, 0]) for m in ("target_verify", "drafter"))
 
 
 @pytest.mark.parametrize("model, block_size", [("dflash", 8), ("baseline", 1)])
@@ -559,9 +561,10 @@ def by_sequence(results) -> dict[int, list]:
 def test_num_return_sequences_are_the_seeded_autoregressive_samples(server, raw_runtime, oracle, model, stream):
     """TensorRT-LLM's ``num_return_sequences`` n: one request, n sequences; sequence i is the in-process
     autoregressive sample with seed + i (the executor's child requests: ``randomSeed += sequenceIndex``), with its
-    own log-probabilities; every response names its ``sequence_index``; the final flag comes once, after the last
-    sequence's last response. Streamed, the sequences' responses interleave (they step as rows of one batch); not
-    streamed, each sequence sends one response. Greedy: n equal answers. More than --max-sequences: refused."""
+    own log-probabilities, though the prompt is prefilled once (the others fork its K/V: ``TargetVerifier.fork``);
+    every response names its ``sequence_index``; the final flag comes once, after the last sequence's last
+    response. Streamed, the sequences' responses interleave (they step as rows of one batch); not streamed, each
+    sequence sends one response. Greedy: n equal answers. More than --max-sequences: refused."""
     from trtllm_dflash.runtime.sampling import SamplingParams
 
     _, tok = oracle
@@ -571,10 +574,13 @@ def test_num_return_sequences_are_the_seeded_autoregressive_samples(server, raw_
     assert len({r.token_ids for r in refs}) > 1  # different seeds, different samples
     base = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[24]], np.int32),
             "stream": np.array([[stream]]), "num_return_sequences": np.array([[n]], np.int32)}
+    forked = int(step_stats(server, "target_verify").as_numpy("forked")[0, 0])
     results, error = trtllm_stream(server, model, {
         **base, "temperature": np.array([[0.9]], np.float32), "top_k": np.array([[40]], np.int32),
         "seed": np.array([[seed]], np.uint64), "return_log_probs": np.array([[True]])})
     assert error is None, error
+    # the prompt was prefilled once: the other sequences forked its K/V (TargetVerifier.fork)
+    assert int(step_stats(server, "target_verify").as_numpy("forked")[0, 0]) == forked + n - 1
     finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
     assert finals.count(True) == 1 and finals[-1]
     got = by_sequence(results)
@@ -593,7 +599,8 @@ def test_num_return_sequences_are_the_seeded_autoregressive_samples(server, raw_
     results, error = trtllm_stream(server, model, {**base, "num_return_sequences": np.array([[2]], np.int32)})
     assert error is None, error
     greedy = by_sequence(results)
-    assert [greedy[i][-1].as_numpy("output_ids").reshape(-1).tolist() for i in (0, 1)] == [raw_runtime(prompt, 24)[1]] * 2
+    answers = [greedy[i][-1].as_numpy("output_ids").reshape(-1).tolist() for i in (0, 1)]
+    assert answers == [raw_runtime(prompt, 24)[1]] * 2
     _, error = trtllm_stream(server, model, {**base, "num_return_sequences": np.array([[13]], np.int32)})
     assert "num_return_sequences=13: must be at most --max-sequences 12" in error
 

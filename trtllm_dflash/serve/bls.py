@@ -105,15 +105,17 @@ class TritonSteps(CoalescedSteps):
     def _seq(seq_id: int) -> np.ndarray:
         return np.array([seq_id], dtype=np.uint64)
 
-    def for_request(self, is_cancelled: Callable[[], bool]) -> "RequestSteps":
-        return RequestSteps(self, is_cancelled)
+    def for_request(self, is_cancelled: Callable[[], bool], siblings: "Siblings | None" = None,
+                    index: int = 0) -> "RequestSteps":
+        return RequestSteps(self, is_cancelled, siblings, index)
 
     async def wait_for_slot(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps,
-                            is_cancelled: Callable[[], bool]):
+                            is_cancelled: Callable[[], bool], keep: int = 0):
         """``_start``, waiting for a free sequence slot when all are taken: at most ``max_queue`` requests wait, each
-        at most ``queue_timeout_s``; beyond that the request is refused (Overloaded). A cancelled waiter leaves."""
+        at most ``queue_timeout_s``; beyond that the request is refused (Overloaded). A cancelled waiter leaves.
+        ``keep``: siblings that will fork from this sequence (``Siblings``)."""
         try:
-            return await self._start(seq_id, prompt_ids, sampling, want_taps)
+            return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
         except StepError as exc:
             if SLOTS_EXHAUSTED not in str(exc):
                 raise
@@ -132,7 +134,7 @@ class TritonSteps(CoalescedSteps):
                 if is_cancelled():
                     raise Cancelled()
                 try:
-                    return await self._start(seq_id, prompt_ids, sampling, want_taps)
+                    return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
                 except StepError as exc:
                     if SLOTS_EXHAUSTED not in str(exc):
                         raise
@@ -148,12 +150,15 @@ class TritonSteps(CoalescedSteps):
         model computes it on every core (``handlers.CpuThreads``)."""
         return {"coalesced": np.ones((n, 1), bool)} if self.coalescer.enabled else {}
 
-    async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
-        """A sequence's prefill; with the coalescer on, sent at the step barrier (before the step's other calls), so
-        it never computes while this loop's draft or inject call does."""
+    async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps, keep: int = 0,
+                     fork_of: int | None = None):
+        """A sequence's prefill (``keep``: for that many siblings to fork; ``fork_of``: a sibling's fork of it); with
+        the coalescer on, sent at the step barrier (before the step's other calls), so it never computes while this
+        loop's draft or inject call does."""
+        args = (seq_id, prompt_ids, sampling, want_taps, keep, fork_of)
         if self.coalescer.enabled:
-            return await self.coalescer.submit("start", (seq_id,), seq_id, prompt_ids, sampling, want_taps)
-        return await self._start_call(seq_id, prompt_ids, sampling, want_taps)
+            return await self.coalescer.submit("start", (seq_id,), *args)
+        return await self._start_call(*args)
 
     @staticmethod
     def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
@@ -169,14 +174,17 @@ class TritonSteps(CoalescedSteps):
             out.update({name: np.array([[getattr(sampling, name)]], np.float32) for name in PENALTIES})
         return out
 
-    async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps):
+    async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps, keep=0, fork_of=None):
+        family = {"keep_prefill": np.array([[keep]], np.int32)} if keep else {}
+        if fork_of is not None:
+            family["fork_of"] = self._seq(fork_of)[None]
         out = await self._rows(
             self.target, ["out_tokens", "out_log_probs", "taps"], mode=np.array([[START]], np.int32),
             seq_id=self._seq(seq_id)[None],
             tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
-            **self._start_inputs(sampling), **self._coalesced(1))
+            **self._start_inputs(sampling), **family, **self._coalesced(1))
         return (int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None,
                 out["out_log_probs"][0, :1].tolist() if sampling.logprobs else None)
 
@@ -230,16 +238,67 @@ class TritonSteps(CoalescedSteps):
                 pass
 
 
-class RequestSteps:
-    """One request's view of TritonSteps: the slot wait sees that request's cancellation."""
+class Siblings:
+    """The sequences of one request (``num_return_sequences``): the first prefills the prompt and keeps its last hidden
+    state (``keep_prefill``), the others fork it (``TargetVerifier.fork``: its K/V copied, their own first token) and
+    take its taps, so the prompt is computed once. The first sequence waits until they have forked (the cache rows
+    they copy are its own) before it steps; a sibling that cannot fork (no slot free, or a target that prefills every
+    sequence itself) prefills after all."""
 
-    def __init__(self, steps: TritonSteps, is_cancelled: Callable[[], bool]) -> None:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.parent: asyncio.Future = asyncio.get_running_loop().create_future()  # (seq_id, taps) of the first
+        self.pending = set(range(1, n))  # siblings that have not started (forked, prefilled or failed) yet
+        self.forked = asyncio.Event()
+        if not self.pending:
+            self.forked.set()
+
+    def started(self, index: int) -> None:
+        """Sibling ``index`` no longer needs the first sequence's rows (idempotent: also called when it ends, so one
+        that fails before its start never keeps the first waiting)."""
+        self.pending.discard(index)
+        if not self.pending:
+            self.forked.set()
+
+
+class RequestSteps:
+    """One sequence's view of TritonSteps: the slot wait sees its request's cancellation, and its start shares the
+    prefill with its ``siblings`` (sequence ``index`` of them)."""
+
+    def __init__(self, steps: TritonSteps, is_cancelled: Callable[[], bool], siblings: Siblings | None = None,
+                 index: int = 0) -> None:
         self._steps, self._is_cancelled = steps, is_cancelled
+        self._siblings, self._index = siblings if siblings is not None and siblings.n > 1 else None, index
 
     async def start(self, seq_id, prompt_ids, sampling, want_taps):
-        started = await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
-        self._steps.coalescer.join()  # from here until its free, the step barrier waits for this sequence
+        family, steps = self._siblings, self._steps
+        if family is None:
+            started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+        elif self._index == 0:
+            try:
+                started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
+                                                    keep=family.n - 1)
+            except BaseException as exc:
+                family.parent.set_exception(exc)  # the siblings end with it
+                raise
+            family.parent.set_result((seq_id, started[1]))
+            await family.forked.wait()
+        else:
+            started = await self._fork(seq_id, prompt_ids, sampling, want_taps)
+        steps.coalescer.join()  # from here until its free, the step barrier waits for this sequence
         return started
+
+    async def _fork(self, seq_id, prompt_ids, sampling, want_taps):
+        family = self._siblings
+        try:
+            parent, taps = await family.parent
+            first, _, logprobs = await self._steps._start(seq_id, prompt_ids, sampling, False, fork_of=parent)
+        except StepError:  # no slot free now, or a target that cannot fork: this sequence prefills itself
+            family.started(self._index)
+            return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+        finally:
+            family.started(self._index)
+        return first, taps, logprobs
 
     def __getattr__(self, name):  # verify, inject, draft, free
         return getattr(self._steps, name)
@@ -346,16 +405,16 @@ class LoopModel:
 
     async def _serve(self, request) -> None:
         """One request: its ``num_return_sequences`` sequences (TensorRT-LLM's: sequence i samples with seed + i, its
-        responses carry ``sequence_index`` i when there are several) run as concurrent loops, so they step as rows of
-        the same batched calls; the final flag goes with the last sequence's last response. A sequence that fails
-        ends its siblings at their next step and the request with its error."""
+        responses carry ``sequence_index`` i when there are several) run as concurrent loops sharing one prefill
+        (``Siblings``), so they step as rows of the same batched calls; the final flag goes with the last sequence's
+        last response. A sequence that fails ends its siblings at their next step and the request with its error."""
         pb, sender = self.pb, request.get_response_sender()
         done = {"final_sent": False, "failed": None, "live": 1}
 
         def cancelled() -> bool:
             return self.stopping or sender.is_cancelled() or done["failed"] is not None
 
-        async def sequence(gen: GenerateRequest, opts: Options, index: int) -> None:
+        async def sequence(gen: GenerateRequest, opts: Options, siblings: Siblings, index: int) -> None:
             detok = None
             if self.frontend is not None:
                 from trtllm_dflash.runtime.text import IncrementalDetokenizer
@@ -384,8 +443,8 @@ class LoopModel:
             if self.telemetry is not None:
                 self.telemetry.active(+1)
             try:
-                await run_generation(self.steps.for_request(cancelled), gen, self.block_size, secrets.randbits(62),
-                                     on_update, is_cancelled=cancelled, policy=self.policy,
+                await run_generation(self.steps.for_request(cancelled, siblings, index), gen, self.block_size,
+                                     secrets.randbits(62), on_update, is_cancelled=cancelled, policy=self.policy,
                                      ngram=self.ngram, tree=self.tree, datastore=self.datastore)
             except Cancelled:
                 pass
@@ -393,6 +452,7 @@ class LoopModel:
                 if done["failed"] is None:
                     done["failed"] = exc
             finally:
+                siblings.started(index)  # one that ended before its start keeps the first sequence waiting no more
                 if self.telemetry is not None:
                     self.telemetry.active(-1)
 
@@ -409,7 +469,8 @@ class LoopModel:
                     f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
                     f"ask for at most {limit}, or render the repository with a larger --max-sequences")
             done["live"] = opts.sequences
-            await asyncio.gather(*(sequence(gen, opts, i) for i in range(opts.sequences)))
+            siblings = Siblings(opts.sequences)  # the prompt is prefilled once for all of them
+            await asyncio.gather(*(sequence(gen, opts, siblings, i) for i in range(opts.sequences)))
             if done["failed"] is not None:
                 raise done["failed"]
         except Exception as exc:  # the client gets the message; the server keeps serving

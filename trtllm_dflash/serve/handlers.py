@@ -8,11 +8,13 @@ VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step
 calls of one kind as one request, see ``serve/coalesce.py``; every row of a request has the same mode):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
+                                     (keep_prefill INT32 [1] n: n siblings will fork from it; fork_of UINT64 [1]:
+                                     this START is such a sibling's, no prefill: its prompt's K/V copied, no taps)
                                    1 VERIFY (tokens = [bonus, d_1..d_{B−1}], want_taps) -> out_tokens = emitted, taps
                                      (rows of several sequences: emitted padded with −1, taps with zeros, to the
                                      longest row); both also out_log_probs, the tokens' log-probabilities for a
                                      sequence started with return_log_probs (else, and in padding, NaN)
-                                   2 FREE, 3 STATS                         -> num_active, freed, timed_out
+                                   2 FREE, 3 STATS              -> num_active, freed, timed_out, forked
     kv_inject      taps FP32 [T, K·H], start INT32 [1] -> ctx_k, ctx_v FP32 [L, T, kv_heads, head_dim]
     drafter        mode INT32 [1]: 0 DRAFT (ctx_k, ctx_v, bonus, block_size; ctx_len INT32 [1]: the row's real
                                      context length when rows are padded) -> drafts INT32 [block_size − 1]
@@ -293,6 +295,20 @@ class TargetVerifyModel:
                                                           pb_utils.Tensor("out_log_probs", logprobs),
                                                           torch_rows_output(pb_utils, "taps", taps)])
 
+    def _start(self, pb_utils, request, seq: int, prompt: list[int], want_taps: bool):
+        """A START: a prefill (kept for ``keep_prefill`` siblings), or with ``fork_of`` a sibling's copy of one."""
+        sampling = sampling_from(pb_utils, request)
+        parent = scalar(pb_utils, request, "fork_of", None, int)
+        keep = scalar(pb_utils, request, "keep_prefill", 0, int)
+        if (parent is not None or keep) and not hasattr(self.verifier, "fork"):
+            require(parent is None, "fork_of", parent, "the trtllm-engine target prefills every sequence itself",
+                    "start the sequence with its own prefill")
+            keep = 0  # nothing to keep: its siblings will prefill themselves
+        if parent is not None:
+            return self.verifier.fork(seq, parent, prompt, sampling)
+        return self.verifier.start(seq, prompt, sampling, want_taps, keep=keep) if keep else \
+            self.verifier.start(seq, prompt, sampling, want_taps)
+
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()
         responses: list = [None] * len(requests)
@@ -318,7 +334,7 @@ class TargetVerifyModel:
             try:
                 if mode == START:
                     require(len(seqs) == 1, "seq_id", seqs, "must be one sequence per start request")
-                    r = self.verifier.start(seqs[0], tokens[0], sampling_from(pb_utils, requests[i]), want)
+                    r = self._start(pb_utils, requests[i], seqs[0], tokens[0], want)
                     responses[i] = self._outputs(pb_utils, [r.first_token], r.taps, logprobs=r.logprobs)
                 elif mode == VERIFY:
                     require(parents is None or self.tree_capable, "parents", list(parents or ())[:8],
@@ -330,7 +346,8 @@ class TargetVerifyModel:
                     if mode == FREE:
                         for seq in seqs:
                             self.verifier.free(seq)
-                    responses[i] = self._outputs(pb_utils, [], None, _stats(self.verifier.slots))
+                    forked = [("forked", np.array([getattr(self.verifier, "forked", 0)], dtype=np.int32))]
+                    responses[i] = self._outputs(pb_utils, [], None, _stats(self.verifier.slots) + forked)
                 else:
                     raise ConfigError("mode", mode, "must be 0 (start), 1 (verify), 2 (free) or 3 (stats)")
             except Exception as exc:

@@ -143,12 +143,65 @@ class TargetVerifier:
         # ``word_context`` of them (``ban_words``)
         self.sampling: dict[int, tuple[SamplingParams, torch.Generator | None, torch.Tensor | None, list[int] | None]] \
             = self.slots.data
+        # seq_id -> [siblings still to fork, its prompt, its prompt's last hidden state] (``start(keep=)``, ``fork``)
+        self.prefills: dict[int, list] = {}
+        self.forked = 0  # sequences started by ``fork`` (no prefill of their own)
 
-    def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool) -> StartResult:
+    def start(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams, want_taps: bool,
+              keep: int = 0) -> StartResult:
+        """A sequence's prefill and first token. ``keep`` > 0: that many sibling sequences of the same prompt will
+        ``fork`` from this one (a request's num_return_sequences), so its prompt's last hidden state is kept until
+        they have."""
+        row, history = self._open(seq_id, prompt_ids, sampling)
+        ids = torch.tensor([prompt_ids])
+        try:
+            rows = torch.tensor([row])
+            self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
+            with torch.inference_mode():
+                hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
+                                           self.tap_layers if want_taps else ())
+            first, lp = self._first_token(seq_id, hidden[:, -1:], len(prompt_ids), history)
+        except BaseException:
+            self.slots.free(seq_id)  # a failed start holds no slot
+            raise
+        self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
+        if keep > 0:
+            self.prefills[seq_id] = [keep, tuple(prompt_ids), hidden[:, -1:]]
+        return StartResult(first, taps[0] if want_taps else None, lp)
+
+    def fork(self, seq_id: int, parent: int, prompt_ids: list[int], sampling: SamplingParams) -> StartResult:
+        """A sibling's start without a prefill: the prompt's K/V copied from the live sequence ``parent`` (started
+        with ``keep``), its first token drawn from the parent's last hidden state with its own sampling: what
+        ``start`` would compute (the same forward's values), at the cost of a copy. No taps: the prompt's are the
+        parent's."""
+        kept = self.prefills.get(parent)
+        require(kept is not None and parent in self.slots.rows, "fork_of", parent,
+                "is not a live sequence started with keep_prefill (or its siblings have all forked)",
+                "start the sequence with its own prefill")
+        require(tuple(prompt_ids) == kept[1], "tokens", f"{len(prompt_ids)} tokens",
+                f"differ from the prompt of sequence {parent}", "fork only siblings of the same prompt")
+        row, history = self._open(seq_id, prompt_ids, sampling)
+        try:
+            src, n = self.slots.rows[parent], len(prompt_ids)
+            for cache in (self.cache.k, self.cache.v):
+                cache[:, row, :n] = cache[:, src, :n]
+            first, lp = self._first_token(seq_id, kept[2], n, history)
+        except BaseException:
+            self.slots.free(seq_id)
+            raise
+        self.cache.crop(torch.tensor([row]), torch.tensor([n]))
+        self.forked += 1
+        kept[0] -= 1
+        if kept[0] <= 0:
+            del self.prefills[parent]
+        return StartResult(first, None, lp)
+
+    def _open(self, seq_id: int, prompt_ids: list[int], sampling: SamplingParams) -> tuple[int, History | None]:
+        """Check a start's inputs (before any state changes), take a slot and set up the sequence's sampling ->
+        (its cache row, what its first token's choice looks back at)."""
         require(0 < len(prompt_ids) < self.max_seq_len, "prompt length", len(prompt_ids),
                 f"must be in [1, {self.max_seq_len}) tokens (the repository's max_seq_len)", "shorten the prompt")
-        ids = torch.tensor([prompt_ids])
-        self._check_ids(ids, "prompt token id", pad=None)
+        self._check_ids(torch.tensor([prompt_ids]), "prompt token id", pad=None)
         if sampling.banned_ids:  # min_tokens' end ids (runtime.sampling.ban_tokens indexes the logits with them)
             self._check_ids(torch.tensor([sampling.banned_ids]), "banned_ids", pad=None)
         for word in sampling.bad_words:  # so do the bad words' last tokens
@@ -161,20 +214,21 @@ class TargetVerifier:
                        if sampling.needs_history else None)
             self.sampling[seq_id] = (sampling, gen, history.counts[0] if history else None,
                                      list(tail(prompt_ids, sampling.word_context)) if sampling.bad_words else None)
-            rows = torch.tensor([row])
-            self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
-            lp = logprobs_buffer([sampling], 1, 1, self.target.device)
-            with torch.inference_mode():
-                hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
-                                           self.tap_layers if want_taps else ())
-                first = target_samples(self.target.logits(hidden[:, -1:]), [sampling], [gen],
-                                       torch.tensor([len(prompt_ids)]), history=history, logprobs=lp)[0, 0]
-            self._count(seq_id, [int(first)])
         except BaseException:
-            self.slots.free(seq_id)  # a failed start holds no slot
+            self.slots.free(seq_id)
             raise
-        self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
-        return StartResult(int(first), taps[0] if want_taps else None, None if lp is None else lp[0].tolist())
+        return row, history
+
+    def _first_token(self, seq_id: int, last_hidden: torch.Tensor, prompt_len: int,
+                     history: History | None) -> tuple[int, list[float] | None]:
+        """A started sequence's first token from its prompt's last hidden state [1, 1, H] (and its log-probability)."""
+        sampling, gen, *_ = self.sampling[seq_id]
+        lp = logprobs_buffer([sampling], 1, 1, self.target.device)
+        with torch.inference_mode():
+            first = int(target_samples(self.target.logits(last_hidden), [sampling], [gen], torch.tensor([prompt_len]),
+                                       history=history, logprobs=lp)[0, 0])
+        self._count(seq_id, [first])
+        return first, None if lp is None else lp[0].tolist()
 
     def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool,
                parents: tuple[int, ...] | None = None) -> list[VerifyResult]:
@@ -266,10 +320,13 @@ class TargetVerifier:
                              None if lps is None else lps[j][: a + 1]) for j, a in enumerate(accepted)]
 
     def free(self, seq_id: int) -> bool:
+        self.prefills.pop(seq_id, None)
         return self.slots.free(seq_id)
 
     def expire(self) -> None:
         self.slots.expire()
+        for seq in [s for s in self.prefills if s not in self.slots.rows]:  # timed out with siblings still to fork
+            del self.prefills[seq]
 
 
 class KVInjector:

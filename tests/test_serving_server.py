@@ -186,13 +186,15 @@ def test_unary_call_maps_bad_input_to_invalid_argument(server):
     assert "INVALID_ARGUMENT" in str(exc.value.status()) and "max_tokens=0" in str(exc.value)
 
 
-def bls_inputs(tok, prompt: str, max_tokens: int):
+def bls_inputs(tok, prompt: str, max_tokens: int, sequences: int = 1):
     """Inputs of the dflash_bls model itself (what preprocessing would produce)."""
     ids = np.array([encode_prompt(tok, prompt, chat=True)], dtype=np.int32)
     values = [("input_ids", ids, "INT32"), ("max_tokens", np.array([[max_tokens]], np.int32), "INT32"),
               ("stream", np.array([[True]]), "BOOL"), ("temperature", np.array([[0.0]], np.float32), "FP32"),
               ("top_k", np.array([[0]], np.int32), "INT32"), ("top_p", np.array([[1.0]], np.float32), "FP32"),
               ("seed", np.array([[0]], np.uint64), "UINT64"), ("stop_sequences", np.array([[2, -1]], np.int32), "INT32")]
+    if sequences > 1:
+        values.append(("num_return_sequences", np.array([[sequences]], np.int32), "INT32"))
     out = []
     for name, arr, dtype in values:
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
@@ -202,9 +204,10 @@ def bls_inputs(tok, prompt: str, max_tokens: int):
 
 
 def test_cancelled_streams_free_their_state(server, oracle):
-    """50 streams cancelled mid-generation on the token-level loop model dflash_bls: the loop sees the cancellation
-    at its next step and frees the sequence's state in both stateful models. (The entry points dflash / baseline
-    run the same loop: tests/test_serving_reliability.py cancels through them.)"""
+    """50 streams cancelled mid-generation on the token-level loop model dflash_bls, and 10 requests of 3 sequences
+    (num_return_sequences: one prefill, two forks) cancelled at whatever point they had reached: the loop sees the
+    cancellation at its next step and frees every sequence's state in both stateful models. (The entry points dflash
+    / baseline run the same loop: tests/test_serving_reliability.py cancels through them.)"""
     _, tok = oracle
     for _ in range(10):
         c = grpcclient.InferenceServerClient(server.grpc_url)
@@ -212,6 +215,7 @@ def test_cancelled_streams_free_their_state(server, oracle):
         c.start_stream(callback=lambda result, error: first.set())
         for p in PROMPTS[:5]:
             c.async_stream_infer("dflash_bls", bls_inputs(tok, p, 200))
+        c.async_stream_infer("dflash_bls", bls_inputs(tok, PROMPTS[5], 200, sequences=3))
         assert first.wait(timeout=300), "no response before cancelling"
         c.stop_stream(cancel_requests=True)
         c.close()
@@ -300,10 +304,11 @@ def test_http_stream_closed_by_the_client_frees_its_sequence(server):
 def test_out_of_vocabulary_ids_to_the_token_loop_are_named_and_hold_no_slot(server, oracle):
     """dflash_bls takes token ids: ids outside the vocabulary get an error naming them, and (unlike before session
     39: torch's "index out of range in self" and a target_verify slot held until the idle time-out) no slot stays
-    taken; the server answers the next request."""
+    taken; the server answers the next request. So do they for a request of 3 sequences (the first sequence's start
+    fails, its siblings' fall-back prefills alike: one error)."""
     _, tok = oracle
-    for bad in (len(tok) + 5, -3):
-        inputs = bls_inputs(tok, "hi", 4)
+    for bad, sequences in ((len(tok) + 5, 1), (-3, 1), (len(tok) + 7, 3)):
+        inputs = bls_inputs(tok, "hi", 4, sequences)
         ids = grpcclient.InferInput("input_ids", [1, 2], "INT32")
         ids.set_data_from_numpy(np.array([[1, bad]], np.int32))
         errors, done = [], threading.Event()

@@ -63,6 +63,26 @@ def test_generate_ngram_and_tree_give_the_autoregressive_tokens(smollm2):
     assert x["token_ids"] == y["token_ids"] != a["token_ids"]
 
 
+def test_generate_bias_changes_the_answer_losslessly_and_a_bad_one_is_named(smollm2):
+    """--bias TEXT=WEIGHT (TensorRT-LLM's embedding bias): an answer token pushed down changes the answer, and
+    block 16 + lookup gives the autoregressive tokens with the same bias; a value without a weight exits 2 naming it."""
+    from trtllm_dflash.runtime.text import load_tokenizer
+
+    common = ["generate", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--prompt",
+              "Write a Python function that returns the sum of a list.", "--chat", "--max-new-tokens", "32", "--json"]
+    plain = run_cli([*common, "--block-size", "1"])
+    assert plain.returncode == 0, plain.stderr
+    a = json.loads(plain.stdout.splitlines()[-1])["token_ids"]
+    tok = load_tokenizer(smollm2["target"])
+    word = next(w for w in (tok.decode([t]) for t in a[2:]) if w.strip() and tok.encode(w) == tok.encode(w)[:1])
+    biased = [run_cli([*common, "--block-size", b, "--bias", f"{word}=-9", "--bias", "==0.5"]) for b in ("1", "16")]
+    assert all(r.returncode == 0 for r in biased), biased[0].stderr + biased[1].stderr
+    x, y = (json.loads(r.stdout.splitlines()[-1])["token_ids"] for r in biased)
+    assert x == y != a
+    bad = run_cli([*common, "--bias", "sorry"])
+    assert bad.returncode == 2 and "--bias='sorry': must be TEXT=WEIGHT" in bad.stderr, bad.stderr
+
+
 def test_generate_min_new_tokens_holds_the_stop_back_losslessly(smollm2):
     """A raw prompt SmolLM2-Instruct answers with nothing at once; --min-new-tokens gets that many tokens, the same
     from the tree verify as from autoregressive decoding (the stop masked out of the target's choice alike)."""

@@ -21,7 +21,7 @@ FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_ensemble" / "ensemb
 # the ensemble's inputs not declared here (Triton refuses them naming the input): prompt tables, embedding bias,
 # LoRA, guided decoding and the encoder-decoder prompt
 NOT_DECLARED = {"decoder_text_input", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size",
-                "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config",
+                "lora_task_id", "lora_weights", "lora_config",
                 "guided_decoding_guide_type", "guided_decoding_guide"}
 
 

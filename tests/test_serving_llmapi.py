@@ -256,7 +256,10 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
     # for, refused by name; empty bad words, as TensorRT-LLM's examples send them, accepted
     for extra, words in ((dict(return_log_probs=np.array([True])), "return_log_probs=True: is not supported"),
                          (dict(bad_words=np.array([b"", b"foo"], dtype=object)),
-                          "bad_words=['foo']: is not supported")):
+                          "bad_words=['foo']: is not supported"),
+                         (dict(embedding_bias_words=np.array([b"foo"], dtype=object),
+                               embedding_bias_weights=np.array([2.0], np.float32)),
+                          "embedding_bias_words=['foo']: is not supported")):
         sent.clear()
         asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object),
                                           max_tokens=np.array([5], np.int32), **extra)))

@@ -658,3 +658,33 @@ def test_bad_words_are_banned_as_tensorrt_llm_bans_them(server, raw_runtime, ora
     assert error is None, error
     sent = [r for r in results if r.as_numpy("output_ids") is not None]
     assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == ref
+
+
+@pytest.mark.parametrize("model", ["dflash", "baseline"])
+def test_embedding_bias_is_added_as_tensorrt_llm_adds_it(server, raw_runtime, oracle, model):
+    """TensorRT-LLM's ``embedding_bias_words`` / ``embedding_bias_weights`` (each word tokenized alone, its weight added
+    to its tokens' logits before the penalties: ``runtime.text.encode_bias``): two tokens of the plain answer pushed
+    down and one word pushed up change it, and the answer is the in-process autoregressive one with that bias
+    (block 8: every verify slot adds the same bias). Counts that differ are refused naming both inputs."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.text import encode_bias
+
+    _, tok = oracle
+    prompt = "def fibonacci(n):"
+    _, plain = raw_runtime(prompt, 40)
+    singles = [tok.decode([t]) for t in plain[3:30] if tok.encode(tok.decode([t])) == [t]]
+    words, weights = [singles[0], singles[3], " return"], [-6.0, -6.0, 2.5]
+    _, ref = raw_runtime(prompt, 40, SamplingParams(logit_bias=encode_bias(tok, words, weights)))
+    assert ref != plain
+    base = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
+            "stream": np.array([[True]]), "embedding_bias_words": np.array([[w.encode() for w in words]], dtype=object)}
+    results, error = trtllm_stream(server, model, {**base, "embedding_bias_weights": np.array([weights], np.float32)})
+    assert error is None, error
+    sent = [r for r in results if r.as_numpy("output_ids") is not None]
+    assert sent[-1].as_numpy("output_ids").reshape(-1).tolist() == ref
+    with DFlashClient(server.grpc_url) as client:  # GenerateParams.embedding_bias (client --bias) sends the same
+        bias = tuple(zip(words, weights))
+        done = client.generate(model, GenerateParams(prompt, 40, True, False, embedding_bias=bias))
+    assert list(done.token_ids) == ref
+    _, error = trtllm_stream(server, model, {**base, "embedding_bias_weights": np.array([[1.0]], np.float32)})
+    assert "number of embedding_bias_weights=1: must equal the number of embedding_bias_words (3)" in error

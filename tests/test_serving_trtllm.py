@@ -199,6 +199,11 @@ def test_sequence_book_and_context_cache():
     assert book.free(1) and not book.free(1) and 1 not in book.state
     with pytest.raises(ConfigError, match="not a live sequence"):
         book.get(1, [9])
+    for sampling, match in ((SamplingParams(bad_words=((4,),)), r"bad_words=\[\[4\]\]: is not supported"),
+                            (SamplingParams(logit_bias=((4, 1.0),)), r"logit_bias=\[4\]: is not supported")):
+        with pytest.raises(ConfigError, match=match):  # refused by name, holding no slot
+            book.start(3, [1], sampling)
+    assert 3 not in book.state
 
     cache = te.ContextCache(2, 3, 10, 1, 4, torch.float32, "cpu")
     cache.append(0, torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))

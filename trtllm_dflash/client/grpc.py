@@ -42,6 +42,8 @@ class GenerateParams:
     frequency_penalty: float | None = None
     logprobs: bool = False  # return_log_probs: each token's log-probability (Chunk.logprobs)
     bad_words: tuple[str, ...] = ()  # never generated (TensorRT-LLM's bad_words)
+    # (text, weight): weight added to the logits of text's tokens (embedding_bias_words / embedding_bias_weights)
+    embedding_bias: tuple[tuple[str, float], ...] = ()
     num_return_sequences: int = 1  # sequence i samples with seed + i (``DFlashClient.generate_sequences``)
 
 
@@ -124,6 +126,10 @@ def build_inputs(p: GenerateParams):
         inputs.append(make("num_return_sequences", np.array([[p.num_return_sequences]], dtype=np.int32), "INT32"))
     if p.bad_words:
         inputs.append(make("bad_words", np.array([[w.encode() for w in p.bad_words]], dtype=object), "BYTES"))
+    if p.embedding_bias:
+        inputs.append(make("embedding_bias_words", np.array([[w.encode() for w, _ in p.embedding_bias]], dtype=object),
+                           "BYTES"))
+        inputs.append(make("embedding_bias_weights", np.array([[w for _, w in p.embedding_bias]], np.float32), "FP32"))
     if p.stop_words:
         inputs.append(make("stop_words", np.array([[w.encode() for w in p.stop_words]], dtype=object), "BYTES"))
     return inputs

@@ -47,6 +47,32 @@ def add_penalty_arguments(parser: argparse.ArgumentParser, defaults=(None, None,
         parser.add_argument(flag, type=float, default=default, help=f"{what}; TensorRT-LLM's{note}")
 
 
+def add_bias_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bias", action="append", default=[], metavar="TEXT=WEIGHT",
+                        help="add WEIGHT to the logits of TEXT's tokens before sampling (TensorRT-LLM's "
+                             "embedding_bias_words / _weights: TEXT tokenized alone; a large negative weight all but "
+                             "bans it); repeat for more")
+
+
+def bias_words(values: list[str]) -> tuple[tuple[str, float], ...]:
+    """``--bias`` values -> (text, weight) pairs (the weight after the last '=': TEXT may hold '=' itself)."""
+    import math
+
+    from trtllm_dflash.errors import require
+
+    out = []
+    for value in values:
+        text, sep, weight = value.rpartition("=")
+        try:
+            w = float(weight) if sep and text else math.nan
+        except ValueError:
+            w = math.nan
+        require(math.isfinite(w), "--bias", value, "must be TEXT=WEIGHT with a non-empty TEXT and a finite WEIGHT",
+                "e.g. --bias ' sorry=-5'")
+        out.append((text, w))
+    return tuple(out)
+
+
 def add_ngram_argument(parser: argparse.ArgumentParser, where: str = "") -> None:
     parser.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=None,
                         help="verify prompt lookup's proposal (the tokens that followed an earlier occurrence of the "

@@ -9,8 +9,8 @@ import sys
 
 from dataclasses import replace
 
-from trtllm_dflash.commands.common import (DTYPES, add_model_arguments, add_sampling_arguments, make_decoder,
-                                           resolve_block_size, resolve_ngram)
+from trtllm_dflash.commands.common import (DTYPES, add_bias_argument, add_model_arguments, add_sampling_arguments,
+                                           bias_words, make_decoder, resolve_block_size, resolve_ngram)
 from trtllm_dflash.errors import ConfigError, require
 
 
@@ -41,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text never generated, tokenized without special tokens (TensorRT-LLM's bad_words: a "
                              "one-token word is never chosen, a longer one's last token not after its others); "
                              "repeat for more")
+    add_bias_argument(parser)
     parser.add_argument("--logprobs", action="store_true",
                         help="also report each token's log-probability (with --json; else their sum)")
 
@@ -50,8 +51,8 @@ def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.datasets import Prompt, file_prompts
     from trtllm_dflash.runtime.decoder import Request, check_capacity
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.runtime.text import (IncrementalDetokenizer, encode_prompt, encode_words, load_tokenizer,
-                                            stop_token_ids)
+    from trtllm_dflash.runtime.text import (IncrementalDetokenizer, encode_bias, encode_prompt, encode_words,
+                                            load_tokenizer, stop_token_ids)
 
     require(args.batch_size >= 1, "--batch-size", args.batch_size, "must be >= 1")
     if args.prompt is not None:
@@ -63,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty, logprobs=args.logprobs)
     sampling.validate("--")
+    bias = bias_words(args.bias)
     require(args.max_new_tokens >= 1, "--max-new-tokens", args.max_new_tokens, "must be >= 1")
     require(0 <= args.min_new_tokens <= args.max_new_tokens, "--min-new-tokens", args.min_new_tokens,
             f"must be in [0, --max-new-tokens={args.max_new_tokens}]")
@@ -73,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
                            ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore,
                            cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)
-    sampling = replace(sampling, bad_words=encode_words(tokenizer, args.bad_word))
+    sampling = replace(sampling, bad_words=encode_words(tokenizer, args.bad_word),
+                       logit_bias=encode_bias(tokenizer, [w for w, _ in bias], [x for _, x in bias]))
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []
     for p in prompts:

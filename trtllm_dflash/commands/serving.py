@@ -150,7 +150,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    from trtllm_dflash.commands.common import add_penalty_arguments
+    from trtllm_dflash.commands.common import add_bias_argument, add_penalty_arguments
 
     parser.add_argument("--url", default="127.0.0.1:8001", help="gRPC endpoint")
     parser.add_argument("--model", default="dflash", help="ensemble to call: dflash or baseline")
@@ -169,6 +169,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also ask for each token's log-probability (TensorRT-LLM's return_log_probs)")
     parser.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                         help="text never generated (TensorRT-LLM's bad_words; repeat for more)")
+    add_bias_argument(parser)
     parser.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
                         help="N sequences of the prompt, sequence i sampled with --seed + i (TensorRT-LLM's "
                              "num_return_sequences; greedy: N equal ones); printed one after the other")
@@ -177,6 +178,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def client_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.commands.common import bias_words
     from trtllm_dflash.errors import require
 
     n = args.num_return_sequences
@@ -185,7 +187,8 @@ def client_main(args: argparse.Namespace) -> int:
                             args.top_p, args.seed, min_tokens=args.min_tokens,
                             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
-                            bad_words=tuple(args.bad_word), num_return_sequences=n)
+                            bad_words=tuple(args.bad_word), num_return_sequences=n,
+                            embedding_bias=bias_words(args.bias))
     with DFlashClient(args.url) as client:
         stream_text = not args.json and n == 1  # several sequences arrive interleaved: printed when done
         on_chunk = (lambda c: print(c.text, end="", flush=True)) if stream_text else None

@@ -47,6 +47,8 @@ class SamplingParams:
     logprobs: bool = False
     # TensorRT-LLM's bad words as token ids (``ban_words``): never chosen where the sequence ends in all but its last
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # TensorRT-LLM's embedding bias, sparse (``add_bias``): (token id, weight) pairs, ids ascending and distinct
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def with_min_tokens(self, min_tokens: int, prompt_len: int, end_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a sequence of ``prompt_len`` prompt tokens that must not end (no ``end_ids``)
@@ -72,6 +74,11 @@ class SamplingParams:
         for i, word in enumerate(self.bad_words):
             require(len(word) > 0 and all(t >= 0 for t in word), field(f"bad_words[{i}]"), list(word),
                     "must be one or more token ids")
+        ids = [t for t, _ in self.logit_bias]
+        require(all(t >= 0 for t in ids) and ids == sorted(set(ids)), field("logit_bias"), ids[:8],
+                "must be distinct token ids >= 0 in ascending order (``bias_pairs``)")
+        for t, w in self.logit_bias:
+            require(math.isfinite(w), field(f"logit_bias[{t}]"), w, "must be a finite weight")
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +97,30 @@ class SamplingParams:
     def word_context(self) -> int:
         """How many of the latest tokens the bad words look at (the longest one's length − 1)."""
         return max((len(w) for w in self.bad_words), default=1) - 1
+
+
+def bias_pairs(ids: Sequence[int], weights: Sequence[float]) -> tuple[tuple[int, float], ...]:
+    """``SamplingParams.logit_bias`` from parallel lists of token ids and weights: an id listed twice gets the sum
+    of its weights (TensorRT-LLM's preprocessing adds each word's weight to each of its tokens' entries)."""
+    total: dict[int, float] = {}
+    for t, w in zip(ids, weights, strict=True):
+        total[int(t)] = total.get(int(t), 0.0) + float(w)
+    return tuple(sorted(total.items()))
+
+
+def add_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [b, S, V] with each row's ``logit_bias`` added at every slot: TensorRT-LLM's embedding bias, which
+    its penalty kernel adds to the raw logit before temperature and the occurrence penalties
+    (``penaltyKernels.cu``). Stateless, so a verify slot gets exactly what a one-token step gets: lossless. A copy;
+    the same tensor when no row is biased."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    out = widen(logits).clone()
+    for i in rows:
+        ids, weights = zip(*params[i].logit_bias)
+        out[i, :, list(ids)] += torch.tensor(weights, dtype=out.dtype, device=out.device)
+    return out
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -297,6 +328,7 @@ def target_samples(
 ) -> torch.Tensor:  # [b, S] int64
     """One target sample per slot (x_i in the module docstring). With ``positions``, sampled rows draw each slot's
     token from that position's noise (``slot_generator``); without, from the row's generator in order."""
+    logits = add_bias(logits, params)
     logits = ban_tokens(ban_words(penalize(logits, params, history), params, history), params, positions, offsets)
     out = logits.argmax(-1)
     for row, p in enumerate(params):
@@ -381,6 +413,7 @@ def verify_samples(
         x = head(hidden[alive, lo:hi])  # [a, hi − lo, V]
         live = alive.tolist()
         rows = [params[i] for i in live]
+        x = add_bias(x, rows)
         if looking:  # penalties and bad words: each slot's tokens before it
             hist = history and history.rows(live)
             x = ban_words(penalize(x, rows, hist, first=lo), rows, hist, first=lo)

@@ -162,8 +162,8 @@ class TritonSteps(CoalescedSteps):
 
     @staticmethod
     def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
-        """A sequence's min_tokens ban, penalties, bad words and log-probability request for target_verify's start
-        (no inputs for what it has not)."""
+        """A sequence's min_tokens ban, penalties, bad words, embedding bias and log-probability request for
+        target_verify's start (no inputs for what it has not)."""
         out = {"return_log_probs": np.array([[True]])} if sampling.logprobs else {}
         if sampling.bad_words:
             out["bad_sequences"] = np.array([encode_stops([list(w) for w in sampling.bad_words])], np.int32)
@@ -172,6 +172,9 @@ class TritonSteps(CoalescedSteps):
                         "banned_before": np.array([[sampling.banned_before]], np.int32)})
         if sampling.penalized:
             out.update({name: np.array([[getattr(sampling, name)]], np.float32) for name in PENALTIES})
+        if sampling.logit_bias:
+            ids, weights = zip(*sampling.logit_bias)
+            out.update({"bias_ids": np.array([ids], np.int32), "bias_weights": np.array([weights], np.float32)})
         return out
 
     async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps, keep=0, fork_of=None):

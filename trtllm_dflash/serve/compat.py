@@ -11,10 +11,10 @@ The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-lev
 and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
 server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``;
-the log-probabilities and the bad words since session 42, ``num_return_sequences`` since session 43: ``bls.LoopModel``)
-and accept only the neutral value of what it does not do, refusing any other by name. The
-ensemble's prompt-table, embedding-bias, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses
-them naming the input.
+the log-probabilities and the bad words since session 42, ``num_return_sequences`` since session 43: ``bls.LoopModel``,
+the embedding bias since session 44: ``runtime.sampling.add_bias``) and accept only the neutral value of what it does
+not do, refusing any other by name. The ensemble's prompt-table, LoRA, guided-decoding and multimodal inputs are not
+declared: Triton refuses them naming the input.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import numpy as np
 
 from trtllm_dflash.errors import require
 
-# name: (Triton dtype, dims); all optional, all [1] but bad_words (strings, tokenized: ``handlers.Preprocessor``)
+# name: (Triton dtype, dims); all optional, all [1] but bad_words and embedding_bias_words (strings, tokenized:
+# ``handlers.Preprocessor``) and their embedding_bias_weights
 INPUTS = {
     "num_return_sequences": ("TYPE_INT32", 1), "bad_words": ("TYPE_STRING", -1),
     "exclude_input_in_output": ("TYPE_BOOL", 1), "pad_id": ("TYPE_INT32", 1), "min_tokens": ("TYPE_INT32", 1),
@@ -38,6 +39,7 @@ INPUTS = {
     "return_context_logits": ("TYPE_BOOL", 1), "return_generation_logits": ("TYPE_BOOL", 1),
     "return_perf_metrics": ("TYPE_BOOL", 1), "return_num_input_tokens": ("TYPE_BOOL", 1),
     "return_num_output_tokens": ("TYPE_BOOL", 1),
+    "embedding_bias_words": ("TYPE_STRING", -1), "embedding_bias_weights": ("TYPE_FP32", -1),
 }
 # name: (Triton dtype, dims), sent on every response when asked for (return_perf_metrics: the speculative-decoding
 # ones; return_log_probs: the log-probabilities, [beam, tokens] and [beam] as the tensorrt_llm model declares them)

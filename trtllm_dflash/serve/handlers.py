@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from trtllm_dflash.errors import ConfigError, require
-from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
 from trtllm_dflash.serve.compat import Options, request_options
 from trtllm_dflash.serve.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
                                          generate_request, validate_generation)
@@ -87,9 +87,14 @@ def sampling_from(pb_utils, request) -> SamplingParams:
     """A request's sampling inputs (TensorRT-LLM's names, the penalties and ``return_log_probs`` included);
     ``target_verify``'s start and ``dflash_bls`` also take the bad words as token ids (``bad_sequences`` INT32 [-1],
     ``protocol.encode_stops``' format), and ``target_verify``'s start the sequence's min_tokens ban (``banned_ids``
-    INT32 [-1], ``banned_before`` INT32: ``SamplingParams.with_min_tokens``)."""
+    INT32 [-1], ``banned_before`` INT32: ``SamplingParams.with_min_tokens``), and both the embedding bias as token ids
+    (``bias_ids`` INT32 [-1], ``bias_weights`` FP32 [-1]: ``SamplingParams.logit_bias``)."""
     banned = get(pb_utils, request, "banned_ids")
     bad = get(pb_utils, request, "bad_sequences")
+    ids, weights = ([] if x is None else np.asarray(x).reshape(-1).tolist()
+                    for x in (get(pb_utils, request, "bias_ids"), get(pb_utils, request, "bias_weights")))
+    require(len(ids) == len(weights), "number of bias_weights", len(weights),
+            f"must equal the number of bias_ids ({len(ids)}): one weight per token id", "send as many weights as ids")
     return SamplingParams(
         temperature=scalar(pb_utils, request, "temperature", 0.0, float),
         top_k=scalar(pb_utils, request, "top_k", 0, int),
@@ -102,6 +107,7 @@ def sampling_from(pb_utils, request) -> SamplingParams:
         frequency_penalty=scalar(pb_utils, request, "frequency_penalty", 0.0, float),
         logprobs=bool(scalar(pb_utils, request, "return_log_probs", False, bool)),
         bad_words=() if bad is None else decode_stops(np.asarray(bad).reshape(-1).tolist()),
+        logit_bias=bias_pairs(ids, weights),
     )
 
 
@@ -162,8 +168,30 @@ class Preprocessor:
             require(len(words) <= MAX_STOP_WORDS, "number of bad_words", len(words),
                     f"must be at most {MAX_STOP_WORDS}", "send fewer bad words")
             sampling = replace(sampling, bad_words=encode_words(self.tokenizer, words))
+        sampling = self._embedding_bias(pb_utils, request, sampling)
         return generate_request(ids, max_tokens, sampling, decode_stops(encode_stops(stops)), stream,
                                 opts.min_tokens), opts
+
+    def _embedding_bias(self, pb_utils, request, sampling: SamplingParams) -> SamplingParams:
+        """TensorRT-LLM's ``embedding_bias_words`` (strings) and ``embedding_bias_weights`` (FP32, one per word) as
+        ``sampling.logit_bias`` (``runtime.text.encode_bias``: tokenized as its preprocessing model does)."""
+        from trtllm_dflash.runtime.text import encode_bias
+
+        words = get(pb_utils, request, "embedding_bias_words")
+        weights = get(pb_utils, request, "embedding_bias_weights")
+        if words is None and weights is None:
+            return sampling
+        words = [] if words is None else [decode_text(w, f"embedding_bias_words[{i}]")
+                                          for i, w in enumerate(np.asarray(words).reshape(-1))]
+        weights = [] if weights is None else [float(w) for w in np.asarray(weights).reshape(-1)]
+        require(len(words) == len(weights), "number of embedding_bias_weights", len(weights),
+                f"must equal the number of embedding_bias_words ({len(words)}): one weight per word",
+                "send as many weights as words")
+        require(len(words) <= MAX_STOP_WORDS, "number of embedding_bias_words", len(words),
+                f"must be at most {MAX_STOP_WORDS}", "send fewer words")
+        for i, w in enumerate(weights):
+            require(np.isfinite(w), f"embedding_bias_weights[{i}]", w, "must be finite")
+        return replace(sampling, logit_bias=encode_bias(self.tokenizer, words, weights))
 
     def __call__(self, pb_utils, request) -> list:
         g = self.parse(pb_utils, request)

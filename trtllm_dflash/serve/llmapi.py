@@ -46,6 +46,8 @@ UNAVAILABLE_INPUTS = {
                         "request that asks for them is rejected",
     "bad_words": "the llmapi model has no bad-words input; a request with a non-empty bad word is rejected",
     "num_return_sequences": "the bridge relays one sequence per request; a request that asks for more is rejected",
+    "embedding_bias_words": "the llmapi model has no embedding-bias input; a request with a non-empty word is "
+                            "rejected",
 }
 
 
@@ -225,6 +227,9 @@ class LlmApiBridge:
         bad = get(pb, request, "bad_words")
         bad = [w for w in (decode_text(x, "bad_words") for x in np.asarray(bad).reshape(-1)) if w] if bad is not None \
             else []
+        bias = get(pb, request, "embedding_bias_words")
+        bias = [w for w in (decode_text(x, "embedding_bias_words") for x in np.asarray(bias).reshape(-1)) if w] \
+            if bias is not None else []
         max_tokens = scalar(pb, request, "max_tokens", None, int)
         require(max_tokens is not None, "max_tokens", None, "is required")
         opts = request_options(pb, request, max_tokens, len(self.tokenizer))
@@ -232,7 +237,7 @@ class LlmApiBridge:
         reject_unavailable({"end_id": scalar(pb, request, "end_id", None, int), "min_tokens": opts.min_tokens or None,
                             "repetition_penalty": None if sampling.repetition_penalty == 1.0
                             else sampling.repetition_penalty, "return_log_probs": sampling.logprobs or None,
-                            "bad_words": bad or None,
+                            "bad_words": bad or None, "embedding_bias_words": bias or None,
                             "num_return_sequences": opts.sequences if opts.sequences > 1 else None})
         return BridgeRequest(text, max_tokens, bool(scalar(pb, request, "stream", False, bool)), sampling, stops), opts
 

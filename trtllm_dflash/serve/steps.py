@@ -206,6 +206,8 @@ class TargetVerifier:
             self._check_ids(torch.tensor([sampling.banned_ids]), "banned_ids", pad=None)
         for word in sampling.bad_words:  # so do the bad words' last tokens
             self._check_ids(torch.tensor([word]), "bad_words token id", pad=None)
+        if sampling.logit_bias:  # and runtime.sampling.add_bias
+            self._check_ids(torch.tensor([[t for t, _ in sampling.logit_bias]]), "logit_bias token id", pad=None)
         sampling.validate()
         row = self.slots.allocate(seq_id)
         try:

@@ -226,6 +226,9 @@ class SequenceBook:
         require(not sampling.bad_words, "bad_words", [list(w) for w in sampling.bad_words][:4], "is not supported by "
                 "the trtllm-engine backend (each verify is a new executor request, which would see none of the "
                 "sequence before it)", "omit it, or serve a --backend torch repository")
+        require(not sampling.logit_bias, "logit_bias", [t for t, _ in sampling.logit_bias][:8], "is not supported by "
+                "the trtllm-engine backend (its verify requests carry no embedding bias yet)",
+                "omit it, or serve a --backend torch repository")
         self.slots.allocate(seq_id)
         self.state[seq_id] = SequenceState(list(prompt_ids), sampling)
         return self.state[seq_id]

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.models.target import TargetModel
-    from trtllm_dflash.models.weights import write_json
+    from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.serve.steps import TargetVerifier
 
@@ -77,11 +77,7 @@ def main(argv=None) -> int:
             "n_starts_shared_ms": round(1000 * (pre + (n - 1) * fork), 1),
             "speedup": round(n * pre / (pre + (n - 1) * fork), 2), "same_first_tokens": same}
         print(json.dumps({length: res["lengths"][str(length)]}), file=sys.stderr)
-    text = json.dumps(res, indent=1) + "\n"
-    print(text, end="")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(res, args.out)
+    emit_json(res, args.out)
     return 0
 
 

@@ -194,3 +194,32 @@ def local_steps(tiny_dirs, tiny_models, tree: bool):
     steps = LocalSteps(verifier, KVInjector(drafter), BlockDrafter(drafter, TargetHead(tiny_dirs["llama"][0],
                                                                                        torch.float64), 2, 256))
     return target, verifier, steps, shape
+
+
+def lossless_decoders(target, drafter, prompts, answers) -> dict[str, SpeculativeDecoder]:
+    """The speculative decoders a sampling feature's losslessness is checked with, by name: oracle drafts of the
+    reference ``answers`` (30% corrupted) as a chain and as a tree with alternates, a lookup chain and a graft; block
+    4 + prompt lookup; auto + prompt lookup."""
+    from trtllm_dflash.runtime.tree import TreeShape
+
+    shape = TreeShape(3, alternates=((1, 2), (2, 2)), lookup=1, grafts=(1,))
+    return {"oracle": OracleDecoder(target, drafter, 4, prompts, answers, corrupt=0.3),
+            "tree": OracleDecoder(target, drafter, 4, prompts, answers, corrupt=0.3, tree=shape),
+            "4+ngram": SpeculativeDecoder(target, drafter, 4, ngram=True),
+            "auto+ngram": SpeculativeDecoder(target, drafter, "auto", ngram=True)}
+
+
+def served_updates(steps, req, shape) -> list:
+    """``serve.loop.run_generation`` of ``req`` over ``steps`` (``local_steps``) at block 8 with prompt lookup (and
+    ``shape``'s tree) -> the updates it reported."""
+    import asyncio
+
+    from trtllm_dflash.serve.loop import run_generation
+
+    updates = []
+
+    async def on_update(u):
+        updates.append(u)
+
+    asyncio.run(run_generation(steps, req, 8, 3, on_update, ngram=True, tree=shape))
+    return updates

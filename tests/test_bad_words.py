@@ -1,18 +1,16 @@
 """TensorRT-LLM's bad words (runtime.sampling.ban_words): its rule, every verify slot looking at the tokens a
 one-token step would, and decoding with them lossless at every block size, in a tree and through the serving loop."""
 
-import asyncio
 import random
 
 import pytest
 import torch
 
-from conftest import OracleDecoder, local_steps, make_tiny_pair, tokens_before_slot
+from conftest import lossless_decoders, local_steps, make_tiny_pair, served_updates, tokens_before_slot
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, ban_words
-from trtllm_dflash.runtime.tree import TreeShape
 
 
 def banned(logits: torch.Tensor) -> list[list[int]]:
@@ -75,11 +73,7 @@ def test_decoding_with_bad_words_is_lossless(tmp_path_factory, temperature):
     for p, a in zip(prompts, ar):
         for w in words:  # no occurrence ends in the answer
             assert not contains(list(p[len(p) - len(w) + 1:]) + list(a), w) if len(w) > 1 else w[0] not in a
-    shape = TreeShape(3, alternates=((1, 2), (2, 2)), lookup=1, grafts=(1,))
-    for name, dec in {"oracle": OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3),
-                      "tree": OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3, tree=shape),
-                      "4+ngram": SpeculativeDecoder(target, drafter, 4, ngram=True),
-                      "auto+ngram": SpeculativeDecoder(target, drafter, "auto", ngram=True)}.items():
+    for name, dec in lossless_decoders(target, drafter, prompts, ar).items():
         assert [r.token_ids for r in dec.generate(reqs)] == ar, name
 
 
@@ -87,7 +81,6 @@ def test_decoding_with_bad_words_is_lossless(tmp_path_factory, temperature):
 def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_models, tree):
     """The served path without Triton: target_verify's engine keeps each sequence's tokens from its start through
     every verify's returned tokens, chain or tree; the loop's answer is the in-process autoregressive one."""
-    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
@@ -96,12 +89,6 @@ def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_mode
         sampling = SamplingParams(bad_words=(tuple(plain[4:6]), tuple(plain[10:13]), (plain[20],)))
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0].token_ids
         assert want != plain
-        updates = []
-
-        async def on_update(u):
-            updates.append(u)
-
-        asyncio.run(run_generation(steps, GenerateRequest(tuple(prompt), 32, sampling, (), True), 8, 3, on_update,
-                                   ngram=True, tree=shape))
+        updates = served_updates(steps, GenerateRequest(tuple(prompt), 32, sampling, (), True), shape)
         assert updates[-1].tokens == list(want)
     assert not verifier.slots.rows

@@ -3,18 +3,16 @@ logits before the occurrence penalties, the same at every verify slot as at a on
 lossless at every block size, in a tree and through the serving loop; and the entry models' word-level form
 (``embedding_bias_words`` / ``embedding_bias_weights``) tokenized as TensorRT-LLM's preprocessing does."""
 
-import asyncio
 import random
 
 import pytest
 import torch
 
-from conftest import OracleDecoder, local_steps, make_tiny_pair
+from conftest import lossless_decoders, local_steps, make_tiny_pair, served_updates
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, add_bias, bias_pairs, penalize, target_samples
-from trtllm_dflash.runtime.tree import TreeShape
 
 
 def test_the_bias_is_added_to_the_raw_logits_before_the_penalties():
@@ -52,11 +50,7 @@ def test_decoding_with_a_logit_bias_is_lossless(tmp_path_factory, temperature):
     reqs = [Request(p, 20, sampling) for p in prompts]
     ar = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(reqs)]
     assert all(a != b for a, b in zip(ar, plain))
-    shape = TreeShape(3, alternates=((1, 2), (2, 2)), lookup=1, grafts=(1,))
-    for name, dec in {"oracle": OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3),
-                      "tree": OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3, tree=shape),
-                      "4+ngram": SpeculativeDecoder(target, drafter, 4, ngram=True),
-                      "auto+ngram": SpeculativeDecoder(target, drafter, "auto", ngram=True)}.items():
+    for name, dec in lossless_decoders(target, drafter, prompts, ar).items():
         assert [r.token_ids for r in dec.generate(reqs)] == ar, name
 
 
@@ -64,7 +58,6 @@ def test_decoding_with_a_logit_bias_is_lossless(tmp_path_factory, temperature):
 def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_models, tree):
     """The served path without Triton (target_verify's engine, chain or tree): the loop's answer with a bias is the
     in-process autoregressive one; a bias on a token outside the vocabulary is refused by name, holding no slot."""
-    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
@@ -73,13 +66,7 @@ def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_mode
         sampling = SamplingParams(logit_bias=bias_pairs([plain[3], plain[9], 40], [-2.5, -2.5, 1.5]))
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0].token_ids
         assert want != plain
-        updates = []
-
-        async def on_update(u):
-            updates.append(u)
-
-        asyncio.run(run_generation(steps, GenerateRequest(tuple(prompt), 32, sampling, (), True), 8, 3, on_update,
-                                   ngram=True, tree=shape))
+        updates = served_updates(steps, GenerateRequest(tuple(prompt), 32, sampling, (), True), shape)
         assert updates[-1].tokens == list(want)
     with pytest.raises(ConfigError, match=r"logit_bias token id=300: must be in \[0, 256\)"):
         verifier.start(11, [1, 2, 3], SamplingParams(logit_bias=((300, 1.0),)), False)

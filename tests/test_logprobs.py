@@ -2,18 +2,16 @@
 the arithmetic, and every decoder kind and the serving loop returning what one teacher-forced forward of the target
 over the answer gives, token for token, with the answer itself unchanged."""
 
-import asyncio
 import math
 import random
 
 import pytest
 import torch
 
-from conftest import OracleDecoder, local_steps, make_tiny_pair
+from conftest import local_steps, lossless_decoders, make_tiny_pair, served_updates
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, chosen_logprobs, penalize
-from trtllm_dflash.runtime.tree import TreeShape
 
 
 def test_the_log_probability_is_the_processed_distributions_before_truncation():
@@ -64,12 +62,7 @@ def test_every_decoder_returns_the_teacher_forced_log_probabilities(tmp_path_fac
     for p, r in zip(prompts, ar):
         assert len(r.logprobs) == len(r.token_ids) == 20
         assert r.logprobs == pytest.approx(teacher_forced(target, p, r.token_ids, asks), abs=1e-9)
-    shape = TreeShape(3, alternates=((1, 2), (2, 2)), lookup=1, grafts=(1,))
-    decoders = {"oracle": OracleDecoder(target, drafter, 4, prompts, answers, corrupt=0.3),
-                "tree": OracleDecoder(target, drafter, 4, prompts, answers, corrupt=0.3, tree=shape),
-                "4+ngram": SpeculativeDecoder(target, drafter, 4, ngram=True),
-                "auto+ngram": SpeculativeDecoder(target, drafter, "auto", ngram=True)}
-    for name, dec in decoders.items():
+    for name, dec in lossless_decoders(target, drafter, prompts, answers).items():
         got = dec.generate(reqs)
         assert [r.token_ids for r in got] == answers, name
         for g, r in zip(got, ar):
@@ -95,7 +88,6 @@ def test_a_stop_token_takes_its_log_probability_with_it(tiny_models):
 def test_the_serving_loop_returns_them_with_the_tokens(tiny_dirs, tiny_models, tree, temperature):
     """The served path without Triton: target_verify's engine returns each start's and verify's log-probabilities
     (chain or tree), the loop keeps them aligned with the tokens it reports, a stop sequence cuts both."""
-    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
@@ -103,13 +95,7 @@ def test_the_serving_loop_returns_them_with_the_tokens(tiny_dirs, tiny_models, t
     for prompt, stop in (([9, 8, 7, 9, 8, 7, 9, 8], False), ([5, 6, 7, 8, 5, 6], True)):
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0]
         stops = (tuple(want.token_ids[20:22]),) if stop else ()
-        updates = []
-
-        async def on_update(u):
-            updates.append(u)
-
-        req = GenerateRequest(tuple(prompt), 32, sampling, stops, True)
-        asyncio.run(run_generation(steps, req, 8, 3, on_update, ngram=True, tree=shape))
+        updates = served_updates(steps, GenerateRequest(tuple(prompt), 32, sampling, stops, True), shape)
         n = 20 if stop else 32
         assert updates[-1].tokens == list(want.token_ids[:n])
         assert updates[-1].logprobs == pytest.approx(want.logprobs[:n], abs=1e-5)

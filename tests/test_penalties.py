@@ -6,12 +6,11 @@ import random
 import pytest
 import torch
 
-from conftest import OracleDecoder, local_steps, make_tiny_pair, tokens_before_slot
+from conftest import local_steps, lossless_decoders, make_tiny_pair, served_updates, tokens_before_slot
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import History, SamplingParams, penalize
-from trtllm_dflash.runtime.tree import TreeShape
 
 
 def test_the_arithmetic_is_tensorrt_llms():
@@ -77,13 +76,8 @@ def test_penalised_decoding_is_lossless(tmp_path_factory, penalties, temperature
     plain = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(
         [Request(p, 20, SamplingParams(temperature, seed=7)) for p in prompts])]
     assert ar != plain
-    oracle = OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3)
-    assert [r.token_ids for r in oracle.generate(reqs)] == ar
-    shape = TreeShape(3, alternates=((1, 2), (2, 2)), lookup=1, grafts=(1,))
-    tree = OracleDecoder(target, drafter, 4, prompts, ar, corrupt=0.3, tree=shape)
-    assert [r.token_ids for r in tree.generate(reqs)] == ar
-    for kw in (dict(block_size=4, ngram=True), dict(block_size="auto", ngram=True)):
-        assert [r.token_ids for r in SpeculativeDecoder(target, drafter, **kw).generate(reqs)] == ar, kw
+    for name, dec in lossless_decoders(target, drafter, prompts, ar).items():
+        assert [r.token_ids for r in dec.generate(reqs)] == ar, name
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -92,21 +86,12 @@ def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_mode
     """The served path without Triton: target_verify's engine keeps each sequence's occurrences from its start
     (prompt and first token) through every verify's returned tokens, chain or tree; the loop's answer is the
     in-process autoregressive one with the same penalties."""
-    import asyncio
-
-    from trtllm_dflash.serve.loop import run_generation
     from trtllm_dflash.serve.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     sampling = SamplingParams(temperature, seed=3, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)
     for prompt in ([9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]):
         want = SpeculativeDecoder(target, None, 1).generate([Request(tuple(prompt), 32, sampling)])[0].token_ids
-        updates = []
-
-        async def on_update(u):
-            updates.append(u)
-
-        req = GenerateRequest(tuple(prompt), 32, sampling, (), True)
-        asyncio.run(run_generation(steps, req, 8, 3, on_update, ngram=True, tree=shape))
+        updates = served_updates(steps, GenerateRequest(tuple(prompt), 32, sampling, (), True), shape)
         assert updates[-1].tokens == list(want)
     assert not verifier.slots.rows

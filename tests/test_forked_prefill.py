@@ -77,11 +77,14 @@ class VerifierSteps:
         self.v, self.prefilled = v, []
         self.coalescer = SimpleNamespace(join=lambda: None)
 
-    async def wait_for_slot(self, seq_id, prompt_ids, sampling, want_taps, is_cancelled, keep=0):
+    async def wait_for_slot(self, seq_id, prompt_ids, sampling, want_taps, is_cancelled, keep=0, attempts=None):
         import asyncio
+        import time
 
         while True:
             try:
+                if attempts is not None:
+                    attempts.append(time.monotonic_ns())
                 r = self.v.start(seq_id, prompt_ids, sampling, want_taps, keep=keep)
             except ConfigError as exc:
                 if SLOTS_EXHAUSTED not in str(exc):
@@ -121,6 +124,8 @@ def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_
         want = verifier(tiny_models).start(11, PROMPT, sampled(4), True)
         assert got[0] == want.first_token and got[2] == want.logprobs and torch.equal(got[1], want.taps)
         assert first[1] is not None
+        # its perf metrics' times: scheduled when its own prefill got the slot, after the first sequence's first token
+        assert 0 < seqs[0].scheduled_ns < seqs[0].first_token_ns < seqs[1].scheduled_ns < seqs[1].first_token_ns
 
     asyncio.run(run())
 

@@ -410,11 +410,13 @@ def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime
 def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_runtime, model):
     """GenAI-Perf's request with --output-tokens-mean-deterministic (min_length = max_tokens, exclude_input_in_output,
     streamed): exactly max_tokens tokens, the target's own greedy choice with its stop tokens held back until then;
-    TensorRT-LLM's perf metrics and token counts on its responses."""
+    TensorRT-LLM's perf metrics and token counts on its responses, with its timing metrics (steady-clock
+    nanoseconds: this machine's monotonic clock; the last token's 0 until the final response)."""
     prompt = "Write a long story about a dragon."  # raw, as GenAI-Perf sends it: SmolLM2-Instruct answers nothing
     ids, free = raw_runtime(prompt, 40)
     _, ref = raw_runtime(prompt, 40, min_new_tokens=40)
     assert len(free) < 40 and len(ref) == 40, (len(free), len(ref))
+    before = time.monotonic_ns()
     results, error = trtllm_stream(server, model, {
         "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
         "min_length": np.array([[40]], np.int32), "exclude_input_in_output": np.array([[True]]),
@@ -433,6 +435,13 @@ def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_r
     drafted, accepted = totals[-1]
     assert (drafted > 0) == (model == "dflash")
     assert last.as_numpy("acceptance_rate")[0] == pytest.approx(accepted / drafted if drafted else 0.0)
+    after = time.monotonic_ns()
+    times = [[int(r.as_numpy(f"{t}_time_ns")[0]) for t in ("arrival", "first_scheduled", "first_token", "last_token")]
+             for r in sent]
+    assert len({tuple(t[:3]) for t in times}) == 1  # the same request on every response
+    arrival, scheduled, first, final = times[-1]
+    assert before <= arrival <= scheduled < first <= final <= after
+    assert all(t[3] == 0 for t in times[:-1])
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -110,11 +111,14 @@ class TritonSteps(CoalescedSteps):
         return RequestSteps(self, is_cancelled, siblings, index)
 
     async def wait_for_slot(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps,
-                            is_cancelled: Callable[[], bool], keep: int = 0):
+                            is_cancelled: Callable[[], bool], keep: int = 0, attempts: list[int] | None = None):
         """``_start``, waiting for a free sequence slot when all are taken: at most ``max_queue`` requests wait, each
         at most ``queue_timeout_s``; beyond that the request is refused (Overloaded). A cancelled waiter leaves.
-        ``keep``: siblings that will fork from this sequence (``Siblings``)."""
+        ``keep``: siblings that will fork from this sequence (``Siblings``); ``attempts``: each start's send time is
+        appended (time.monotonic_ns), so its last is when the sequence was scheduled."""
+        attempts = [] if attempts is None else attempts
         try:
+            attempts.append(time.monotonic_ns())
             return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
         except StepError as exc:
             if SLOTS_EXHAUSTED not in str(exc):
@@ -134,6 +138,7 @@ class TritonSteps(CoalescedSteps):
                 if is_cancelled():
                     raise Cancelled()
                 try:
+                    attempts.append(time.monotonic_ns())
                     return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
                 except StepError as exc:
                     if SLOTS_EXHAUSTED not in str(exc):
@@ -272,15 +277,27 @@ class RequestSteps:
                  index: int = 0) -> None:
         self._steps, self._is_cancelled = steps, is_cancelled
         self._siblings, self._index = siblings if siblings is not None and siblings.n > 1 else None, index
+        self.attempts: list[int] = []  # time.monotonic_ns() of each start sent (the last one got the slot)
+        self.first_token_ns = 0  # when the start returned the sequence's first token
+
+    @property
+    def scheduled_ns(self) -> int:
+        return self.attempts[-1] if self.attempts else 0
 
     async def start(self, seq_id, prompt_ids, sampling, want_taps):
+        started = await self._start(seq_id, prompt_ids, sampling, want_taps)
+        self.first_token_ns = time.monotonic_ns()
+        return started
+
+    async def _start(self, seq_id, prompt_ids, sampling, want_taps):
         family, steps = self._siblings, self._steps
         if family is None:
-            started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+            started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
+                                                attempts=self.attempts)
         elif self._index == 0:
             try:
                 started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
-                                                    keep=family.n - 1)
+                                                    keep=family.n - 1, attempts=self.attempts)
             except BaseException as exc:
                 family.parent.set_exception(exc)  # the siblings end with it
                 raise
@@ -295,10 +312,12 @@ class RequestSteps:
         family = self._siblings
         try:
             parent, taps = await family.parent
+            self.attempts.append(time.monotonic_ns())
             first, _, logprobs = await self._steps._start(seq_id, prompt_ids, sampling, False, fork_of=parent)
         except StepError:  # no slot free now, or a target that cannot fork: this sequence prefills itself
             family.started(self._index)
-            return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled)
+            return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
+                                                   attempts=self.attempts)
         finally:
             family.started(self._index)
         return first, taps, logprobs
@@ -413,6 +432,7 @@ class LoopModel:
         last response. A sequence that fails ends its siblings at their next step and the request with its error."""
         pb, sender = self.pb, request.get_response_sender()
         done = {"final_sent": False, "failed": None, "live": 1}
+        arrival_ns = time.monotonic_ns()
 
         def cancelled() -> bool:
             return self.stopping or sender.is_cancelled() or done["failed"] is not None
@@ -426,6 +446,7 @@ class LoopModel:
             if index:
                 gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2 ** 64))
             totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
+            steps = self.steps.for_request(cancelled, siblings, index)
             index_output = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
 
             async def on_update(u: Update) -> None:
@@ -435,7 +456,9 @@ class LoopModel:
                     self.telemetry.record(u, last)
                 totals[0] += u.num_draft_tokens
                 totals[1] += u.num_accepted_draft_tokens
-                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals, u.logprobs)
+                times = (arrival_ns, steps.scheduled_ns, steps.first_token_ns, time.monotonic_ns() if u.final else 0)
+                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals, u.logprobs,
+                                         times)
                 text = None
                 if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer together
                     text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
@@ -446,8 +469,8 @@ class LoopModel:
             if self.telemetry is not None:
                 self.telemetry.active(+1)
             try:
-                await run_generation(self.steps.for_request(cancelled, siblings, index), gen, self.block_size,
-                                     secrets.randbits(62), on_update, is_cancelled=cancelled, policy=self.policy,
+                await run_generation(steps, gen, self.block_size, secrets.randbits(62), on_update,
+                                     is_cancelled=cancelled, policy=self.policy,
                                      ngram=self.ngram, tree=self.tree, datastore=self.datastore)
             except Cancelled:
                 pass

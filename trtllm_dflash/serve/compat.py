@@ -46,7 +46,8 @@ INPUTS = {
 OUTPUTS = {"acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
            "total_draft_tokens": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
            "num_output_tokens": ("TYPE_INT32", "1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
-           "cum_log_probs": ("TYPE_FP32", "-1"), "sequence_index": ("TYPE_INT32", "1")}
+           "cum_log_probs": ("TYPE_FP32", "-1"), "sequence_index": ("TYPE_INT32", "1"),
+           **{f"{t}_time_ns": ("TYPE_INT64", "1") for t in ("arrival", "first_scheduled", "first_token", "last_token")}}
 
 # inputs accepted at one value only: (neutral value, what this server does instead)
 NEUTRAL = {
@@ -122,18 +123,23 @@ def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Opti
 
 
 def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int,
-                     logprobs: Sequence[float] = ()) -> list[tuple[str, Any]]:
+                     logprobs: Sequence[float] = (), times: Sequence[int] | None = None) -> list[tuple[str, Any]]:
     """The extra outputs of one response, as (name, array) pairs: ``num_output`` = the tokens this response
     carries (when streaming, each response's own: Triton's OpenAI frontend sums them over a stream's chunks for its
     usage), ``drafted`` / ``accepted`` = the request's draft tokens so far (TensorRT-LLM's ``total_*``),
     ``logprobs`` = the log-probabilities of every token so far, of which the last ``num_output`` are this response's:
     ``output_log_probs`` [1, 1, num_output] and ``cum_log_probs`` [1, 1] (their sum), shaped as the tensorrt_llm
-    model sends them (batch, beam, tokens: ``model_instance_state.cc``), one beam here."""
+    model sends them (batch, beam, tokens: ``model_instance_state.cc``), one beam here. ``times``: the request's
+    (arrival, first scheduled, first token, last token) in nanoseconds of the monotonic clock (C++'s steady_clock on
+    Linux, as TensorRT-LLM reports them; the last token's 0 until the final response), sent with the perf metrics."""
     out: list[tuple[str, Any]] = []
     if opts.perf_metrics:
         out += [("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
                 ("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
                 ("total_draft_tokens", np.array([drafted], dtype=np.int32))]
+        if times is not None:
+            out += [(f"{t}_time_ns", np.array([v], dtype=np.int64))
+                    for t, v in zip(("arrival", "first_scheduled", "first_token", "last_token"), times, strict=True)]
     if opts.num_input_tokens:
         out.append(("num_input_tokens", np.array([num_input], dtype=np.int32)))
     if opts.num_output_tokens:

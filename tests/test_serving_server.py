@@ -683,7 +683,7 @@ def test_embedding_bias_is_added_as_tensorrt_llm_adds_it(server, raw_runtime, or
     _, plain = raw_runtime(prompt, 40)
     singles = [tok.decode([t]) for t in plain[3:30] if tok.encode(tok.decode([t])) == [t]]
     words, weights = [singles[0], singles[3], " return"], [-6.0, -6.0, 2.5]
-    _, ref = raw_runtime(prompt, 40, SamplingParams(logit_bias=encode_bias(tok, words, weights)))
+    _, ref = raw_runtime(prompt, 40, SamplingParams(logit_bias=encode_bias(tok, zip(words, weights))))
     assert ref != plain
     base = {"text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[40]], np.int32),
             "stream": np.array([[True]]), "embedding_bias_words": np.array([[w.encode() for w in words]], dtype=object)}

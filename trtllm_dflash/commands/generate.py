@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
                            cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)
     sampling = replace(sampling, bad_words=encode_words(tokenizer, args.bad_word),
-                       logit_bias=encode_bias(tokenizer, [w for w, _ in bias], [x for _, x in bias]))
+                       logit_bias=encode_bias(tokenizer, bias))
     stops = stop_token_ids(tokenizer, target.spec.eos_token_ids)
     requests = []
     for p in prompts:

@@ -92,14 +92,18 @@ def text_delta(tokenizer, ids: list[int], prev_len: int, final: bool) -> str:
     return now[len(before):] if now.startswith(before) else now
 
 
-def encode_bias(tokenizer, words, weights) -> tuple[tuple[int, float], ...]:
-    """TensorRT-LLM's embedding bias from its word-level inputs (its preprocessing model's rule): each word tokenized
-    alone with the tokenizer's default special tokens, and its weight added to every one of its tokens' entries
-    -> ``SamplingParams.logit_bias``."""
+def encode_bias(tokenizer, words) -> tuple[tuple[int, float], ...]:
+    """TensorRT-LLM's embedding bias from its word-level inputs, (word, weight) pairs (its preprocessing model's
+    rule): each word tokenized alone with the tokenizer's default special tokens, and its weight added to every one
+    of its tokens' entries -> ``SamplingParams.logit_bias``."""
     from trtllm_dflash.runtime.sampling import bias_pairs
 
-    pairs = [(t, float(w)) for word, w in zip(words, weights, strict=True) for t in tokenizer.encode(word)]
-    return bias_pairs([t for t, _ in pairs], [w for _, w in pairs])
+    ids, weights = [], []
+    for word, weight in words:
+        tokens = tokenizer.encode(word)
+        ids += tokens
+        weights += [float(weight)] * len(tokens)
+    return bias_pairs(ids, weights)
 
 
 def encode_words(tokenizer, words) -> tuple[tuple[int, ...], ...]:

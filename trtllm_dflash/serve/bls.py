@@ -314,13 +314,13 @@ class RequestSteps:
             parent, taps = await family.parent
             self.attempts.append(time.monotonic_ns())
             first, _, logprobs = await self._steps._start(seq_id, prompt_ids, sampling, False, fork_of=parent)
-        except StepError:  # no slot free now, or a target that cannot fork: this sequence prefills itself
-            family.started(self._index)
-            return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
-                                                   attempts=self.attempts)
+            return first, taps, logprobs
+        except StepError:  # no slot free now, or a target that cannot fork: this sequence prefills itself (below)
+            pass
         finally:
-            family.started(self._index)
-        return first, taps, logprobs
+            family.started(self._index)  # before any fallback: the first sequence need not wait for it
+        return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
+                                               attempts=self.attempts)
 
     def __getattr__(self, name):  # verify, inject, draft, free
         return getattr(self._steps, name)

@@ -191,7 +191,7 @@ class Preprocessor:
                 f"must be at most {MAX_STOP_WORDS}", "send fewer words")
         for i, w in enumerate(weights):
             require(np.isfinite(w), f"embedding_bias_weights[{i}]", w, "must be finite")
-        return replace(sampling, logit_bias=encode_bias(self.tokenizer, words, weights))
+        return replace(sampling, logit_bias=encode_bias(self.tokenizer, zip(words, weights)))
 
     def __call__(self, pb_utils, request) -> list:
         g = self.parse(pb_utils, request)
@@ -328,14 +328,13 @@ class TargetVerifyModel:
         sampling = sampling_from(pb_utils, request)
         parent = scalar(pb_utils, request, "fork_of", None, int)
         keep = scalar(pb_utils, request, "keep_prefill", 0, int)
-        if (parent is not None or keep) and not hasattr(self.verifier, "fork"):
+        if not hasattr(self.verifier, "fork"):  # keep_prefill ignored: its siblings will prefill themselves
             require(parent is None, "fork_of", parent, "the trtllm-engine target prefills every sequence itself",
                     "start the sequence with its own prefill")
-            keep = 0  # nothing to keep: its siblings will prefill themselves
+            return self.verifier.start(seq, prompt, sampling, want_taps)
         if parent is not None:
             return self.verifier.fork(seq, parent, prompt, sampling)
-        return self.verifier.start(seq, prompt, sampling, want_taps, keep=keep) if keep else \
-            self.verifier.start(seq, prompt, sampling, want_taps)
+        return self.verifier.start(seq, prompt, sampling, want_taps, keep=keep)
 
     def execute(self, pb_utils, requests) -> list:
         self.verifier.expire()

@@ -166,7 +166,7 @@ class TargetVerifier:
             raise
         self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
         if keep > 0:
-            self.prefills[seq_id] = [keep, tuple(prompt_ids), hidden[:, -1:]]
+            self.prefills[seq_id] = [keep, tuple(prompt_ids), hidden[:, -1:].clone()]  # not the whole prompt's
         return StartResult(first, taps[0] if want_taps else None, lp)
 
     def fork(self, seq_id: int, parent: int, prompt_ids: list[int], sampling: SamplingParams) -> StartResult:

@@ -223,3 +223,36 @@ def served_updates(steps, req, shape) -> list:
 
     asyncio.run(run_generation(steps, req, 8, 3, on_update, ngram=True, tree=shape))
     return updates
+
+
+def trtllm_stream(server, model: str, inputs: dict, request_id: str = "") -> tuple[list, str | None]:
+    """``inputs`` ({name: array with the batch dimension}) as one streamed request, as TensorRT-LLM's example client
+    and perf_analyzer send it -> (the responses, the error message or None)."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    results, errors, done = [], [], threading.Event()
+
+    def on_response(result, error):  # tritonclient passes both by keyword
+        if error is not None:
+            errors.append(str(error))
+            done.set()
+        elif result is not None:
+            results.append(result)
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=on_response)
+    tensors = []
+    for name, arr in inputs.items():
+        dtype = "BYTES" if arr.dtype == object else np_to_triton_dtype(arr.dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    c.async_stream_infer(model, tensors, request_id=request_id, enable_empty_final_response=True)
+    assert done.wait(120), "no final response"
+    c.stop_stream()
+    return results, errors[0] if errors else None

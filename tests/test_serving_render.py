@@ -301,7 +301,8 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
     repo = make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=7), tmp_path / "repo")
     line = 'parameters { key: "io_nice" value: { string_value: "7" } }'
     rendered = {p.parent.name for p in repo.glob("*/config.pbtxt") if line in p.read_text()}
-    assert rendered == {"dflash", "baseline", "dflash_bls", "baseline_bls", "preprocessing", "postprocessing"}
+    assert rendered == {"dflash", "baseline", "dflash_bls", "baseline_bls", "tensorrt_llm", "preprocessing",
+                        "postprocessing"}
     with pytest.raises(ConfigError, match="--io-nice"):
         make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")
 

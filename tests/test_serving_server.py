@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import trtllm_stream
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, ServerError
 from trtllm_dflash.runtime.text import encode_prompt
 from trtllm_dflash.serve.render import RepoConfig, make_repo
@@ -325,36 +326,6 @@ def test_out_of_vocabulary_ids_to_the_token_loop_are_named_and_hold_no_slot(serv
 
 # Clients written for TensorRT-LLM's Triton ensemble (serve/compat.py, tests/data/trtllm_ensemble/ensemble_io.json):
 # its example client and GenAI-Perf send inputs beyond ours and read text_output as a 1-D tensor.
-def trtllm_stream(server, model: str, inputs: dict) -> tuple[list, str | None]:
-    """``inputs`` ({name: array with the batch dimension}) as one streamed request, as TensorRT-LLM's example client
-    and perf_analyzer send it -> (the responses, the error message or None)."""
-    from tritonclient.utils import np_to_triton_dtype
-
-    results, errors, done = [], [], threading.Event()
-
-    def on_response(result, error):  # tritonclient passes both by keyword
-        if error is not None:
-            errors.append(str(error))
-            done.set()
-        elif result is not None:
-            results.append(result)
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                done.set()
-
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=on_response)
-    tensors = []
-    for name, arr in inputs.items():
-        dtype = "BYTES" if arr.dtype == object else np_to_triton_dtype(arr.dtype)
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    c.async_stream_infer(model, tensors, enable_empty_final_response=True)
-    assert done.wait(120), "no final response"
-    c.stop_stream()
-    return results, errors[0] if errors else None
-
-
 @pytest.fixture(scope="module")
 def raw_runtime(smollm2, oracle):
     """``run(prompt, max_tokens, sampling, min_new_tokens)``: the in-process autoregressive decoding of a prompt sent

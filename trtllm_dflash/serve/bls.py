@@ -34,6 +34,7 @@ from trtllm_dflash.serve.lifecycle import StubWatch
 from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
+from trtllm_dflash.serve.token_model import Row
 from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
 
 START, VERIFY, FREE = 0, 1, 2
@@ -379,11 +380,16 @@ class LoopModel:
         self.steps = TritonSteps(pb_utils, params)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
-        self.frontend = None
+        self.frontend = self.tokens = None
         if params.get("frontend", "off") == "on":  # the entry point: text in, text out (no ensemble around it)
             from trtllm_dflash.serve.handlers import Preprocessor
 
             self.frontend = Preprocessor(params)
+        elif params.get("frontend") == "tokens":  # tensorrt_llm: TensorRT-LLM's token-level model
+            from trtllm_dflash.serve.token_model import TokenFrontend
+
+            self.tokens = TokenFrontend(params)
+        self.live_ids: dict[str, list[dict]] = {}  # request id -> its live requests' state (tensorrt_llm's stop)
         self.telemetry = None
         if params.get("metrics", "on") == "on":
             from trtllm_dflash.serve.telemetry import LoopTelemetry
@@ -426,18 +432,25 @@ class LoopModel:
         ])
 
     async def _serve(self, request) -> None:
-        """One request: its ``num_return_sequences`` sequences (TensorRT-LLM's: sequence i samples with seed + i, its
-        responses carry ``sequence_index`` i when there are several) run as concurrent loops sharing one prefill
+        """One request: its rows (the ``tensorrt_llm`` model's batch; one otherwise), each of its
+        ``num_return_sequences`` sequences (TensorRT-LLM's: sequence i samples with seed + i, its responses carry
+        ``sequence_index`` i when there are several) run as concurrent loops sharing the row's prefill
         (``Siblings``), so they step as rows of the same batched calls; the final flag goes with the last sequence's
-        last response. A sequence that fails ends its siblings at their next step and the request with its error."""
+        last response. A sequence that fails ends the others at their next step and the request with its error."""
         pb, sender = self.pb, request.get_response_sender()
-        done = {"final_sent": False, "failed": None, "live": 1}
+        if self.tokens is not None and self.tokens.is_stop(pb, request):
+            return self._stop(request, sender)
+        done = {"final_sent": False, "failed": None, "live": 1, "stopped": False}
         arrival_ns = time.monotonic_ns()
+        request_id = request.request_id() if self.tokens is not None else ""
+        if request_id:
+            self.live_ids.setdefault(request_id, []).append(done)
 
         def cancelled() -> bool:
-            return self.stopping or sender.is_cancelled() or done["failed"] is not None
+            return self.stopping or sender.is_cancelled() or done["failed"] is not None or done["stopped"]
 
-        async def sequence(gen: GenerateRequest, opts: Options, siblings: Siblings, index: int) -> None:
+        async def sequence(row: Row, siblings: Siblings, index: int, batch: int) -> None:
+            gen, opts = row.gen, row.opts
             detok = None
             if self.frontend is not None:
                 from trtllm_dflash.runtime.text import IncrementalDetokenizer
@@ -447,34 +460,47 @@ class LoopModel:
                 gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2 ** 64))
             totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
             steps = self.steps.for_request(cancelled, siblings, index)
-            index_output = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
+            labels = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
+            if batch > 1:
+                labels.append(("batch_index", np.array([[row.index]], np.int32)))
+
+            ended = []  # this sequence's final update, once sent
 
             async def on_update(u: Update) -> None:
                 done["live"] -= u.final
+                ended.extend([u] if u.final else [])
                 last = u.final and done["live"] == 0
                 if self.telemetry is not None:
                     self.telemetry.record(u, last)
                 totals[0] += u.num_draft_tokens
                 totals[1] += u.num_accepted_draft_tokens
                 times = (arrival_ns, steps.scheduled_ns, steps.first_token_ns, time.monotonic_ns() if u.final else 0)
-                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals, u.logprobs,
-                                         times)
-                text = None
-                if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer together
-                    text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
-                sender.send(self._response(u, detok, text, [*extra, *index_output]),
-                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+                if self.tokens is not None:
+                    response = pb.InferenceResponse(output_tensors=[
+                        pb.Tensor(n, v) for n, v in self.tokens.outputs(Row(gen, opts, row.index), u, *totals, times,
+                                                                        labels)])
+                else:
+                    extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals,
+                                             u.logprobs, times)
+                    text = None
+                    if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer
+                        text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
+                    response = self._response(u, detok, text, [*extra, *labels])
+                sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
                 done["final_sent"] = done["final_sent"] or last
 
             if self.telemetry is not None:
                 self.telemetry.active(+1)
             try:
-                await run_generation(steps, gen, self.block_size, secrets.randbits(62), on_update,
-                                     is_cancelled=cancelled, policy=self.policy,
-                                     ngram=self.ngram, tree=self.tree, datastore=self.datastore)
-            except Cancelled:
-                pass
-            except Exception as exc:  # the first failure ends the request; its siblings stop at their next step
+                try:
+                    await run_generation(steps, gen, self.block_size, secrets.randbits(62), on_update,
+                                         is_cancelled=cancelled, policy=self.policy, ngram=self.ngram, tree=self.tree,
+                                         datastore=self.datastore, report_cancelled=lambda: done["stopped"])
+                except Cancelled:
+                    pass
+                if done["stopped"] and not ended:  # stopped before its start: an empty result, as TensorRT-LLM's
+                    await on_update(Update([], 0, [], 0, 0, True, "cancelled"))
+            except Exception as exc:  # the first failure ends the request; the other sequences stop at their next step
                 if done["failed"] is None:
                     done["failed"] = exc
             finally:
@@ -484,19 +510,23 @@ class LoopModel:
 
         try:
             if self.frontend is not None:
-                gen, opts = self.frontend.parse_options(pb, request)
-            else:  # the token-level model: of TensorRT-LLM's options, the log-probabilities and the sequences only
+                rows = [Row(*self.frontend.parse_options(pb, request), 0)]
+            elif self.tokens is not None:
+                rows = self.tokens.parse(pb, request)
+            else:  # the token-level loop: of TensorRT-LLM's options, the log-probabilities and the sequences only
                 gen = parse_request(pb, request)
                 n = scalar(pb, request, "num_return_sequences", 1, int)
                 require(n >= 1, "num_return_sequences", n, "must be at least 1")
-                opts = Options(log_probs=gen.sampling.logprobs, sequences=n)
+                rows = [Row(gen, Options(log_probs=gen.sampling.logprobs, sequences=n), 0)]
             limit = self.steps.max_sequences
-            require(not limit or opts.sequences <= limit, "num_return_sequences", opts.sequences,
-                    f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
-                    f"ask for at most {limit}, or render the repository with a larger --max-sequences")
-            done["live"] = opts.sequences
-            siblings = Siblings(opts.sequences)  # the prompt is prefilled once for all of them
-            await asyncio.gather(*(sequence(gen, opts, siblings, i) for i in range(opts.sequences)))
+            for row in rows:
+                require(not limit or row.opts.sequences <= limit, "num_return_sequences", row.opts.sequences,
+                        f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
+                        f"ask for at most {limit}, or render the repository with a larger --max-sequences")
+            done["live"] = sum(row.opts.sequences for row in rows)
+            families = [Siblings(row.opts.sequences) for row in rows]  # each row's prompt is prefilled once
+            await asyncio.gather(*(sequence(row, family, i, len(rows)) for row, family in zip(rows, families)
+                                   for i in range(row.opts.sequences)))
             if done["failed"] is not None:
                 raise done["failed"]
         except Exception as exc:  # the client gets the message; the server keeps serving
@@ -505,6 +535,25 @@ class LoopModel:
         finally:
             if not done["final_sent"]:  # cancelled: no more data, but the stream must still be closed
                 _send_final(pb, sender, None)
+            if request_id:
+                live = self.live_ids[request_id]
+                live.remove(done)
+                if not live:
+                    del self.live_ids[request_id]
+
+    def _stop(self, request, sender) -> None:
+        """TensorRT-LLM's stop request: the live requests with its request id end at their next step, each sequence
+        with a final response of its tokens so far; the stop request gets one empty final response (or an error naming
+        what is missing)."""
+        pb, request_id = self.pb, request.request_id()
+        try:
+            require(bool(request_id), "stop", True, "needs the request id of the request to stop",
+                    "send the stop request with that request's id (tritonclient: request_id=...)")
+            for done in self.live_ids.get(request_id, ()):
+                done["stopped"] = True
+            _send_final(pb, sender, pb.InferenceResponse(output_tensors=[]))
+        except Exception as exc:  # noqa: BLE001 - the client gets the message
+            _send_final(pb, sender, error_response(pb, exc))
 
 
 def _send_final(pb, sender, response) -> bool:

@@ -87,9 +87,11 @@ class Options:
 Reader = Callable[[str, Any, type], Any]  # (name, default, kind) -> the request's scalar input, or the default
 
 
-def parse_options(read: Reader, max_tokens: int, vocab_size: int) -> Options:
+def parse_options(read: Reader, max_tokens: int, vocab_size: int, exclude_default: bool = True) -> Options:
     """Check TensorRT-LLM's optional inputs of one request (``bad_words`` is read with the sampling: its words are
-    tokenized); every error names its field, its value and the fix."""
+    tokenized); every error names its field, its value and the fix. ``exclude_default``: exclude_input_in_output when
+    the request does not send it (the entry models: true, as GenAI-Perf sends it; the ``tensorrt_llm`` model: its
+    parameter)."""
     for name, (neutral, why) in NEUTRAL.items():
         value = read(name, None, type(neutral))
         if isinstance(value, float):
@@ -107,8 +109,8 @@ def parse_options(read: Reader, max_tokens: int, vocab_size: int) -> Options:
     field = "min_tokens" if min_tokens is not None else "min_length"
     require(0 <= low <= max_tokens, field, low, f"must be in [0, max_tokens={max_tokens}]")
     flags = [bool(read(name, default, bool)) for name, default in (
-        ("exclude_input_in_output", True), ("return_perf_metrics", False), ("return_num_input_tokens", False),
-        ("return_num_output_tokens", False), ("return_log_probs", False))]
+        ("exclude_input_in_output", exclude_default), ("return_perf_metrics", False),
+        ("return_num_input_tokens", False), ("return_num_output_tokens", False), ("return_log_probs", False))]
     sequences = read("num_return_sequences", 1, int)
     require(sequences >= 1, "num_return_sequences", sequences, "must be at least 1")
     return Options(low, *flags, sequences)

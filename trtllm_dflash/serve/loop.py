@@ -155,6 +155,7 @@ async def run_generation(
     ngram: bool = False,
     tree: TreeShape | None = None,
     datastore: Datastore | None = None,
+    report_cancelled: Callable[[], bool] = lambda: False,
 ) -> str:
     """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled").
 
@@ -162,6 +163,8 @@ async def run_generation(
     ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
     continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
     ``tree`` (k = the longest block − 1) with an optional ``datastore``: tree steps (module docstring).
+    ``report_cancelled``: whether a cancelled request still sends its tokens so far as a final update (TensorRT-LLM's
+    stop request: its executor returns a cancelled request's result); otherwise a cancellation reports nothing.
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
@@ -286,7 +289,7 @@ async def run_generation(
     finally:
         if started:
             await steps.free(seq_id, drafter=want_taps)
-    if p.finish_reason != "cancelled":
+    if p.finish_reason != "cancelled" or report_cancelled():
         await report(True)
     return p.finish_reason or "length"
 

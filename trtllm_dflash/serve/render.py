@@ -15,14 +15,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError, require
-from trtllm_dflash.serve import compat
+from trtllm_dflash.serve import compat, token_model
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
 BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
 # template directory -> the template directory whose 1/model.py it renders with (one loop model.py serves both)
-MODEL_PY_FROM = {"entry": "dflash_bls"}
+MODEL_PY_FROM = {"entry": "dflash_bls", "tensorrt_llm": "dflash_bls"}
 # rendered model -> (template directory, keys it must be given): backends torch and trtllm-engine
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
@@ -32,6 +32,9 @@ LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "tree", "datastore", "coale
 # TensorRT-LLM's ensemble inputs and outputs beyond ours (serve/compat.py), in the entry points' configs
 TRTLLM_IO_KEYS = ("trtllm_inputs", "trtllm_outputs")
 ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", *TRTLLM_IO_KEYS)
+# TensorRT-LLM's token-level model (serve/token_model.py): its inputs and outputs, one instance
+TOKEN_KEYS = ("name", *LOOP_KEYS, "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", "token_inputs",
+              "token_outputs")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
@@ -47,6 +50,8 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
     "dflash": ("entry", ENTRY_KEYS),
     "baseline": ("entry", ENTRY_KEYS),
+    # TensorRT-LLM's token-level model name, so its clients run unchanged: the dflash loop on token ids
+    "tensorrt_llm": ("tensorrt_llm", TOKEN_KEYS),
 }
 # backend trtllm-pytorch: NVIDIA's LLM-API model twice (DFlash / baseline model.yaml) behind our ensemble I/O
 LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -187,12 +192,14 @@ class RepoConfig:
             "tap_layers": ",".join(map(str, tap_layers)),
             "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
             "backend": self.backend, "engine_dir": str(Path(self.engines_dir).resolve()) if self.engines_dir else "",
-            **compat.template_values(),
+            **compat.template_values(), **token_model.template_values(),
         }
         per_model = {
             "dflash_bls": {"name": "dflash_bls", "loop_block_size": self.block_size, "adaptive": adaptive_file,
                            "ngram": ngram, **tree},
             "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": "", "ngram": "off", **no_tree},
+            "tensorrt_llm": {"name": "tensorrt_llm", "loop_block_size": self.block_size, "adaptive": adaptive_file,
+                             "ngram": ngram, **tree},
             "dflash": {"name": "dflash", "loop_block_size": self.block_size, "adaptive": adaptive_file,
                        "ngram": ngram, "bridge_model": "dflash_llmapi", **tree},
             "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "ngram": "off",

@@ -1,0 +1,212 @@
+"""TensorRT-LLM's token-level model, ``tensorrt_llm`` (serve/token_model.py), on a real Triton server with the real
+SmolLM2 pair: requests as TensorRT-LLM's ``inflight_batcher_llm_client.py`` sends them get the autoregressive answer
+in the shapes its backend answers with; batches, stop requests, perf metrics and bad input."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import trtllm_stream
+from trtllm_dflash.runtime.text import encode_prompt
+from trtllm_dflash.serve.render import RepoConfig, make_repo
+from trtllm_dflash.serve.server import TritonServer
+
+pytestmark = pytest.mark.slow
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512,
+                                max_sequences=8, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
+    with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """``run(prompt ids, max_tokens, sampling, stops)``: the in-process autoregressive answer (GenerationResult)."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    target, _ = load_pair(smollm2["target"], smollm2["drafter"])
+
+    def run(ids, max_tokens, sampling=SamplingParams(), stops=()):
+        return SpeculativeDecoder(target, None, 1).generate(
+            [Request(tuple(ids), max_tokens, sampling, stop_token_ids=tuple(stops))])[0]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2):
+    from trtllm_dflash.runtime.text import load_tokenizer
+
+    return load_tokenizer(smollm2["target"])
+
+
+def client_inputs(ids, max_tokens, end_id, streaming, **extra) -> dict:
+    """What the example client always sends (its defaults: beam 1, temperature 1, top-k 1, top-p 0)."""
+    return {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+            "request_output_len": np.array([[max_tokens]], np.int32), "beam_width": np.array([[1]], np.int32),
+            "temperature": np.array([[1.0]], np.float32), "streaming": np.array([[streaming]]),
+            "end_id": np.array([[end_id]], np.int32), "pad_id": np.array([[end_id]], np.int32),
+            "runtime_top_k": np.array([[1]], np.int32), "runtime_top_p": np.array([[0.0]], np.float32), **extra}
+
+
+def tokens_of(results) -> tuple[list[int], list[int]]:
+    """(every response's output_ids beam 0 cut to its sequence_length, concatenated; each response's length)"""
+    out, lengths = [], []
+    for r in results:
+        ids, n = r.as_numpy("output_ids"), r.as_numpy("sequence_length")
+        assert ids.shape[:2] == (1, 1) and n.shape == (1, 1), (ids.shape, n.shape)
+        out += ids[0, 0, :n[0, 0]].tolist()
+        lengths.append(int(n[0, 0]))
+    return out, lengths
+
+
+def test_the_example_clients_requests_get_the_autoregressive_answer(server, reference, tok):
+    """Greedy (top-k 1), with the tokenizer's end id: streamed, the answer in pieces without the prompt; not
+    streamed, one response with the prompt and the answer (the answer alone with exclude_input_in_output); the perf
+    metrics on every response, [1, 1]."""
+    ids = encode_prompt(tok, "What is the capital of France?", chat=True)
+    ref = reference(ids, 48, stops=[tok.eos_token_id])
+    assert ref.finish_reason == "stop", "the reference should end at the end id"
+    results, error = trtllm_stream(server, "tensorrt_llm", client_inputs(
+        ids, 48, tok.eos_token_id, True, return_perf_metrics=np.array([[True]]),
+        return_num_output_tokens=np.array([[True]])))
+    assert error is None, error
+    got, lengths = tokens_of(results)
+    assert got == list(ref.token_ids) and len(results) > 1
+    assert [int(r.as_numpy("num_output_tokens")[0, 0]) for r in results] == lengths
+    for r in results:
+        assert r.as_numpy("arrival_time_ns").shape == (1, 1) and r.as_numpy("acceptance_rate").shape == (1, 1)
+        assert r.as_numpy("kv_cache_alloc_total_blocks").tolist() == [[1]]
+    drafted = int(results[-1].as_numpy("total_draft_tokens")[0, 0])
+    assert drafted > 0 and 0 <= results[-1].as_numpy("acceptance_rate")[0, 0] <= 1
+    for exclude in (False, True):
+        results, error = trtllm_stream(server, "tensorrt_llm", client_inputs(
+            ids, 48, tok.eos_token_id, False, exclude_input_in_output=np.array([[exclude]])))
+        assert error is None and len(results) == 1, error
+        assert tokens_of(results)[0] == ([] if exclude else list(ids)) + list(ref.token_ids)
+
+
+def test_sampling_without_end_id_is_the_seeded_sample_to_the_length(server, reference, tok):
+    """top-p 0.9 at temperature 0.8 with seed 11: the autoregressive sample with that seed; no end_id, so the answer
+    runs to request_output_len (TensorRT-LLM ends at an end token only when one is sent), log-probs included."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    ids = encode_prompt(tok, "Write a haiku about rain.", chat=True)
+    ref = reference(ids, 40, SamplingParams(0.8, top_p=0.9, seed=11, logprobs=True))
+    inputs = client_inputs(ids, 40, 0, True, temperature=np.array([[0.8]], np.float32),
+                           runtime_top_k=np.array([[0]], np.int32), runtime_top_p=np.array([[0.9]], np.float32),
+                           seed=np.array([[11]], np.uint64), return_log_probs=np.array([[True]]))
+    del inputs["end_id"]
+    results, error = trtllm_stream(server, "tensorrt_llm", inputs)
+    assert error is None, error
+    got, _ = tokens_of(results)
+    assert got == list(ref.token_ids) and len(got) == 40
+    logprobs = np.concatenate([r.as_numpy("output_log_probs")[0, 0] for r in results])
+    np.testing.assert_allclose(logprobs, ref.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_answers_each_row_with_its_batch_index(server, reference, tok):
+    """Two prompts of different lengths in one request (input_ids padded, input_lengths per row): each row's
+    answer is its own; responses carry batch_index; the final flag comes once, last."""
+    rows = [encode_prompt(tok, p, chat=True) for p in ("Name a prime number.", "Say hello in Spanish, please.")]
+    width = max(map(len, rows))
+    inputs = {k: np.repeat(v, 2, axis=0) for k, v in client_inputs(rows[0], 24, tok.eos_token_id, True).items()}
+    inputs["input_ids"] = np.array([r + [0] * (width - len(r)) for r in rows], np.int32)
+    inputs["input_lengths"] = np.array([[len(r)] for r in rows], np.int32)
+    results, error = trtllm_stream(server, "tensorrt_llm", inputs)
+    assert error is None, error
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1]
+    for b, ids in enumerate(rows):
+        mine = [r for r in results if int(r.as_numpy("batch_index")[0, 0]) == b]
+        assert tokens_of(mine)[0] == list(reference(ids, 24, stops=[tok.eos_token_id]).token_ids), b
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_stop_request_ends_the_request_with_its_id(server, tok, streaming):
+    """The example client's stop request (same request id, stop true, empty lengths): the long request ends early
+    with a final response of its tokens so far (streamed: the last piece; not streamed: prompt + answer so far), as
+    TensorRT-LLM's executor returns a cancelled request's result; the stop request gets one empty final response; no
+    sequence is left held; a stop request without an id is refused by name."""
+    import time
+
+    from test_serving_server import active_states
+    from tritonclient.utils import np_to_triton_dtype
+
+    ids = encode_prompt(tok, "Write a long story about a dragon.", chat=True)
+    first, done, results = threading.Event(), threading.Event(), []
+
+    def on_response(result, error):
+        assert error is None, error
+        results.append(result)
+        first.set()
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+
+    long = grpcclient.InferenceServerClient(server.grpc_url)
+    long.start_stream(callback=on_response)
+    tensors = []
+    for name, arr in client_inputs(ids, 400, 0, streaming).items():
+        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    long.async_stream_infer("tensorrt_llm", tensors, request_id="story-1")  # as the example client: no empty finals
+    if streaming:
+        assert first.wait(120)
+    else:
+        time.sleep(3)
+    stop = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
+            "request_output_len": np.zeros((1, 1), np.int32), "stop": np.array([[True]])}
+    answer, error = trtllm_stream(server, "tensorrt_llm", stop, request_id="story-1")
+    assert error is None and len(answer) == 1 and answer[0].as_numpy("output_ids") is None, error
+    assert done.wait(60), "the stopped request should end with a final response"
+    long.stop_stream()
+    got, _ = tokens_of(results)
+    if not streaming:
+        assert len(results) == 1 and got[:len(ids)] == ids
+        got = got[len(ids):]
+    assert 0 < len(got) < 400
+    assert active_states(server) == (0, 0)
+    _, error = trtllm_stream(server, "tensorrt_llm", stop)
+    assert error is not None and "stop=True: needs the request id of the request to stop" in error
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"input_lengths": np.array([[99]], np.int32)}, "input_lengths=99: must be in [1, "),
+    ({"runtime_top_p": np.array([[2.0]], np.float32)}, "runtime_top_p=2.0: must be at most 1"),
+    ({"beam_width": np.array([[2]], np.int32)}, "beam_width=2: is not supported"),
+    ({"stop_words_list": np.array([[[5, 6], [3, -1]]], np.int32)}, "stop_words_list offsets[0]=3: must be an end "
+                                                                   "offset in [0, 2]"),
+    ({"input_lengths": np.array([[512]], np.int32), "input_ids": np.ones((1, 512), np.int32)},
+     "input_lengths=512: leaves no room in the context limit (512 tokens)"),
+])
+def test_bad_requests_get_named_errors(server, tok, change, message):
+    ids = encode_prompt(tok, "Hi", chat=False)
+    _, error = trtllm_stream(server, "tensorrt_llm", {**client_inputs(ids, 4, tok.eos_token_id, True), **change})
+    assert error is not None and message in error, error
+    results, error = trtllm_stream(server, "tensorrt_llm", client_inputs(ids, 4, tok.eos_token_id, True))
+    assert error is None and results  # the server keeps serving
+
+
+def test_return_sequences_are_the_seeded_samples(server, reference, tok):
+    """num_return_sequences 2, sampled: sequence i is the autoregressive sample with seed + i, labelled
+    sequence_index i (TensorRT-LLM's child requests)."""
+    from trtllm_dflash.runtime.sampling import SamplingParams
+
+    ids = encode_prompt(tok, "Tell me a fun fact.", chat=True)
+    results, error = trtllm_stream(server, "tensorrt_llm", client_inputs(
+        ids, 16, tok.eos_token_id, False, runtime_top_k=np.array([[0]], np.int32),
+        runtime_top_p=np.array([[0.95]], np.float32), seed=np.array([[5]], np.uint64),
+        num_return_sequences=np.array([[2]], np.int32), exclude_input_in_output=np.array([[True]])))
+    assert error is None and len(results) == 2, error
+    for r in results:
+        i = int(r.as_numpy("sequence_index")[0, 0])
+        ref = reference(ids, 16, SamplingParams(1.0, top_p=0.95, seed=5 + i), stops=[tok.eos_token_id])
+        assert tokens_of([r])[0] == list(ref.token_ids), i

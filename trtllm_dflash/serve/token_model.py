@@ -1,0 +1,257 @@
+"""``tensorrt_llm``: TensorRT-LLM's token-level Triton model, answered by the DFlash loop.
+
+Clients written for TensorRT-LLM's own ``tensorrt_llm`` model (its ``inflight_batcher_llm_client.py``, services that
+tokenize themselves, perf_analyzer runs on token ids) send token ids and read token ids. This model declares that
+model's inputs and outputs with their names, dtypes and dims (``triton_backend/all_models/inflight_batcher_llm/
+tensorrt_llm/config.pbtxt`` at 1.2.0rc8, ``INPUTS`` / ``OUTPUTS``) for everything this server does, and answers as
+its backend does (``model_instance_state.cc`` ``fillTritonResponse``; the executor's ``LlmRequest::createResult``):
+
+* ``output_ids`` INT32 [1, 1, n] and ``sequence_length`` INT32 [1, 1] on every response. Streamed: each response's new
+  tokens, never the prompt (the final one may carry none). Not streamed: one response with the prompt and the answer,
+  the answer alone with ``exclude_input_in_output`` (default: the model's parameter, false as TensorRT-LLM's).
+* Sampling as its executor does: ``temperature`` (default 1), ``runtime_top_k`` and ``runtime_top_p`` (0 = off; a
+  top-p <= 0 is dropped), greedy when both are off or top-k is 1 (``regularizeTopKTopP``); ``end_id`` ends the answer
+  only when it is sent (absent or -1: the answer runs to ``request_output_len`` or a stop word); the penalties,
+  ``min_tokens``, ``seed``, the log-probabilities and ``num_return_sequences`` as the entry models honour them
+  (``serve/compat.py``). A prompt plus ``request_output_len`` past the context limit shortens the answer, as its
+  executor does (``LlmRequest::validate``); a prompt that leaves no room is refused.
+* ``stop_words_list`` / ``bad_words_list`` INT32 [2, L] per row (the words' token ids, then each word's end offset,
+  strictly increasing, padded with -1: ``convertWordList``) and ``embedding_bias`` FP32 [vocab] (one value per token;
+  empty: none).
+* A request of B rows runs as B requests; with B > 1 every response carries ``batch_index``, and the final flag comes
+  once, with the last row's last response.
+* ``stop`` true with the request id of live requests ends them at their next step, each sequence with a final response
+  of its tokens so far (its executor returns a cancelled request's result); the stop request itself gets one empty
+  final response.
+* ``return_perf_metrics``: the ten metrics on every response, [1, 1] (its example client reads all ten unguarded).
+  There is no paged KV cache here: a sequence holds one contiguous cache slot of ``max_seq_len`` tokens from its
+  start, so the KV-cache counters report that one block (allocated 1, total 1, reused 0).
+
+Not declared, so Triton refuses them naming the input: draft tokens or logits sent by the client, prompt tables,
+LoRA, encoder inputs, guided decoding, top-p decay, KV-cache retention and disaggregated serving's context phase.
+Beam search and logits are refused by name (``compat.NEUTRAL``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from trtllm_dflash.errors import require
+from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
+from trtllm_dflash.serve.compat import Options, parse_options, response_outputs
+from trtllm_dflash.serve.loop import Update
+from trtllm_dflash.serve.protocol import GenerateRequest, generate_request
+
+# name: (Triton dtype, dims), as TensorRT-LLM's tensorrt_llm config declares them; input_ids, input_lengths and
+# request_output_len come first (input_ids is optional there too: a stop request needs none)
+INPUTS = {
+    "input_ids": ("TYPE_INT32", "-1"), "input_lengths": ("TYPE_INT32", "1"),
+    "request_output_len": ("TYPE_INT32", "1"), "num_return_sequences": ("TYPE_INT32", "1"),
+    "end_id": ("TYPE_INT32", "1"), "pad_id": ("TYPE_INT32", "1"), "stop_words_list": ("TYPE_INT32", "2, -1"),
+    "bad_words_list": ("TYPE_INT32", "2, -1"), "embedding_bias": ("TYPE_FP32", "-1"),
+    "beam_width": ("TYPE_INT32", "1"), "temperature": ("TYPE_FP32", "1"), "runtime_top_k": ("TYPE_INT32", "1"),
+    "runtime_top_p": ("TYPE_FP32", "1"), "len_penalty": ("TYPE_FP32", "1"), "early_stopping": ("TYPE_BOOL", "1"),
+    "repetition_penalty": ("TYPE_FP32", "1"), "min_tokens": ("TYPE_INT32", "1"),
+    "beam_search_diversity_rate": ("TYPE_FP32", "1"), "presence_penalty": ("TYPE_FP32", "1"),
+    "frequency_penalty": ("TYPE_FP32", "1"), "seed": ("TYPE_UINT64", "1"), "return_log_probs": ("TYPE_BOOL", "1"),
+    "return_context_logits": ("TYPE_BOOL", "1"), "return_generation_logits": ("TYPE_BOOL", "1"),
+    "return_perf_metrics": ("TYPE_BOOL", "1"), "return_num_input_tokens": ("TYPE_BOOL", "1"),
+    "return_num_output_tokens": ("TYPE_BOOL", "1"), "exclude_input_in_output": ("TYPE_BOOL", "1"),
+    "stop": ("TYPE_BOOL", "1"), "streaming": ("TYPE_BOOL", "1"),
+}
+REQUIRED = ("input_lengths", "request_output_len")
+PERF_METRICS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+                "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
+                "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+OUTPUTS = {
+    "output_ids": ("TYPE_INT32", "-1, -1"), "sequence_length": ("TYPE_INT32", "-1"),
+    "cum_log_probs": ("TYPE_FP32", "-1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
+    "batch_index": ("TYPE_INT32", "1"), "sequence_index": ("TYPE_INT32", "1"),
+    **{m: ("TYPE_FP32" if m == "acceptance_rate" else "TYPE_INT64" if m.endswith("_ns") else "TYPE_INT32", "1")
+       for m in PERF_METRICS},
+    "num_input_tokens": ("TYPE_INT32", "1"), "num_output_tokens": ("TYPE_INT32", "1"),
+}
+# TensorRT-LLM's names of what compat.parse_options reads by the ensemble's
+ALIASES = {"length_penalty": "len_penalty"}
+
+
+def template_values() -> dict[str, str]:
+    """The input and output lists of the ``tensorrt_llm`` config.pbtxt."""
+    def entries(table: dict, optional: bool) -> str:
+        return ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {d} ]'
+                          f'{" optional: true" if optional and n not in REQUIRED else ""} }}'
+                          for n, (t, d) in table.items())
+
+    return {"token_inputs": entries(INPUTS, True), "token_outputs": entries(OUTPUTS, False)}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a request: what its loop runs and what its responses carry."""
+
+    gen: GenerateRequest
+    opts: Options
+    index: int  # batch_index
+
+
+class Inputs:
+    """A request's inputs with their batch dimension: ``value(name, row)`` reads one row's scalar."""
+
+    def __init__(self, pb_utils, request) -> None:
+        self.pb, self.request = pb_utils, request
+        ids = self.array("input_ids")
+        lengths = self.array("input_lengths")
+        self.batch = 1 if lengths is None else max(1, lengths.shape[0])
+        self.ids = ids
+
+    def array(self, name: str) -> np.ndarray | None:
+        t = self.pb.get_input_tensor_by_name(self.request, name)
+        return None if t is None else t.as_numpy()
+
+    def row(self, name: str, b: int) -> np.ndarray | None:
+        arr = self.array(name)
+        if arr is None:
+            return None
+        require(arr.ndim >= 1 and arr.shape[0] == self.batch, f"{name} shape", list(arr.shape),
+                f"must have the request's batch of {self.batch} rows first", "send one row per prompt")
+        return arr[b]
+
+    def value(self, name: str, b: int, default: Any = None, kind=float) -> Any:
+        arr = self.row(name, b)
+        if arr is None:
+            return default
+        flat = np.asarray(arr).reshape(-1)
+        require(flat.size == 1, f"{name} shape", list(np.asarray(self.array(name)).shape),
+                "must hold one value per row ([batch, 1])")
+        return kind(flat[0])
+
+
+def word_list(arr: np.ndarray | None, field: str, vocab: int) -> list[list[int]]:
+    """TensorRT-LLM's words format, one row's [2, L]: the words' token ids one after another (padded), then each
+    word's end offset into them (padded with -1)."""
+    if arr is None or arr.size == 0:
+        return []
+    require(arr.ndim == 2 and arr.shape[0] == 2, f"{field} shape", list(arr.shape),
+            "must be [2, L] per row: token ids, then each word's end offset (padded with -1)")
+    ids, ends = arr[0].tolist(), arr[1].tolist()
+    words, start = [], 0
+    for i, end in enumerate(ends):
+        if end == -1:
+            require(all(e == -1 for e in ends[i:]), f"{field} offsets", ends, "must end with -1s only (padding)")
+            break
+        low = start + 1 if i else 0  # TensorRT-LLM's convertWordList: strictly increasing
+        require(low <= end <= len(ids), f"{field} offsets[{i}]", end,
+                f"must be an end offset in [{low}, {len(ids)}] (offsets grow; pad with -1)")
+        word = ids[start:end]
+        for t in word:
+            require(0 <= t < vocab, f"{field} token id", t, f"must be in [0, {vocab})")
+        if word:
+            words.append(word)
+        start = end
+    return words
+
+
+def token_sampling(inputs: Inputs, b: int, vocab: int) -> SamplingParams:
+    """One row's sampling as TensorRT-LLM's executor reads it: greedy unless top-k > 1 or top-p > 0 (with neither
+    sent: greedy), temperature 1 by default."""
+    temperature = inputs.value("temperature", b, 1.0, float)
+    top_k = inputs.value("runtime_top_k", b, 0, int)
+    top_p = inputs.value("runtime_top_p", b, 0.0, float)
+    require(math.isfinite(temperature) and temperature >= 0, "temperature", temperature, "must be finite and >= 0")
+    require(top_k >= 0, "runtime_top_k", top_k, "must be >= 0 (0 = off)")
+    require(top_p <= 1, "runtime_top_p", top_p, "must be at most 1 (0 or less = off)")
+    top_p = max(top_p, 0.0)  # the backend drops a top-p <= 0 (utils.cc)
+    greedy = temperature == 0 or top_k == 1 or (top_k == 0 and top_p == 0)
+    bias = inputs.row("embedding_bias", b)
+    pairs = ()
+    if bias is not None and np.asarray(bias).size:
+        bias = np.asarray(bias, dtype=np.float32).reshape(-1)
+        require(bias.size == vocab, "embedding_bias length", bias.size,
+                f"must be the vocabulary size ({vocab}): one value per token id", "send a dense [vocab] vector")
+        require(bool(np.isfinite(bias).all()), "embedding_bias", "non-finite values", "must be finite")
+        ids = np.flatnonzero(bias)
+        pairs = bias_pairs(ids.tolist(), bias[ids].tolist())
+    return SamplingParams(
+        temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
+        top_p=1.0 if greedy or top_p == 0 else top_p, seed=inputs.value("seed", b, 0, int),
+        repetition_penalty=inputs.value("repetition_penalty", b, 1.0, float),
+        presence_penalty=inputs.value("presence_penalty", b, 0.0, float),
+        frequency_penalty=inputs.value("frequency_penalty", b, 0.0, float),
+        logprobs=bool(inputs.value("return_log_probs", b, False, bool)),
+        bad_words=tuple(tuple(w) for w in word_list(inputs.row("bad_words_list", b), "bad_words_list", vocab)),
+        logit_bias=pairs)
+
+
+class TokenFrontend:
+    """Parses ``tensorrt_llm`` requests into the loop's rows and builds their responses."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        from trtllm_dflash.specs import TargetSpec
+
+        self.vocab = TargetSpec.load(params["tokenizer_dir"]).vocab_size
+        self.max_seq_len = int(params["max_seq_len"])
+        self.exclude_input = params.get("exclude_input_in_output", "false") == "true"
+
+    @staticmethod
+    def is_stop(pb_utils, request) -> bool:
+        t = pb_utils.get_input_tensor_by_name(request, "stop")
+        return t is not None and bool(np.asarray(t.as_numpy()).reshape(-1).any())
+
+    def parse(self, pb_utils, request) -> list[Row]:
+        """Every row of a request (each error names its field, its value and the fix)."""
+        inputs = Inputs(pb_utils, request)
+        for name in REQUIRED:
+            require(inputs.array(name) is not None, name, None, "is required", f"send {name} INT32 [batch, 1]")
+        require(inputs.ids is not None, "input_ids", None, "is required", "send input_ids INT32 [batch, tokens]")
+        return [self._row(inputs, b) for b in range(inputs.batch)]
+
+    def _row(self, inputs: Inputs, b: int) -> Row:
+        ids = np.asarray(inputs.row("input_ids", b)).reshape(-1)
+        length = inputs.value("input_lengths", b, None, int)
+        require(1 <= length <= ids.size, "input_lengths", length, f"must be in [1, {ids.size}] (the row's input_ids)")
+        prompt = [int(t) for t in ids[:length]]
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        require(not bad, "input_ids", bad[:8], f"must be token ids in [0, {self.vocab})")
+        asked = inputs.value("request_output_len", b, None, int)
+        require(asked >= 1, "request_output_len", asked, "must be >= 1")
+        room = self.max_seq_len - length
+        require(room >= 1, "input_lengths", length, f"leaves no room in the context limit ({self.max_seq_len} tokens)",
+                "shorten the prompt")
+        sampling = token_sampling(inputs, b, self.vocab)
+
+        def read(name: str, default, kind):
+            value = inputs.value(ALIASES.get(name, name), b, None, kind)
+            return default if value is None else value
+
+        opts = parse_options(read, asked, self.vocab, exclude_default=self.exclude_input)
+        # prompt + answer past the context limit: the answer is shortened, as TensorRT-LLM's executor does
+        max_tokens = min(asked, room)
+        opts = replace(opts, log_probs=sampling.logprobs, min_tokens=min(opts.min_tokens, max_tokens))
+        stops = [[int(s)] for s in [inputs.value("end_id", b, -1, int)] if s != -1]
+        for s in stops:
+            require(0 <= s[0] < self.vocab, "end_id", s[0], f"must be a token id in [0, {self.vocab}) or -1 (none)")
+        stops += word_list(inputs.row("stop_words_list", b), "stop_words_list", self.vocab)
+        stream = bool(inputs.value("streaming", b, False, bool))
+        gen = generate_request(prompt, max_tokens, sampling, tuple(tuple(s) for s in stops), stream, opts.min_tokens)
+        gen.sampling.validate()
+        return Row(gen, opts, b)
+
+    def outputs(self, row: Row, u: Update, drafted: int, accepted: int, times, labels) -> list[tuple[str, Any]]:
+        """One response's tensors (``labels``: its batch_index / sequence_index pairs, when it has them)."""
+        new = u.tokens[u.prev_len:]
+        ids = new if row.gen.stream or row.opts.exclude_input else [*row.gen.input_ids, *u.tokens]
+        extra = response_outputs(row.opts, len(row.gen.input_ids), len(new), drafted, accepted, u.logprobs, times)
+        out = [("output_ids", np.array(ids, dtype=np.int32).reshape(1, 1, -1)),
+               ("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
+        for name, value in extra:
+            if name == "num_output_tokens":  # the tokens this response carries, its prompt included
+                value = np.array([len(ids)], dtype=np.int32)
+            out.append((name, value.reshape(1, 1) if value.ndim == 1 else value))
+        if row.opts.perf_metrics:  # no paged KV cache: one contiguous slot per sequence, allocated at its start
+            out += [(name, np.array([[v]], dtype=np.int32)) for name, v in (
+                ("kv_cache_alloc_new_blocks", 1), ("kv_cache_reused_blocks", 0), ("kv_cache_alloc_total_blocks", 1))]
+        return out + list(labels)

@@ -210,3 +210,56 @@ def test_return_sequences_are_the_seeded_samples(server, reference, tok):
         i = int(r.as_numpy("sequence_index")[0, 0])
         ref = reference(ids, 16, SamplingParams(1.0, top_p=0.95, seed=5 + i), stops=[tok.eos_token_id])
         assert tokens_of([r])[0] == list(ref.token_ids), i
+
+
+@pytest.fixture(scope="module")
+def unary_server(smollm2, tmp_path_factory):
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512, max_sequences=8,
+                                tensorrt_llm_decoupled=False), tmp_path_factory.mktemp("unary") / "repo")
+    with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
+        yield s
+
+
+def test_the_unary_model_answers_modelinfer_as_the_example_client_calls_it(unary_server, reference, tok):
+    """Rendered --tensorrt-llm-unary: the example client's default path (unary async_infer with its 'Streaming'
+    parameter) gets one response with the prompt and the autoregressive answer; three concurrent requests each get
+    their own; its stop request (unary too, same request id) ends a long one early with its tokens so far; streaming is
+    refused by name with INVALID_ARGUMENT."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+    def tensors(inputs):
+        out = []
+        for name, arr in inputs.items():
+            t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+            t.set_data_from_numpy(arr)
+            out.append(t)
+        return out
+
+    def infer(prompt, streaming=False, max_tokens=24, request_id=""):
+        ids = encode_prompt(tok, prompt, chat=True)
+        c = grpcclient.InferenceServerClient(unary_server.grpc_url)
+        return ids, c.infer("tensorrt_llm", tensors(client_inputs(ids, max_tokens, tok.eos_token_id, streaming)),
+                            parameters={"Streaming": streaming}, request_id=request_id)
+
+    prompts = ["Name a prime number.", "What is the capital of Spain?", "Say hello in French."]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(infer, prompts))
+    for ids, result in answers:
+        ref = reference(ids, 24, stops=[tok.eos_token_id])
+        assert tokens_of([result])[0] == list(ids) + list(ref.token_ids)
+    with ThreadPoolExecutor(1) as pool:
+        story = pool.submit(infer, "Write a long story about a dragon.", False, 400, "story-2")
+        time.sleep(3)
+        stop = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
+                "request_output_len": np.zeros((1, 1), np.int32), "stop": np.array([[True]])}
+        c = grpcclient.InferenceServerClient(unary_server.grpc_url)
+        assert c.infer("tensorrt_llm", tensors(stop), request_id="story-2").as_numpy("output_ids") is None
+        ids, result = story.result(timeout=60)
+    got = tokens_of([result])[0]
+    assert got[:len(ids)] == ids and 0 < len(got) - len(ids) < 400
+    with pytest.raises(InferenceServerException, match=r"streaming=True: needs the decoupled tensorrt_llm model") as e:
+        infer(prompts[0], streaming=True)
+    assert "INVALID_ARG" in str(e.value.status())

@@ -36,9 +36,9 @@ class Pb:
         return Pb.Tensor(request[name]) if name in request else None
 
 
-def frontend(exclude: bool = False) -> TokenFrontend:
+def frontend(exclude: bool = False, decoupled: bool = True) -> TokenFrontend:
     front = TokenFrontend.__new__(TokenFrontend)
-    front.vocab, front.max_seq_len, front.exclude_input = VOCAB, 64, exclude
+    front.vocab, front.max_seq_len, front.exclude_input, front.decoupled = VOCAB, 64, exclude, decoupled
     return front
 
 
@@ -60,7 +60,8 @@ def test_declared_io_is_tensorrt_llms_own():
     text = render_text((TEMPLATES / "tensorrt_llm" / "config.pbtxt").read_text(), {
         "name": "tensorrt_llm", "max_batch_size": 8, "loop_block_size": 8, "adaptive": "", "ngram": "off",
         "tree": "off", "datastore": "", "target_dir": "/t", "max_seq_len": 64, "max_sequences": 4, "max_queue": 4,
-        "queue_timeout_s": 1, "coalesce": "on", "io_nice": 0, **token_model.template_values()}, "tensorrt_llm")
+        "queue_timeout_s": 1, "coalesce": "on", "io_nice": 0, "decoupled": "true",
+        **token_model.template_values()}, "tensorrt_llm")
     entry = re.compile(r'\{ name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]( optional: true)? \}')
     inputs, outputs = (text.split("output [")[i] for i in (0, 1))
     declared_in = {m[0]: (m[1], [int(d) for d in m[2].split(",")], bool(m[3])) for m in entry.findall(inputs)}
@@ -115,6 +116,17 @@ def test_sampling_reads_as_the_executor_does():
     assert parse(request(end_id=np.array([[-1]], np.int32)))[0].gen.stop_sequences == ()
     assert parse(request(runtime_top_k=np.array([[4]], np.int32), runtime_top_p=np.array([[-0.5]], np.float32)))[
         0].gen.sampling.top_p == 1.0  # a top-p <= 0 is dropped: plain top-k
+
+
+def test_the_unary_model_takes_what_one_response_can_carry():
+    """Rendered --tensorrt-llm-unary (TensorRT-LLM's decoupled_mode false): one row, not streamed, one sequence."""
+    unary = frontend(decoupled=False)
+    assert unary.parse(Pb, request())[0].gen.max_tokens == 8
+    for change, message in (({"streaming": np.array([[True]])}, "streaming=True: needs the decoupled"),
+                            ({"num_return_sequences": np.array([[2]], np.int32)}, "num_return_sequences=2: must be 1"),
+                            (request(ids=((5, 6), (7, 8))), "batch size=2: must be 1 on the unary")):
+        with pytest.raises(DFlashError, match=re.escape(message)):
+            unary.parse(Pb, {**request(), **change})
 
 
 def test_an_answer_past_the_context_limit_is_shortened():

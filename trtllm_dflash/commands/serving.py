@@ -64,6 +64,11 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU only: niceness of the server's own threads and of the models that only move "
                              "requests (loops, tokenizers), so the step models' forwards get the cores first "
                              "(0 = equal priority)")
+    parser.add_argument("--tensorrt-llm-unary", dest="tensorrt_llm_decoupled", action="store_false",
+                        help="render the tensorrt_llm model (TensorRT-LLM's token-level model) non-decoupled, as its "
+                             "decoupled_mode false, for clients that call unary ModelInfer (its example client "
+                             "without --streaming): one response per request, so no streaming, one row and one "
+                             "sequence per request")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -84,6 +89,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
                      io_nice=args.io_nice, ngram=ngram, tree=args.tree,
+                     tensorrt_llm_decoupled=args.tensorrt_llm_decoupled,
                      datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))

@@ -399,6 +399,8 @@ class LoopModel:
             self.steps.on_batch = self.telemetry.step_call
 
     async def execute(self, requests) -> None:
+        """Schedule each request's coroutine and return at once: its responses go through its response sender (also
+        on the unary ``tensorrt_llm`` model, rendered ``--tensorrt-llm-unary``: one final response per request)."""
         for request in requests:
             task = asyncio.get_running_loop().create_task(self._serve(request))
             self.tasks.add(task)

@@ -34,7 +34,7 @@ TRTLLM_IO_KEYS = ("trtllm_inputs", "trtllm_outputs")
 ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", *TRTLLM_IO_KEYS)
 # TensorRT-LLM's token-level model (serve/token_model.py): its inputs and outputs, one instance
 TOKEN_KEYS = ("name", *LOOP_KEYS, "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", "token_inputs",
-              "token_outputs")
+              "token_outputs", "decoupled")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
@@ -107,6 +107,9 @@ class RepoConfig:
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
     tree: bool = False  # dflash verifies a tree per step (runtime.tree; torch backend)
     datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
+    # the tensorrt_llm model streams (decoupled, the default); False: unary, as TensorRT-LLM's decoupled_mode false,
+    # for clients that call ModelInfer (its example client without --streaming)
+    tensorrt_llm_decoupled: bool = True
 
     @property
     def adaptive(self) -> bool:
@@ -199,7 +202,7 @@ class RepoConfig:
                            "ngram": ngram, **tree},
             "baseline_bls": {"name": "baseline_bls", "loop_block_size": 1, "adaptive": "", "ngram": "off", **no_tree},
             "tensorrt_llm": {"name": "tensorrt_llm", "loop_block_size": self.block_size, "adaptive": adaptive_file,
-                             "ngram": ngram, **tree},
+                             "ngram": ngram, "decoupled": str(self.tensorrt_llm_decoupled).lower(), **tree},
             "dflash": {"name": "dflash", "loop_block_size": self.block_size, "adaptive": adaptive_file,
                        "ngram": ngram, "bridge_model": "dflash_llmapi", **tree},
             "baseline": {"name": "baseline", "loop_block_size": 1, "adaptive": "", "ngram": "off",

@@ -27,6 +27,10 @@ its backend does (``model_instance_state.cc`` ``fillTritonResponse``; the execut
   There is no paged KV cache here: a sequence holds one contiguous cache slot of ``max_seq_len`` tokens from its
   start, so the KV-cache counters report that one block (allocated 1, total 1, reused 0).
 
+Rendered ``--tensorrt-llm-unary`` (TensorRT-LLM's ``decoupled_mode`` false) the model is not decoupled, so clients
+calling unary ModelInfer get their one response; streaming, batches of several rows and several sequences are then
+refused by name, as its backend refuses them.
+
 Not declared, so Triton refuses them naming the input: draft tokens or logits sent by the client, prompt tables,
 LoRA, encoder inputs, guided decoding, top-p decay, KV-cache retention and disaggregated serving's context phase.
 Beam search and logits are refused by name (``compat.NEUTRAL``).
@@ -195,6 +199,7 @@ class TokenFrontend:
         self.vocab = TargetSpec.load(params["tokenizer_dir"]).vocab_size
         self.max_seq_len = int(params["max_seq_len"])
         self.exclude_input = params.get("exclude_input_in_output", "false") == "true"
+        self.decoupled = params.get("decoupled", "true") == "true"
 
     @staticmethod
     def is_stop(pb_utils, request) -> bool:
@@ -207,7 +212,16 @@ class TokenFrontend:
         for name in REQUIRED:
             require(inputs.array(name) is not None, name, None, "is required", f"send {name} INT32 [batch, 1]")
         require(inputs.ids is not None, "input_ids", None, "is required", "send input_ids INT32 [batch, tokens]")
-        return [self._row(inputs, b) for b in range(inputs.batch)]
+        rows = [self._row(inputs, b) for b in range(inputs.batch)]
+        if not self.decoupled:  # one response per request (TensorRT-LLM's utils.cc refuses these alike)
+            fix = "or render the repository without --tensorrt-llm-unary (a decoupled tensorrt_llm model)"
+            require(inputs.batch == 1, "batch size", inputs.batch, "must be 1 on the unary tensorrt_llm model",
+                    f"send one row per request, {fix}")
+            require(not rows[0].gen.stream, "streaming", True, "needs the decoupled tensorrt_llm model",
+                    f"send streaming false, {fix}")
+            require(rows[0].opts.sequences == 1, "num_return_sequences", rows[0].opts.sequences,
+                    "must be 1 on the unary tensorrt_llm model", f"send 1, {fix}")
+        return rows
 
     def _row(self, inputs: Inputs, b: int) -> Row:
         ids = np.asarray(inputs.row("input_ids", b)).reshape(-1)

@@ -367,3 +367,18 @@ def test_token_ids_outside_the_vocabulary_are_named_and_hold_no_slot(tiny_models
     with pytest.raises(ConfigError, match=rf"bonus={vocab}: must be a token id in \[0, {vocab}\)"):
         d.draft([7], [torch.zeros(0)], [torch.zeros(0)], [vocab], 4)  # refused before the K/V are looked at
     assert d.slots.rows == {}
+
+
+def test_the_tensorrt_llm_model_is_decoupled_unless_rendered_unary(tiny_dirs, tmp_path):
+    """make-repo --tensorrt-llm-unary: TensorRT-LLM's decoupled_mode false for the token-level model only."""
+    from conftest import run_cli
+
+    target, drafter = map(str, tiny_dirs["llama"])
+    streamed = make_repo(RepoConfig(target, drafter, max_seq_len=256), tmp_path / "streamed")
+    assert "model_transaction_policy { decoupled: true }" in (streamed / "tensorrt_llm" / "config.pbtxt").read_text()
+    done = run_cli(["make-repo", "--target", target, "--drafter", drafter, "--block-size", "4", "--max-seq-len", "256",
+                    "--tensorrt-llm-unary", "--out", str(tmp_path / "unary")])
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "unary" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert "model_transaction_policy { decoupled: false }" in text and 'string_value: "false"' in text
+    assert "decoupled: true" in (tmp_path / "unary" / "dflash" / "config.pbtxt").read_text()

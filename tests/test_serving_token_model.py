@@ -212,6 +212,40 @@ def test_return_sequences_are_the_seeded_samples(server, reference, tok):
         assert tokens_of([r])[0] == list(ref.token_ids), i
 
 
+def test_perf_analyzer_drives_it_with_token_input_data(server, reference, tok, tmp_path):
+    """perf_analyzer, as TensorRT-LLM's docs run it against tensorrt_llm (--input-data of input_ids, input_lengths,
+    request_output_len; streaming): every request completes and its streamed output_ids are the autoregressive
+    answer of the ids it sent (the profile export records both)."""
+    import json
+    import subprocess
+
+    from test_perf_sweep import install_perf_analyzer
+
+    exe = install_perf_analyzer()
+    data = []
+    for prompt in ("Write a function that reverses a string.", "Name three colors."):
+        ids = encode_prompt(tok, prompt, chat=True)
+        data.append({"input_ids": {"content": ids, "shape": [len(ids)]}, "input_lengths": [len(ids)],
+                     "request_output_len": [24], "end_id": [tok.eos_token_id], "streaming": [True]})
+    (tmp_path / "input.json").write_text(json.dumps({"data": data}))
+    done = subprocess.run([exe, "-m", "tensorrt_llm", "-i", "grpc", "--streaming", "-u", server.grpc_url,
+                           "--input-data", str(tmp_path / "input.json"), "--concurrency-range", "2:2",
+                           "--measurement-mode", "count_windows", "--measurement-request-count", "4",
+                           "--request-count", "4", "--max-trials", "1",
+                           "--profile-export-file", str(tmp_path / "profile.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (experiment,) = json.loads((tmp_path / "profile.json").read_text())["experiments"]
+    assert len(experiment["requests"]) == 4
+    for request in experiment["requests"]:
+        ids = request["request_inputs"]["input_ids"]
+        got = []
+        for out in request["response_outputs"]:  # a one-token response is written as a scalar, none as ''
+            value = out["output_ids"]
+            got += value if isinstance(value, list) else [] if value == "" else [value]
+        assert got == list(reference(ids, 24, stops=[tok.eos_token_id]).token_ids)
+
+
 @pytest.fixture(scope="module")
 def unary_server(smollm2, tmp_path_factory):
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512, max_sequences=8,

@@ -79,7 +79,7 @@ OUTPUTS = {
        for m in PERF_METRICS},
     "num_input_tokens": ("TYPE_INT32", "1"), "num_output_tokens": ("TYPE_INT32", "1"),
 }
-# TensorRT-LLM's names of what compat.parse_options reads by the ensemble's
+# the ensemble's names compat.parse_options reads -> the tensorrt_llm model's
 ALIASES = {"length_penalty": "len_penalty"}
 
 
@@ -107,10 +107,9 @@ class Inputs:
 
     def __init__(self, pb_utils, request) -> None:
         self.pb, self.request = pb_utils, request
-        ids = self.array("input_ids")
+        self.ids = self.array("input_ids")
         lengths = self.array("input_lengths")
         self.batch = 1 if lengths is None else max(1, lengths.shape[0])
-        self.ids = ids
 
     def array(self, name: str) -> np.ndarray | None:
         t = self.pb.get_input_tensor_by_name(self.request, name)

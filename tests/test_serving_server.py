@@ -377,6 +377,31 @@ def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime
         assert len(client.generate("dflash", params).token_ids) == 8
 
 
+def test_a_batch_of_texts_answers_each_row_with_its_batch_index(server, oracle, raw_runtime):
+    """text_input [2, 1] (a batch, as TensorRT-LLM's ensemble takes): each row's answer is its own autoregressive
+    one, every response carries batch_index, the final flag comes once, last; dflash_bls (token ids without their
+    lengths) refuses a batch by name."""
+    _, tok = oracle
+    prompts = ["What is 7 times 8?", "Name a famous physicist."]
+    results, error = trtllm_stream(server, "dflash", {
+        "text_input": np.array([[p] for p in prompts], dtype=object), "max_tokens": np.array([[20], [20]], np.int32),
+        "stream": np.array([[True], [True]])})
+    assert error is None, error
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1]
+    for b, prompt in enumerate(prompts):
+        mine = [r for r in results if int(r.as_numpy("batch_index")[0, 0]) == b]
+        text = "".join(r.as_numpy("text_output")[0].decode("utf8") for r in mine)
+        assert text == tok.decode(raw_runtime(prompt, 20)[1], skip_special_tokens=True), b
+    ids = encode_prompt(tok, prompts[0], chat=True)
+    _, error = trtllm_stream(server, "dflash_bls", {
+        "input_ids": np.array([ids, ids], np.int32), "max_tokens": np.array([[4], [4]], np.int32),
+        "stream": np.array([[True], [True]]), "temperature": np.zeros((2, 1), np.float32),
+        "top_k": np.zeros((2, 1), np.int32), "top_p": np.ones((2, 1), np.float32), "seed": np.zeros((2, 1), np.uint64),
+        "stop_sequences": np.array([[2, -1], [2, -1]], np.int32)})
+    assert error is not None and "input_ids shape=[2, " in error and "must be one prompt per request" in error, error
+
+
 @pytest.mark.parametrize("model", ["dflash", "baseline"])
 def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_runtime, model):
     """GenAI-Perf's request with --output-tokens-mean-deterministic (min_length = max_tokens, exclude_input_in_output,

@@ -190,3 +190,18 @@ def test_responses_carry_what_the_backend_sends():
     excluded = token_model.Row(whole.gen, Options(exclude_input=True), 0)
     out = dict(frontend().outputs(excluded, Update([1, 2], 0, [], 0, 0, True), 0, 0, (1, 2, 3, 4), []))
     assert out["output_ids"].tolist() == [[[1, 2]]] and set(out) == {"output_ids", "sequence_length"}
+
+
+def test_row_views_read_one_row_of_a_batch_as_a_request_of_its_own():
+    """The entry models' batches: each row's inputs as a one-row request (serve.triton_io.RowView)."""
+    from trtllm_dflash.serve.triton_io import row_views, scalar
+
+    req = {"text_input": np.array([[b"a"], [b"b"]], dtype=object), "max_tokens": np.array([[3], [5]], np.int32),
+           "temperature": np.array([[0.5]], np.float32)}
+    views = row_views(Pb, req, "text_input")
+    assert [scalar(v, req, "max_tokens", None, int) for v in views] == [3, 5]
+    assert views[1].get_input_tensor_by_name(req, "text_input").as_numpy().tolist() == [[b"b"]]
+    assert views[0].get_input_tensor_by_name(req, "seed") is None and views[0].Tensor is Pb.Tensor
+    with pytest.raises(DFlashError, match=r"temperature shape=\[1, 1\]: must have the request's batch of 2 rows"):
+        scalar(views[0], req, "temperature")
+    assert row_views(Pb, {"text_input": np.array([[b"a"]], dtype=object)}, "text_input") == [Pb]

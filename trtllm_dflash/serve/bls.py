@@ -35,7 +35,8 @@ from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
 from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
 from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.token_model import Row
-from trtllm_dflash.serve.triton_io import as_torch, error_response, get, scalar, tensor, torch_rows_output
+from trtllm_dflash.serve.triton_io import (as_torch, error_response, get, row_views, scalar, tensor,
+                                           torch_rows_output)
 
 START, VERIFY, FREE = 0, 1, 2
 
@@ -331,7 +332,10 @@ def parse_request(pb_utils, request) -> GenerateRequest:
     """The token-level loop's request (``dflash_bls``; preprocessing's outputs, plus an optional ``min_tokens``)."""
     from trtllm_dflash.serve.handlers import sampling_from
 
-    ids = tuple(int(t) for t in np.asarray(get(pb_utils, request, "input_ids")).reshape(-1))
+    raw = np.asarray(get(pb_utils, request, "input_ids"))
+    require(raw.ndim <= 1, "input_ids shape", [*raw.shape], "must be one prompt per request ([1, tokens])",
+            "send one request per prompt (the tensorrt_llm model takes batches)")
+    ids = tuple(int(t) for t in raw.reshape(-1))
     max_tokens = scalar(pb_utils, request, "max_tokens", None, int)
     stops = decode_stops(np.asarray(get(pb_utils, request, "stop_sequences", [])).reshape(-1).tolist())
     min_tokens = scalar(pb_utils, request, "min_tokens", 0, int)
@@ -512,8 +516,9 @@ class LoopModel:
                     self.telemetry.active(-1)
 
         try:
-            if self.frontend is not None:
-                rows = [Row(*self.frontend.parse_options(pb, request), 0)]
+            if self.frontend is not None:  # a batch of texts: one row each (TensorRT-LLM's batch_index on responses)
+                rows = [Row(*self.frontend.parse_options(view, request), b)
+                        for b, view in enumerate(row_views(pb, request, "text_input"))]
             elif self.tokens is not None:
                 rows = self.tokens.parse(pb, request)
             else:  # the token-level loop: of TensorRT-LLM's options, the log-probabilities and the sequences only

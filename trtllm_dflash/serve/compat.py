@@ -12,7 +12,8 @@ and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
 server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``;
 the log-probabilities and the bad words since session 42, ``num_return_sequences`` since session 43: ``bls.LoopModel``,
-the embedding bias since session 44: ``runtime.sampling.add_bias``) and accept only the neutral value of what it does
+the embedding bias since session 44: ``runtime.sampling.add_bias``; batches of texts since session 45, each row a
+request of its own with ``batch_index`` on its responses) and accept only the neutral value of what it does
 not do, refusing any other by name. The ensemble's prompt-table, LoRA, guided-decoding and multimodal inputs are not
 declared: Triton refuses them naming the input.
 """
@@ -47,6 +48,7 @@ OUTPUTS = {"acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens":
            "total_draft_tokens": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
            "num_output_tokens": ("TYPE_INT32", "1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
            "cum_log_probs": ("TYPE_FP32", "-1"), "sequence_index": ("TYPE_INT32", "1"),
+           "batch_index": ("TYPE_INT32", "1"),
            **{f"{t}_time_ns": ("TYPE_INT64", "1") for t in ("arrival", "first_scheduled", "first_token", "last_token")}}
 
 # inputs accepted at one value only: (neutral value, what this server does instead)

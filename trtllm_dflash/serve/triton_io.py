@@ -39,6 +39,43 @@ def scalar(pb_utils, request, name: str, default: Any = None, kind=float) -> Any
     return kind(flat[0])
 
 
+class RowView:
+    """Row ``row`` of a batched request as a request of its own: in place of ``pb_utils``, its
+    ``get_input_tensor_by_name`` answers with that row's slice (batch dimension 1), so code written for one-row
+    requests reads it unchanged; everything else is ``pb_utils``'s (the entry models' batches of texts)."""
+
+    class _Slice:
+        def __init__(self, array: np.ndarray) -> None:
+            self._array = array
+
+        def as_numpy(self) -> np.ndarray:
+            return self._array
+
+    def __init__(self, pb_utils, row: int, batch: int) -> None:
+        self._pb, self._row, self._batch = pb_utils, row, batch
+
+    def get_input_tensor_by_name(self, request, name: str):
+        t = self._pb.get_input_tensor_by_name(request, name)
+        if t is None:
+            return None
+        arr = t.as_numpy()
+        if arr.ndim == 0 or arr.shape[0] != self._batch:
+            raise DFlashError(f"{name} shape={list(arr.shape)}: must have the request's batch of {self._batch} rows "
+                              "first; send one row per prompt")
+        return self._Slice(arr[self._row:self._row + 1])
+
+    def __getattr__(self, name: str):
+        return getattr(self._pb, name)
+
+
+def row_views(pb_utils, request, name: str) -> list:
+    """One ``pb_utils`` stand-in per row of a request (``RowView``), its batch read from input ``name``; a one-row
+    request gets ``pb_utils`` itself."""
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    batch = t.as_numpy().shape[0] if t is not None and t.as_numpy().ndim else 1
+    return [pb_utils] if batch <= 1 else [RowView(pb_utils, b, batch) for b in range(batch)]
+
+
 def rows(pb_utils, request, name: str, default: Any = None) -> np.ndarray | None:
     """Input ``name`` of ``request`` with its batch dimension (one row per sequence of a coalesced step call)."""
     t = pb_utils.get_input_tensor_by_name(request, name)

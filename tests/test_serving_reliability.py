@@ -147,8 +147,9 @@ BATTERY = [
     ("temperature-shape", {"temperature": (np.array([[0.1, 0.2]], np.float32), "FP32")}, ["temperature", "[1,2]"]),
     ("text_input-shape", {"text_input": (np.array([[b"a", b"b"]], dtype=object), "BYTES")}, ["text_input", "[1,2]"]),
     ("seed-shape", {"seed": (np.array([[1, 2]], np.uint64), "UINT64")}, ["seed", "[1,2]"]),
-    ("batch-2", {"text_input": (np.array([[b"a"], [b"b"]], dtype=object), "BYTES"),
-                 "max_tokens": (np.array([[4], [4]], np.int32), "INT32")}, ["text_input", "one string"]),
+    # a batch of texts is served row by row (batch_index); one bad row refuses the request by name
+    ("batch-2-bad-row", {"text_input": (np.array([[b"a"], [b""]], dtype=object), "BYTES"),
+                         "max_tokens": (np.array([[4], [4]], np.int32), "INT32")}, ["text_input=''", "not be empty"]),
     ("batch-mismatch", {"max_tokens": (np.array([[4], [4]], np.int32), "INT32")}, ["text_input", "batch size does not match"]),
     ("missing-text_input", {"text_input": None}, ["text_input"]),
     ("missing-max_tokens", {"max_tokens": None}, ["max_tokens"]),

@@ -172,3 +172,11 @@ def check_record(r: PerfRecord, out: Path) -> None:
     else:
         assert r.draft_tokens == r.steps * (r.block_size - 1)
     assert (out / r.profile_export).is_file()
+
+
+def test_recorded_paths_name_no_machines_directories():
+    """Logs and records keep this checkout's paths repository-relative and the home directory as ~."""
+    from trtllm_dflash.perf.sweep import PROJECT, portable
+
+    assert portable(f"{PROJECT}/.cache/perf_analyzer/bin/perf_analyzer -m x {Path.home()}/.cache/t") == \
+        ".cache/perf_analyzer/bin/perf_analyzer -m x ~/.cache/t"

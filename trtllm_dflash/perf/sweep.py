@@ -113,6 +113,14 @@ def pa_command(exe: str, model: str, url: str, input_data: Path, concurrency: in
             "--request-count", str(requests), "--max-trials", "1", "--profile-export-file", str(profile)]
 
 
+def portable(text: str) -> str:
+    """What a sweep records (logs, records) with this checkout's paths repository-relative and the home directory as
+    ~, so committed results name no machine's directories."""
+    from trtllm_dflash.train.gpu_pipeline import repo_relative
+
+    return repo_relative(text).replace(str(Path.home()), "~")
+
+
 # ---- the profile export --------------------------------------------------------------------------------------------
 
 def _as_list(v) -> list:
@@ -255,7 +263,7 @@ def run_point(cfg: SweepConfig, exe: str, url: str, metrics_url: str, model: str
     before = LoopCounters.read(metrics_url, BLS[model])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout_s)
     after = LoopCounters.read(metrics_url, BLS[model])
-    (profile.with_suffix(".log")).write_text(" ".join(cmd) + "\n\n" + r.stdout + r.stderr)
+    (profile.with_suffix(".log")).write_text(portable(" ".join(cmd) + "\n\n" + r.stdout + r.stderr))
     if r.returncode != 0 or not profile.is_file():
         raise RuntimeError(f"perf_analyzer failed (exit {r.returncode}) for {model} c={concurrency}:\n"
                            f"{(r.stdout + r.stderr)[-3000:]}")
@@ -284,7 +292,7 @@ def _sweep_server(cfg: SweepConfig, exe: str, pa_version: str, url: str, metrics
                 bar.set_description(f"{tag} {model} c={c}")
             point = run_point(cfg, exe, url, metrics_url, model, c, input_data, out, tag)
             rec = PerfRecord(model=model, dataset=cfg.dataset, block_size=info["block_size"], concurrency=c,
-                             max_tokens=cfg.max_tokens, drafter_dir=info["drafter_dir"],
+                             max_tokens=cfg.max_tokens, drafter_dir=portable(info["drafter_dir"]),
                              drafter_trained=drafter_trained, env=env,
                              timestamp=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **point)
             append_record(out / "records.jsonl", rec)
@@ -330,9 +338,11 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
             if bar is not None:
                 bar.set_description(f"b{b}: starting the server")
             digest = file_digest(assets["drafter"])  # before the server loads it
-            with TritonServer(repo, log_path=out / f"server-b{b}.log") as server:
+            log = out / f"server-b{b}.log"
+            with TritonServer(repo, log_path=log) as server:
                 records += _sweep_server(cfg, exe, pa_version, server.grpc_url, server.metrics_url, out, input_data,
                                          f"b{b}", assets["drafter_trained"], bar, digest)
+            log.write_text(portable(log.read_text(errors="replace")))
         return records
     finally:
         if bar is not None:

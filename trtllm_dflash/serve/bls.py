@@ -471,7 +471,6 @@ class LoopModel:
                 labels.append(("batch_index", np.array([[row.index]], np.int32)))
 
             ended = []  # this sequence's final update, once sent
-            mine = Row(gen, opts, row.index)  # this sequence's own seed
 
             async def on_update(u: Update) -> None:
                 done["live"] -= u.final
@@ -485,7 +484,7 @@ class LoopModel:
                 times = (arrival_ns, steps.scheduled_ns, steps.first_token_ns, time.monotonic_ns() if u.final else 0)
                 if self.tokens is not None:
                     response = pb.InferenceResponse(output_tensors=[
-                        pb.Tensor(n, v) for n, v in self.tokens.outputs(mine, u, *totals, times, labels)])
+                        pb.Tensor(n, v) for n, v in self.tokens.outputs(row, u, *totals, times, labels)])
                 else:
                     extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals,
                                              u.logprobs, times)

@@ -49,6 +49,7 @@ from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
 from trtllm_dflash.serve.compat import Options, parse_options, response_outputs
 from trtllm_dflash.serve.loop import Update
 from trtllm_dflash.serve.protocol import GenerateRequest, generate_request
+from trtllm_dflash.serve.triton_io import RowView, get, scalar
 
 # name: (Triton dtype, dims), as TensorRT-LLM's tensorrt_llm config declares them; input_ids, input_lengths and
 # request_output_len come first (input_ids is optional there too: a stop request needs none)
@@ -102,37 +103,6 @@ class Row:
     index: int  # batch_index
 
 
-class Inputs:
-    """A request's inputs with their batch dimension: ``value(name, row)`` reads one row's scalar."""
-
-    def __init__(self, pb_utils, request) -> None:
-        self.pb, self.request = pb_utils, request
-        self.ids = self.array("input_ids")
-        lengths = self.array("input_lengths")
-        self.batch = 1 if lengths is None else max(1, lengths.shape[0])
-
-    def array(self, name: str) -> np.ndarray | None:
-        t = self.pb.get_input_tensor_by_name(self.request, name)
-        return None if t is None else t.as_numpy()
-
-    def row(self, name: str, b: int) -> np.ndarray | None:
-        arr = self.array(name)
-        if arr is None:
-            return None
-        require(arr.ndim >= 1 and arr.shape[0] == self.batch, f"{name} shape", list(arr.shape),
-                f"must have the request's batch of {self.batch} rows first", "send one row per prompt")
-        return arr[b]
-
-    def value(self, name: str, b: int, default: Any = None, kind=float) -> Any:
-        arr = self.row(name, b)
-        if arr is None:
-            return default
-        flat = np.asarray(arr).reshape(-1)
-        require(flat.size == 1, f"{name} shape", list(np.asarray(self.array(name)).shape),
-                "must hold one value per row ([batch, 1])")
-        return kind(flat[0])
-
-
 def word_list(arr: np.ndarray | None, field: str, vocab: int) -> list[list[int]]:
     """TensorRT-LLM's words format, one row's [2, L]: the words' token ids one after another (padded), then each
     word's end offset into them (padded with -1)."""
@@ -158,18 +128,18 @@ def word_list(arr: np.ndarray | None, field: str, vocab: int) -> list[list[int]]
     return words
 
 
-def token_sampling(inputs: Inputs, b: int, vocab: int) -> SamplingParams:
-    """One row's sampling as TensorRT-LLM's executor reads it: greedy unless top-k > 1 or top-p > 0 (with neither
-    sent: greedy), temperature 1 by default."""
-    temperature = inputs.value("temperature", b, 1.0, float)
-    top_k = inputs.value("runtime_top_k", b, 0, int)
-    top_p = inputs.value("runtime_top_p", b, 0.0, float)
+def token_sampling(pb, request, vocab: int) -> SamplingParams:
+    """One row's sampling as TensorRT-LLM's executor reads it (``pb``: the row's ``RowView``): greedy unless top-k > 1
+    or top-p > 0 (with neither sent: greedy), temperature 1 by default."""
+    temperature = scalar(pb, request, "temperature", 1.0, float)
+    top_k = scalar(pb, request, "runtime_top_k", 0, int)
+    top_p = scalar(pb, request, "runtime_top_p", 0.0, float)
     require(math.isfinite(temperature) and temperature >= 0, "temperature", temperature, "must be finite and >= 0")
     require(top_k >= 0, "runtime_top_k", top_k, "must be >= 0 (0 = off)")
     require(top_p <= 1, "runtime_top_p", top_p, "must be at most 1 (0 or less = off)")
     top_p = max(top_p, 0.0)  # the backend drops a top-p <= 0 (utils.cc)
     greedy = temperature == 0 or top_k == 1 or (top_k == 0 and top_p == 0)
-    bias = inputs.row("embedding_bias", b)
+    bias = get(pb, request, "embedding_bias")
     pairs = ()
     if bias is not None and np.asarray(bias).size:
         bias = np.asarray(bias, dtype=np.float32).reshape(-1)
@@ -180,12 +150,12 @@ def token_sampling(inputs: Inputs, b: int, vocab: int) -> SamplingParams:
         pairs = bias_pairs(ids.tolist(), bias[ids].tolist())
     return SamplingParams(
         temperature=0.0 if greedy else temperature, top_k=0 if greedy else top_k,
-        top_p=1.0 if greedy or top_p == 0 else top_p, seed=inputs.value("seed", b, 0, int),
-        repetition_penalty=inputs.value("repetition_penalty", b, 1.0, float),
-        presence_penalty=inputs.value("presence_penalty", b, 0.0, float),
-        frequency_penalty=inputs.value("frequency_penalty", b, 0.0, float),
-        logprobs=bool(inputs.value("return_log_probs", b, False, bool)),
-        bad_words=tuple(tuple(w) for w in word_list(inputs.row("bad_words_list", b), "bad_words_list", vocab)),
+        top_p=1.0 if greedy or top_p == 0 else top_p, seed=scalar(pb, request, "seed", 0, int),
+        repetition_penalty=scalar(pb, request, "repetition_penalty", 1.0, float),
+        presence_penalty=scalar(pb, request, "presence_penalty", 0.0, float),
+        frequency_penalty=scalar(pb, request, "frequency_penalty", 0.0, float),
+        logprobs=bool(scalar(pb, request, "return_log_probs", False, bool)),
+        bad_words=tuple(tuple(w) for w in word_list(get(pb, request, "bad_words_list"), "bad_words_list", vocab)),
         logit_bias=pairs)
 
 
@@ -207,14 +177,14 @@ class TokenFrontend:
 
     def parse(self, pb_utils, request) -> list[Row]:
         """Every row of a request (each error names its field, its value and the fix)."""
-        inputs = Inputs(pb_utils, request)
-        for name in REQUIRED:
-            require(inputs.array(name) is not None, name, None, "is required", f"send {name} INT32 [batch, 1]")
-        require(inputs.ids is not None, "input_ids", None, "is required", "send input_ids INT32 [batch, tokens]")
-        rows = [self._row(inputs, b) for b in range(inputs.batch)]
+        for name in ("input_ids", *REQUIRED):
+            require(pb_utils.get_input_tensor_by_name(request, name) is not None, name, None, "is required",
+                    f"send {name} INT32 [batch, {'tokens' if name == 'input_ids' else 1}]")
+        batch = max(1, pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy().shape[0])
+        rows = [self._row(RowView(pb_utils, b, batch), request, b) for b in range(batch)]
         if not self.decoupled:  # one response per request (TensorRT-LLM's utils.cc refuses these alike)
             fix = "or render the repository without --tensorrt-llm-unary (a decoupled tensorrt_llm model)"
-            require(inputs.batch == 1, "batch size", inputs.batch, "must be 1 on the unary tensorrt_llm model",
+            require(batch == 1, "batch size", batch, "must be 1 on the unary tensorrt_llm model",
                     f"send one row per request, {fix}")
             require(not rows[0].gen.stream, "streaming", True, "needs the decoupled tensorrt_llm model",
                     f"send streaming false, {fix}")
@@ -222,33 +192,33 @@ class TokenFrontend:
                     "must be 1 on the unary tensorrt_llm model", f"send 1, {fix}")
         return rows
 
-    def _row(self, inputs: Inputs, b: int) -> Row:
-        ids = np.asarray(inputs.row("input_ids", b)).reshape(-1)
-        length = inputs.value("input_lengths", b, None, int)
+    def _row(self, pb, request, b: int) -> Row:
+        """Row ``b`` of a request, read through its ``RowView`` ``pb``."""
+        ids = np.asarray(get(pb, request, "input_ids")).reshape(-1)
+        length = scalar(pb, request, "input_lengths", None, int)
         require(1 <= length <= ids.size, "input_lengths", length, f"must be in [1, {ids.size}] (the row's input_ids)")
         prompt = [int(t) for t in ids[:length]]
         bad = [t for t in prompt if not 0 <= t < self.vocab]
         require(not bad, "input_ids", bad[:8], f"must be token ids in [0, {self.vocab})")
-        asked = inputs.value("request_output_len", b, None, int)
+        asked = scalar(pb, request, "request_output_len", None, int)
         require(asked >= 1, "request_output_len", asked, "must be >= 1")
         room = self.max_seq_len - length
         require(room >= 1, "input_lengths", length, f"leaves no room in the context limit ({self.max_seq_len} tokens)",
                 "shorten the prompt")
-        sampling = token_sampling(inputs, b, self.vocab)
+        sampling = token_sampling(pb, request, self.vocab)
 
         def read(name: str, default, kind):
-            value = inputs.value(ALIASES.get(name, name), b, None, kind)
-            return default if value is None else value
+            return scalar(pb, request, ALIASES.get(name, name), default, kind)
 
         opts = parse_options(read, asked, self.vocab, exclude_default=self.exclude_input)
         # prompt + answer past the context limit: the answer is shortened, as TensorRT-LLM's executor does
         max_tokens = min(asked, room)
         opts = replace(opts, log_probs=sampling.logprobs, min_tokens=min(opts.min_tokens, max_tokens))
-        stops = [[int(s)] for s in [inputs.value("end_id", b, -1, int)] if s != -1]
+        stops = [[s] for s in [scalar(pb, request, "end_id", -1, int)] if s != -1]
         for s in stops:
             require(0 <= s[0] < self.vocab, "end_id", s[0], f"must be a token id in [0, {self.vocab}) or -1 (none)")
-        stops += word_list(inputs.row("stop_words_list", b), "stop_words_list", self.vocab)
-        stream = bool(inputs.value("streaming", b, False, bool))
+        stops += word_list(get(pb, request, "stop_words_list"), "stop_words_list", self.vocab)
+        stream = bool(scalar(pb, request, "streaming", False, bool))
         gen = generate_request(prompt, max_tokens, sampling, tuple(tuple(s) for s in stops), stream, opts.min_tokens)
         gen.sampling.validate()
         return Row(gen, opts, b)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.errors import DFlashError, require
 
 
 def model_parameters(args: dict[str, str]) -> dict[str, str]:
@@ -42,7 +42,8 @@ def scalar(pb_utils, request, name: str, default: Any = None, kind=float) -> Any
 class RowView:
     """Row ``row`` of a batched request as a request of its own: in place of ``pb_utils``, its
     ``get_input_tensor_by_name`` answers with that row's slice (batch dimension 1), so code written for one-row
-    requests reads it unchanged; everything else is ``pb_utils``'s (the entry models' batches of texts)."""
+    requests (``get``, ``scalar``) reads it unchanged; everything else is ``pb_utils``'s (the entry models' batches
+    of texts, the tensorrt_llm model's batches of token ids)."""
 
     class _Slice:
         def __init__(self, array: np.ndarray) -> None:
@@ -59,9 +60,8 @@ class RowView:
         if t is None:
             return None
         arr = t.as_numpy()
-        if arr.ndim == 0 or arr.shape[0] != self._batch:
-            raise DFlashError(f"{name} shape={list(arr.shape)}: must have the request's batch of {self._batch} rows "
-                              "first; send one row per prompt")
+        require(arr.ndim > 0 and arr.shape[0] == self._batch, f"{name} shape", list(arr.shape),
+                f"must have the request's batch of {self._batch} rows first", "send one row per prompt")
         return self._Slice(arr[self._row:self._row + 1])
 
     def __getattr__(self, name: str):

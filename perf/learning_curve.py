@@ -410,7 +410,15 @@ def cmd_eval(args) -> None:
         sets = "" if args.datasets == "humaneval,mtbench" else f"-{args.datasets.replace(',', '+')}"
         out_path = (Path(args.work) / "eval" /
                     f"{method}-{d.name}-B{args.block_size}-{args.limit}-{args.max_new_tokens}{sets}.json")
-        if out_path.is_file() or not (d / "model.safetensors").is_file():
+        if not (d / "model.safetensors").is_file():
+            continue
+        if out_path.is_file():  # evaluated before: that result, if it is this drafter's (the file is named by its name)
+            cached = json.loads(out_path.read_text())
+            if cached.get("drafter") != str(d):
+                raise SystemExit(f"learning_curve eval: {out_path} holds the result of --drafters "
+                                 f"{cached.get('drafter')!r}, not of {str(d)!r} (the same directory name); rename "
+                                 f"{str(d)!r} or evaluate it with another --work")
+            print(json.dumps({**cached, "cached": str(out_path)}))
             continue
         drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
         store = resolve_datastore(args.datastore, d, tree_lookup=True)  # the drafter directory's, by default

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,14 @@ def tiny_smol(smollm2, tmp_path_factory):
     return write_tiny_smol(tmp_path_factory.mktemp("curve") / "tiny-smol", smollm2["target"])
 
 
+def _run_curve(work, target, *args):
+    return subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
+                           str(target), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+
+
 def _curve(work, target, *args):
-    r = subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
-                        str(target), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    r = _run_curve(work, target, *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -52,9 +57,7 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     # the same file name and as many prompts, other contents (a shipped drafter's prompts grew): the sample changed
     # (code/x/f0 was in it), so it refuses rather than plan the remaining shards anew
     used.write_text(used.read_text() + json.dumps({"id": "code/x/f0", "prompt": "", "chat": True}) + "\n")
-    r = subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
-                        str(tiny_smol), *regen], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    r = _run_curve(work, tiny_smol, *regen)
     assert r.returncode != 0 and "other settings" in r.stderr and "--exclude" in r.stderr
 
     got = json.loads(_curve(work, tiny_smol, "prompts", "--pool", str(pool), "--num-prompts", "12", "--size", "60",
@@ -103,6 +106,15 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
         for key in ("tree_datastore_tau", "tree_datastore_steps"):  # runtime.datastore's proposals as well
             assert ev["replay"][ds][key] == ev["decode"][ds][key]
     assert ev["decode"]["datastore_tokens"] > 0
+    # evaluated again: the kept result is printed (not silence); another drafter of the same name is refused, where
+    # the kept file, named by the drafter's name, used to pass for its result
+    evargs = ("--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
+    again = json.loads(_curve(work, tiny_smol, "eval", "--drafters", last, *evargs).splitlines()[-1])
+    assert again["cached"] and {k: again[k] for k in ev["replay"]} == ev["replay"]
+    twin = tmp_path / "twin" / Path(last).name
+    shutil.copytree(last, twin)
+    r = _run_curve(work, tiny_smol, "eval", "--drafters", str(twin), *evargs)
+    assert r.returncode != 0 and repr(str(twin)) in r.stderr and "another --work" in r.stderr, r.stderr[-2000:]
     rep = json.loads(_curve(work, tiny_smol, "report", "--out", str(tmp_path / "rep"), "--limit", "2",
                             "--max-new-tokens", "8").splitlines()[-1])
     assert rep["points"] == 1

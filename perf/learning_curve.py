@@ -414,7 +414,7 @@ def cmd_eval(args) -> None:
             continue
         if out_path.is_file():  # evaluated before: that result, if it is this drafter's (the file is named by its name)
             cached = json.loads(out_path.read_text())
-            if cached.get("drafter") != str(d):
+            if Path(cached.get("drafter", "")).resolve() != d.resolve():  # the same directory, however named
                 raise SystemExit(f"learning_curve eval: {out_path} holds the result of --drafters "
                                  f"{cached.get('drafter')!r}, not of {str(d)!r} (the same directory name); rename "
                                  f"{str(d)!r} or evaluate it with another --work")

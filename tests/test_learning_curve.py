@@ -91,9 +91,9 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     from trtllm_dflash.cli import main as cli
 
     assert cli(["datastore", "--from", str(work / "regen"), "--out", str(Path(last) / "datastore.safetensors")]) == 0
-    _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
-    _curve(work, tiny_smol, "eval", "--drafters", last, "--limit", "2", "--max-new-tokens", "8", "--batch-size", "2",
-           "--decode")
+    evargs = ("--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
+    _curve(work, tiny_smol, "eval", "--drafters", last, *evargs)
+    _curve(work, tiny_smol, "eval", "--drafters", last, *evargs, "--decode")
     ev = {m: json.loads(next((work / "eval").glob(f"{m}-*.json")).read_text()) for m in ("replay", "decode")}
     for ds in ("humaneval", "mtbench"):
         assert ev["decode"][ds]["lossless"]
@@ -108,7 +108,6 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     assert ev["decode"]["datastore_tokens"] > 0
     # evaluated again: the kept result is printed (not silence); another drafter of the same name is refused, where
     # the kept file, named by the drafter's name, used to pass for its result
-    evargs = ("--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
     again = json.loads(_curve(work, tiny_smol, "eval", "--drafters", last, *evargs).splitlines()[-1])
     assert again["cached"] and {k: again[k] for k in ev["replay"]} == ev["replay"]
     twin = tmp_path / "twin" / Path(last).name

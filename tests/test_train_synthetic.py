@@ -102,6 +102,10 @@ def test_existing_checkpoint_needs_resume(trained):
         train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=False)
     # Resuming a finished run trains nothing more and leaves the export in place.
     train(cfg, Path(cfg.work_dir), target, spec, [shard], resume=True)
+    # ... under the same recipe only: another learning rate would splice two runs into one, silently
+    with pytest.raises(ConfigError, match=r"lr=0\.0001: .*trained with lr=.*another work directory"):
+        train(dataclasses.replace(cfg, lr=1e-4), Path(cfg.work_dir), target, spec, [shard], resume=True)
+    train(dataclasses.replace(cfg, log_every=cfg.log_every + 1), Path(cfg.work_dir), target, spec, [shard], resume=True)
 
 
 def test_warm_start_continues_from_an_exported_drafter(trained, tmp_path):

@@ -40,6 +40,20 @@ CKPT = "checkpoint.pt"
 TRIM_EVERY = 8  # steps between returns of the C heap's free pages to the system (``release_free_memory``); 0 = never
 NUM_HELD_OUT = 16  # sequences kept out of training to report a held-out expected τ
 HELD_OUT_ANCHORS = 16
+# What makes a run the run it is: resuming a checkpoint whose config differs in one of these would silently splice two
+# recipes (threads, device, autocast, paths, the step count and the checkpoint cadence may change between the two
+# halves; --init matters only at step 0)
+RECIPE_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "samples_per_step", "anchors_per_sample",
+               "lr", "warmup", "weight_decay", "gamma", "loss_vocab", "loss_negatives", "distill", "seed")
+
+
+def check_same_recipe(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
+    """Refuse to resume ``ckpt_path`` (a local run's checkpoint, optimizer state included) under another recipe."""
+    now = cfg.to_dict()
+    for key in RECIPE_KEYS:
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(key, now[key], f"{ckpt_path} was trained with {key}={saved[key]!r}",
+                              "resume with the same value, or train in another work directory")
 
 
 def _malloc_trim():
@@ -263,6 +277,8 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         if not resume:
             raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
         ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
+        if "optimizer" in ck:
+            check_same_recipe(ck["log"].get("config", {}), cfg, ckpt_path)
         drafter.load_state_dict(ck["drafter"])
         if "optimizer" in ck:
             opt.load_state_dict(ck["optimizer"])

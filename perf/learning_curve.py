@@ -245,7 +245,7 @@ def cmd_text(args) -> None:
 
 # ---------------------------------------------------------------- train
 
-RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0", "--loss-vocab", "data",
+RECIPE = ["--block-size", "16", "--mask-token-id", "16", "--warmup", "0.04", "--weight-decay", "0.0", "--gamma", "7.0",
           "--loss-negatives", "8192"]
 
 
@@ -325,13 +325,15 @@ def cmd_train(args) -> None:
         name += f"-after-{args.skip}"
     if args.init != "target":  # continued training (a drafter directory) or the random-init ablation
         name += "-from-" + Path(args.init).name
+    if args.loss_vocab != "data" or args.distill:  # the objective's ablations run beside the default, not over it
+        name += f"-{args.loss_vocab}-vocab" + (f"-distill{args.distill:g}" if args.distill else "")
     target_dir, target, _, _ = load_target(args)
     paths, tokens, data_cpu = prefix_shards(work / args.source, args.size, args.skip)
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = TrainConfig.from_args(p.parse_args([
         "--target", str(target_dir), "--out", str(work / "train" / name / "export"),
-        "--work-dir", str(work / "train" / name), *RECIPE, "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
+        "--work-dir", str(work / "train" / name), *RECIPE, "--loss-vocab", args.loss_vocab, "--distill", str(args.distill), "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
         "--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.tap_layers),
         "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
         "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",
@@ -366,7 +368,7 @@ def cmd_train(args) -> None:
             "train_cpu_s": cpu_since(c0), "train_wall_s": round(time.monotonic() - w0, 1),
             "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
             "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype, "init": args.init,
-            "autocast": args.autocast,
+            "autocast": args.autocast, "loss_vocab": args.loss_vocab, "distill": args.distill,
             **({"skip": args.skip} if args.skip else {}),
         })
 
@@ -666,6 +668,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
                    help="the objective under bf16 autocast (default: 2.6x float32 on a CPU with avx512_bf16) or none "
                         "(float32: the faster choice on a CPU without bf16 units)")
+    q.add_argument("--loss-vocab", choices=["data", "full"], default="data",
+                   help="softmax over the data's tokens plus 8192 random others (default: the CPU economy) or the "
+                        "whole vocabulary (what --distill needs)")
+    q.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="self-distillation weight in [0, 1]: cross-entropy to the target's stored top-k distribution, "
+                        "mixed with the hard labels' (1 - W); needs --loss-vocab full")
     q = sub.add_parser("eval", help="τ of every trained drafter (or --drafters) on the evaluation prompts")
     q.add_argument("--drafters", nargs="*", default=None)
     q.add_argument("--datasets", default="humaneval,mtbench")

@@ -131,6 +131,16 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     # float32 (the faster choice on a CPU without bf16 units) reaches the trainer and both records say so
     assert point["autocast"] == "none" and by_step[-1]["autocast"] == "bf16"
     assert json.loads((warm[0] / "training_config.json").read_text())["autocast"] == "none"
+    # the objective's ablation, self-distillation to the regenerated shards' top-k, runs beside it under its own name
+    _curve(work, tiny_smol, "train", "--size", "40", "--epochs", "1", "--ckpt-every", "100", "--samples-per-step", "2",
+           "--num-layers", "1", "--tap-layers", "1", "3", "--init", last, "--lr", "1e-4", "--autocast", "none",
+           "--loss-vocab", "full", "--distill", "0.5")
+    distilled = [d for d in (work / "drafters").iterdir() if "-full-vocab-distill0.5@" in d.name]
+    assert len(distilled) == 1 and distilled[0].name.startswith(f"regen-40-from-{Path(last).name}-full-vocab-")
+    point = json.loads((distilled[0] / "curve_point.json").read_text())
+    assert (point["loss_vocab"], point["distill"]) == ("full", 0.5)
+    config = json.loads((distilled[0] / "training_config.json").read_text())
+    assert (config["loss_vocab"], config["distill"]) == ("full", 0.5)
 
 
 def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path):

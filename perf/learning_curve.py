@@ -333,7 +333,8 @@ def cmd_train(args) -> None:
     add_arguments(p)
     cfg = TrainConfig.from_args(p.parse_args([
         "--target", str(target_dir), "--out", str(work / "train" / name / "export"),
-        "--work-dir", str(work / "train" / name), *RECIPE, "--loss-vocab", args.loss_vocab, "--distill", str(args.distill), "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
+        "--work-dir", str(work / "train" / name), *RECIPE, "--loss-vocab", args.loss_vocab,
+        "--distill", str(args.distill), "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
         "--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.tap_layers),
         "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
         "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",

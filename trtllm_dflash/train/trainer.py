@@ -47,9 +47,12 @@ RECIPE_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", 
                "lr", "warmup", "weight_decay", "gamma", "loss_vocab", "loss_negatives", "distill", "seed")
 
 
-def check_same_recipe(saved: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
-    """Refuse to resume ``ckpt_path`` (a local run's checkpoint, optimizer state included) under another recipe."""
-    now = cfg.to_dict()
+def check_same_recipe(ck: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
+    """Refuse to resume ``ckpt_path`` under another recipe; the GPU job's returned weights (no optimizer state: their
+    moments restart anyway) are exempt."""
+    if "optimizer" not in ck:
+        return
+    saved, now = ck["log"].get("config", {}), cfg.to_dict()
     for key in RECIPE_KEYS:
         if key in saved and saved[key] != now[key]:
             raise ConfigError(key, now[key], f"{ckpt_path} was trained with {key}={saved[key]!r}",
@@ -277,8 +280,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         if not resume:
             raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
         ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
-        if "optimizer" in ck:
-            check_same_recipe(ck["log"].get("config", {}), cfg, ckpt_path)
+        check_same_recipe(ck, cfg, ckpt_path)
         drafter.load_state_dict(ck["drafter"])
         if "optimizer" in ck:
             opt.load_state_dict(ck["optimizer"])

@@ -225,9 +225,11 @@ def served_updates(steps, req, shape) -> list:
     return updates
 
 
-def trtllm_stream(server, model: str, inputs: dict, request_id: str = "") -> tuple[list, str | None]:
+def trtllm_stream(server, model: str, inputs: dict, request_id: str = "",
+                  outputs: list[str] | None = None) -> tuple[list, str | None]:
     """``inputs`` ({name: array with the batch dimension}) as one streamed request, as TensorRT-LLM's example client
-    and perf_analyzer send it -> (the responses, the error message or None)."""
+    and perf_analyzer send it -> (the responses, the error message or None). ``outputs``: the outputs asked for by
+    name, as that client asks (Triton refuses a name the model does not declare); None: all of them."""
     import threading
 
     import tritonclient.grpc as grpcclient
@@ -252,7 +254,8 @@ def trtllm_stream(server, model: str, inputs: dict, request_id: str = "") -> tup
         t = grpcclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         tensors.append(t)
-    c.async_stream_infer(model, tensors, request_id=request_id, enable_empty_final_response=True)
+    asked = None if outputs is None else [grpcclient.InferRequestedOutput(n) for n in outputs]
+    c.async_stream_infer(model, tensors, outputs=asked, request_id=request_id, enable_empty_final_response=True)
     assert done.wait(120), "no final response"
     c.stop_stream()
     return results, errors[0] if errors else None

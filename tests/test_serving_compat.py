@@ -83,9 +83,12 @@ def test_neutral_values_and_honoured_inputs_are_accepted():
                                 8, 256)
     assert opts == compat.Options(8, False, True, False, True)
     out = dict(compat.response_outputs(opts, 5, 8, drafted=12, accepted=3))
-    assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens"}
-    assert out["acceptance_rate"].tolist() == [0.25] and out["num_output_tokens"].tolist() == [8]
-    assert all(v.ndim == 1 for v in out.values())
+    assert set(out) == {"acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens", "num_output_tokens",
+                        *compat.KV_CACHE_METRICS}
+    assert out["acceptance_rate"].tolist() == [[0.25]] and out["num_output_tokens"].tolist() == [[8]]
+    # [batch 1, beam 1], as TensorRT-LLM's tensorrt_llm model sends them and its example client reads them: [0][0]
+    assert all(v.shape == (1, 1) for v in out.values())
+    assert [out[m][0][0] for m in compat.KV_CACHE_METRICS] == [1, 0, 1]
     assert compat.parse_options(read_from({"num_return_sequences": 3}), 8, 256) == compat.Options(sequences=3)
 
 

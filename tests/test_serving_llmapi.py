@@ -239,10 +239,10 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
     asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
                                       stream=np.array([True]), return_num_output_tokens=np.array([True]),
                                       return_perf_metrics=np.array([True]))))
-    counts = [int(r.outputs["num_output_tokens"][0]) for r, _ in sent]
+    counts = [int(r.outputs["num_output_tokens"][0, 0]) for r, _ in sent]
     assert sum(counts) == len(sent[-1][0].outputs["output_ids"][0]) and len(counts) == 2
-    assert [int(r.outputs["total_draft_tokens"][0]) for r, _ in sent] == [7, 14]
-    assert sent[-1][0].outputs["acceptance_rate"].tolist() == [pytest.approx(2 / 14)]
+    assert [int(r.outputs["total_draft_tokens"][0, 0]) for r, _ in sent] == [7, 14]
+    assert sent[-1][0].outputs["acceptance_rate"].tolist() == [[pytest.approx(2 / 14)]]
     sent.clear()
     asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),
                                       exclude_input_in_output=np.array([False]))))

@@ -302,7 +302,7 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
     line = 'parameters { key: "io_nice" value: { string_value: "7" } }'
     rendered = {p.parent.name for p in repo.glob("*/config.pbtxt") if line in p.read_text()}
     assert rendered == {"dflash", "baseline", "dflash_bls", "baseline_bls", "tensorrt_llm", "preprocessing",
-                        "postprocessing"}
+                        "postprocessing", "ensemble", "tensorrt_llm_bls"}
     with pytest.raises(ConfigError, match="--io-nice"):
         make_repo(RepoConfig(target, drafter, max_seq_len=256, io_nice=20), tmp_path / "bad")
 
@@ -382,3 +382,25 @@ def test_the_tensorrt_llm_model_is_decoupled_unless_rendered_unary(tiny_dirs, tm
     text = (tmp_path / "unary" / "tensorrt_llm" / "config.pbtxt").read_text()
     assert "model_transaction_policy { decoupled: false }" in text and 'string_value: "false"' in text
     assert "decoupled: true" in (tmp_path / "unary" / "dflash" / "config.pbtxt").read_text()
+
+
+def test_tensorrt_llm_names_are_the_dflash_entry_point_unless_left_out(tiny_dirs, tmp_path):
+    """ensemble and tensorrt_llm_bls (TensorRT-LLM's text-level model names: its example client's only --model-name
+    choices) render as dflash, their name aside; make-repo --no-trtllm-names leaves them out."""
+    from conftest import run_cli
+
+    from trtllm_dflash.serve.render import TRTLLM_NAMES
+
+    target, drafter = map(str, tiny_dirs["llama"])
+    repo = make_repo(RepoConfig(target, drafter, block_size=4, max_seq_len=256), tmp_path / "named")
+    dflash = (repo / "dflash" / "config.pbtxt").read_text()
+    for name in TRTLLM_NAMES:
+        text = (repo / name / "config.pbtxt").read_text()
+        assert text == dflash.replace('"dflash"', f'"{name}"') and text != dflash
+        assert (repo / name / "1" / "model.py").read_bytes() == (repo / "dflash" / "1" / "model.py").read_bytes()
+    done = run_cli(["make-repo", "--target", target, "--drafter", drafter, "--block-size", "4", "--max-seq-len", "256",
+                    "--no-trtllm-names", "--out", str(tmp_path / "plain")])
+    assert done.returncode == 0, done.stderr
+    models = json.loads(done.stdout)["models"]
+    assert "dflash" in models and not set(TRTLLM_NAMES) & set(models)
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["repo_config"]["trtllm_names"] is False

@@ -244,10 +244,13 @@ def sse_events(resp):
             yield json.loads(line[6:])
 
 
-def test_http_generate_equals_the_runtime(server, oracle):
+@pytest.mark.parametrize("model", ["dflash", "ensemble", "tensorrt_llm_bls"])
+def test_http_generate_equals_the_runtime(server, oracle, model):
+    """TensorRT-LLM's quick-start request (POST /v2/models/ensemble/generate with its keys) on dflash and on the two
+    names TensorRT-LLM's deployments give their text-level model: the DFlash loop's answer on each."""
     run, tok = oracle
     ref = run(PROMPTS[0], 16, 8)
-    conn, resp = http_post(server, "/v2/models/dflash/generate",
+    conn, resp = http_post(server, f"/v2/models/{model}/generate",
                            {"text_input": PROMPTS[0], "max_tokens": 16, "apply_chat_template": True,
                             "bad_words": "", "stop_words": ""})  # keys of TRT-LLM's curl example are accepted
     out = json.loads(resp.read())
@@ -349,25 +352,47 @@ def raw_runtime(smollm2, oracle):
     return run
 
 
+# what TensorRT-LLM's end_to_end_grpc_client.py asks for by name with --return-log-probs --return-perf-metrics
+# (inflight_batcher_llm/client/, NVIDIA/TensorRT-LLM 2a9abd9): Triton refuses a request naming an undeclared output
+EXAMPLE_CLIENT_OUTPUTS = ["text_output", "cum_log_probs", "output_log_probs", "kv_cache_alloc_new_blocks",
+                          "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "arrival_time_ns",
+                          "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns", "acceptance_rate",
+                          "total_accepted_draft_tokens", "total_draft_tokens"]
+
+
 def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime):
-    """What end_to_end_grpc_client.py sends (beam_width, temperature, exclude_input_in_output, stream; each [1, 1])
-    and how it reads the answer (as_numpy("text_output")[0].decode()). Until session 40 Triton refused it: unexpected
-    input 'exclude_input_in_output'; and text_output was [1, 1], so [0] was an array without decode()."""
+    """What end_to_end_grpc_client.py sends (beam_width, temperature, exclude_input_in_output, stream; each [1, 1]) to
+    its default --model-name, ensemble, with --return-log-probs --return-perf-metrics: the outputs it asks for by
+    name, read as it reads them (as_numpy("text_output")[0].decode(), each metric as_numpy(name)[0][0]). Until
+    session 40 Triton refused it: unexpected input 'exclude_input_in_output'; and text_output was [1, 1], so [0] was
+    an array without decode(). Until session 48 there was no model named ensemble (its --model-name accepts only
+    ensemble and tensorrt_llm_bls), the three KV-cache metrics were not declared (Triton refused the request naming
+    the first) and the metrics were [1], so [0][0] raised IndexError."""
     from trtllm_dflash.runtime.sampling import SamplingParams
 
     _, tok = oracle
     prompt = "What is machine learning?"
     ids, ref = raw_runtime(prompt, 24, SamplingParams(1.0))  # temperature 1.0, the server's default seed 0
     for stream in (False, True):
-        results, error = trtllm_stream(server, "dflash", {
+        results, error = trtllm_stream(server, "ensemble", {
             "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[24]], np.int32),
             "stream": np.array([[stream]]), "beam_width": np.array([[1]], np.int32),
-            "temperature": np.array([[1.0]], np.float32), "exclude_input_in_output": np.array([[False]])})
+            "temperature": np.array([[1.0]], np.float32), "exclude_input_in_output": np.array([[False]]),
+            "return_log_probs": np.array([[True]]), "return_perf_metrics": np.array([[True]])},
+            outputs=EXAMPLE_CLIENT_OUTPUTS)
         assert error is None, error
-        text = "".join(r.as_numpy("text_output")[0].decode("utf8") for r in results if r.as_numpy("text_output")
-                       is not None)
+        sent = [r for r in results if r.as_numpy("text_output") is not None]
+        text = "".join(r.as_numpy("text_output")[0].decode("utf8") for r in sent)
         # TensorRT-LLM echoes the prompt (prompt and answer decoded together) when not streaming only
         assert text == tok.decode((ids if not stream else []) + ref, skip_special_tokens=True), (stream, text)
+        metrics = [{n: r.as_numpy(n)[0][0] for n in EXAMPLE_CLIENT_OUTPUTS[3:]} for r in sent]
+        assert all([m[n] for n in EXAMPLE_CLIENT_OUTPUTS[3:6]] == [1, 0, 1] for m in metrics)
+        last = metrics[-1]
+        drafted, accepted = last["total_draft_tokens"], last["total_accepted_draft_tokens"]
+        assert drafted > 0 and 0 <= accepted <= drafted and last["acceptance_rate"] == pytest.approx(accepted / drafted)
+        assert last["arrival_time_ns"] <= last["first_scheduled_time_ns"] < last["first_token_time_ns"] \
+            <= last["last_token_time_ns"]
+        assert sum(r.as_numpy("output_log_probs").shape[-1] for r in sent) == len(ref)
     _, error = trtllm_stream(server, "dflash", {"text_input": np.array([[prompt]], dtype=object),
                                                 "max_tokens": np.array([[8]], np.int32),
                                                 "beam_width": np.array([[4]], np.int32)})
@@ -423,16 +448,16 @@ def test_genai_perf_fixed_length_requests_get_exactly_their_length(server, raw_r
     last = sent[-1]
     assert last.as_numpy("output_ids").reshape(-1).tolist() == ref and len(sent) > 1
     # every response: its own tokens (summed, the usage Triton's OpenAI frontend reports), the prompt's, the totals
-    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in sent) == 40
-    assert all(r.as_numpy("num_input_tokens").tolist() == [len(ids)] for r in sent)
-    totals = [[int(r.as_numpy(n)[0]) for n in ("total_draft_tokens", "total_accepted_draft_tokens")] for r in sent]
+    assert sum(int(r.as_numpy("num_output_tokens")[0, 0]) for r in sent) == 40
+    assert all(r.as_numpy("num_input_tokens").tolist() == [[len(ids)]] for r in sent)
+    totals = [[int(r.as_numpy(n)[0, 0]) for n in ("total_draft_tokens", "total_accepted_draft_tokens")] for r in sent]
     assert all(0 <= a <= d for d, a in totals)
     assert all(d1 <= d2 and a1 <= a2 for (d1, a1), (d2, a2) in zip(totals, totals[1:]))
     drafted, accepted = totals[-1]
     assert (drafted > 0) == (model == "dflash")
-    assert last.as_numpy("acceptance_rate")[0] == pytest.approx(accepted / drafted if drafted else 0.0)
+    assert last.as_numpy("acceptance_rate")[0, 0] == pytest.approx(accepted / drafted if drafted else 0.0)
     after = time.monotonic_ns()
-    times = [[int(r.as_numpy(f"{t}_time_ns")[0]) for t in ("arrival", "first_scheduled", "first_token", "last_token")]
+    times = [[int(r.as_numpy(f"{t}_time_ns")[0, 0]) for t in ("arrival", "first_scheduled", "first_token", "last_token")]
              for r in sent]
     assert len({tuple(t[:3]) for t in times}) == 1  # the same request on every response
     arrival, scheduled, first, final = times[-1]
@@ -459,9 +484,9 @@ def test_triton_openai_frontends_request_gets_its_usage(server, oracle, stream):
     assert error is None, error
     sent = [r for r in results if r.as_numpy("output_ids") is not None]
     assert len(sent) == 1 or stream
-    completion = sum(int(r.as_numpy("num_output_tokens")[0]) for r in sent)
+    completion = sum(int(r.as_numpy("num_output_tokens")[0, 0]) for r in sent)
     assert completion == len(sent[-1].as_numpy("output_ids").reshape(-1)) > 0
-    assert int(sent[0].as_numpy("num_input_tokens")[0]) == len(tok.encode(text, add_special_tokens=False))
+    assert int(sent[0].as_numpy("num_input_tokens")[0, 0]) == len(tok.encode(text, add_special_tokens=False))
 
 
 @pytest.mark.parametrize("model", ["dflash", "baseline"])

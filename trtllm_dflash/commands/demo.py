@@ -111,7 +111,8 @@ def _through_triton(args, assets, block, ngram) -> dict:
     from trtllm_dflash.serve.server import TritonServer
 
     repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=block, max_seq_len=2048,
-                                max_sequences=4, ngram=ngram), cache_dir() / "demo-repo", force=True)
+                                max_sequences=4, ngram=ngram, trtllm_names=False),  # it asks dflash and baseline
+                     cache_dir() / "demo-repo", force=True)
     log = cache_dir() / "demo-server.log"
     print(f"starting Triton on {repo} (log: {log}) ...", file=sys.stderr)
     with TritonServer(repo, log_path=log) as server, DFlashClient(server.grpc_url) as client:

@@ -69,6 +69,10 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                              "decoupled_mode false, for clients that call unary ModelInfer (its example client "
                              "without --streaming): one response per request, so no streaming, one row and one "
                              "sequence per request")
+    parser.add_argument("--no-trtllm-names", dest="trtllm_names", action="store_false",
+                        help="do not render dflash again as ensemble and tensorrt_llm_bls, the names TensorRT-LLM's "
+                             "deployments give their text-level models (its example client's --model-name choices, "
+                             "its quick start's /v2/models/ensemble/generate); saves their two processes")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -89,7 +93,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      coalesce=args.coalesce, max_queue=args.max_queue, queue_timeout_s=args.queue_timeout_s,
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
                      io_nice=args.io_nice, ngram=ngram, tree=args.tree,
-                     tensorrt_llm_decoupled=args.tensorrt_llm_decoupled,
+                     tensorrt_llm_decoupled=args.tensorrt_llm_decoupled, trtllm_names=args.trtllm_names,
                      datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))

@@ -42,9 +42,14 @@ INPUTS = {
     "return_num_output_tokens": ("TYPE_BOOL", 1),
     "embedding_bias_words": ("TYPE_STRING", -1), "embedding_bias_weights": ("TYPE_FP32", -1),
 }
-# name: (Triton dtype, dims), sent on every response when asked for (return_perf_metrics: the speculative-decoding
-# ones; return_log_probs: the log-probabilities, [beam, tokens] and [beam] as the tensorrt_llm model declares them)
-OUTPUTS = {"acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
+# return_perf_metrics' KV-cache counters: there is no paged KV cache here, a sequence holds one contiguous cache slot
+# of max_seq_len tokens from its start, so they report that one block (allocated 1, reused 0, total 1)
+KV_CACHE_METRICS = {"kv_cache_alloc_new_blocks": 1, "kv_cache_reused_blocks": 0, "kv_cache_alloc_total_blocks": 1}
+# name: (Triton dtype, dims), sent on every response when asked for (return_perf_metrics: the KV-cache, timing and
+# speculative-decoding ones; return_log_probs: the log-probabilities, [beam, tokens] and [beam] as the tensorrt_llm
+# model declares them)
+OUTPUTS = {**{m: ("TYPE_INT32", "1") for m in KV_CACHE_METRICS},
+           "acceptance_rate": ("TYPE_FP32", "1"), "total_accepted_draft_tokens": ("TYPE_INT32", "1"),
            "total_draft_tokens": ("TYPE_INT32", "1"), "num_input_tokens": ("TYPE_INT32", "1"),
            "num_output_tokens": ("TYPE_INT32", "1"), "output_log_probs": ("TYPE_FP32", "-1, -1"),
            "cum_log_probs": ("TYPE_FP32", "-1"), "sequence_index": ("TYPE_INT32", "1"),
@@ -128,28 +133,33 @@ def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Opti
 
 def response_outputs(opts: Options, num_input: int, num_output: int, drafted: int, accepted: int,
                      logprobs: Sequence[float] = (), times: Sequence[int] | None = None) -> list[tuple[str, Any]]:
-    """The extra outputs of one response, as (name, array) pairs: ``num_output`` = the tokens this response
-    carries (when streaming, each response's own: Triton's OpenAI frontend sums them over a stream's chunks for its
-    usage), ``drafted`` / ``accepted`` = the request's draft tokens so far (TensorRT-LLM's ``total_*``),
-    ``logprobs`` = the log-probabilities of every token so far, of which the last ``num_output`` are this response's:
-    ``output_log_probs`` [1, 1, num_output] and ``cum_log_probs`` [1, 1] (their sum), shaped as the tensorrt_llm
-    model sends them (batch, beam, tokens: ``model_instance_state.cc``), one beam here. ``times``: the request's
-    (arrival, first scheduled, first token, last token) in nanoseconds of the monotonic clock (C++'s steady_clock on
-    Linux, as TensorRT-LLM reports them; the last token's 0 until the final response), sent with the perf metrics."""
+    """The extra outputs of one response, as (name, array) pairs, shaped as TensorRT-LLM's ``tensorrt_llm`` model
+    sends them and its ensemble passes them on (batch, beam[, tokens]: ``model_instance_state.cc``; its example
+    client reads each metric as ``as_numpy(name)[0][0]``): every count and metric [1, 1], ``output_log_probs``
+    [1, 1, num_output]. ``num_output`` = the tokens this response carries (when streaming, each response's own:
+    Triton's OpenAI frontend sums them over a stream's chunks for its usage), ``drafted`` / ``accepted`` = the
+    request's draft tokens so far (TensorRT-LLM's ``total_*``), ``logprobs`` = the log-probabilities of every token
+    so far, of which the last ``num_output`` are this response's, ``cum_log_probs`` their sum. ``times``: the
+    request's (arrival, first scheduled, first token, last token) in nanoseconds of the monotonic clock (C++'s
+    steady_clock on Linux, as TensorRT-LLM reports them; the last token's 0 until the final response), sent with the
+    perf metrics."""
+    def one(name: str, value, dtype) -> tuple[str, Any]:
+        return name, np.array([[value]], dtype=dtype)
+
     out: list[tuple[str, Any]] = []
     if opts.perf_metrics:
-        out += [("acceptance_rate", np.array([accepted / drafted if drafted else 0.0], dtype=np.float32)),
-                ("total_accepted_draft_tokens", np.array([accepted], dtype=np.int32)),
-                ("total_draft_tokens", np.array([drafted], dtype=np.int32))]
+        out += [one(name, v, np.int32) for name, v in KV_CACHE_METRICS.items()]
+        out += [one("acceptance_rate", accepted / drafted if drafted else 0.0, np.float32),
+                one("total_accepted_draft_tokens", accepted, np.int32), one("total_draft_tokens", drafted, np.int32)]
         if times is not None:
-            out += [(f"{t}_time_ns", np.array([v], dtype=np.int64))
+            out += [one(f"{t}_time_ns", v, np.int64)
                     for t, v in zip(("arrival", "first_scheduled", "first_token", "last_token"), times, strict=True)]
     if opts.num_input_tokens:
-        out.append(("num_input_tokens", np.array([num_input], dtype=np.int32)))
+        out.append(one("num_input_tokens", num_input, np.int32))
     if opts.num_output_tokens:
-        out.append(("num_output_tokens", np.array([num_output], dtype=np.int32)))
+        out.append(one("num_output_tokens", num_output, np.int32))
     if opts.log_probs:
         mine = list(logprobs[len(logprobs) - num_output:]) if num_output else []
         out += [("output_log_probs", np.array(mine, dtype=np.float32).reshape(1, 1, -1)),
-                ("cum_log_probs", np.array([[math.fsum(logprobs)]], dtype=np.float32))]
+                one("cum_log_probs", math.fsum(logprobs), np.float32)]
     return out

@@ -52,6 +52,9 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "baseline": ("entry", ENTRY_KEYS),
     # TensorRT-LLM's token-level model name, so its clients run unchanged: the dflash loop on token ids
     "tensorrt_llm": ("tensorrt_llm", TOKEN_KEYS),
+    # TensorRT-LLM's text-level model names (TRTLLM_NAMES): the dflash entry point again
+    "ensemble": ("entry", ENTRY_KEYS),
+    "tensorrt_llm_bls": ("entry", ENTRY_KEYS),
 }
 # backend trtllm-pytorch: NVIDIA's LLM-API model twice (DFlash / baseline model.yaml) behind our ensemble I/O
 LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -66,10 +69,17 @@ LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "baseline": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model", *TRTLLM_IO_KEYS, "trtllm_input_map",
                                      "trtllm_output_map")),
 }
+LLMAPI_MODELS.update({n: LLMAPI_MODELS["dflash"] for n in ("ensemble", "tensorrt_llm_bls")})
+# the names TensorRT-LLM's deployments give their text-level models, which its example client
+# (end_to_end_grpc_client.py: --model-name ensemble or tensorrt_llm_bls, default ensemble), its quick start
+# (POST /v2/models/ensemble/generate) and tools written for it address: rendered as copies of dflash unless
+# RepoConfig.trtllm_names is off
+TRTLLM_NAMES = ("ensemble", "tensorrt_llm_bls")
 
 
-def models_for(backend: str) -> dict[str, tuple[str, tuple[str, ...]]]:
-    return LLMAPI_MODELS if backend == "trtllm-pytorch" else MODELS
+def models_for(backend: str, trtllm_names: bool = True) -> dict[str, tuple[str, tuple[str, ...]]]:
+    models = LLMAPI_MODELS if backend == "trtllm-pytorch" else MODELS
+    return {m: v for m, v in models.items() if trtllm_names or m not in TRTLLM_NAMES}
 
 
 def render_text(template: str, values: dict[str, object], source: str) -> str:
@@ -110,6 +120,7 @@ class RepoConfig:
     # the tensorrt_llm model streams (decoupled, the default); False: unary, as TensorRT-LLM's decoupled_mode false,
     # for clients that call ModelInfer (its example client without --streaming)
     tensorrt_llm_decoupled: bool = True
+    trtllm_names: bool = True  # also render dflash as TensorRT-LLM's ensemble and tensorrt_llm_bls (TRTLLM_NAMES)
 
     @property
     def adaptive(self) -> bool:
@@ -213,7 +224,8 @@ class RepoConfig:
                               "max_draft_len": block - 1},
             "baseline_llmapi": {"name": "baseline_llmapi", "llm_model": "tensorrt_llm_baseline", "max_draft_len": 0},
         }
-        models = models_for(self.backend)
+        per_model.update({n: {**per_model["dflash"], "name": n} for n in TRTLLM_NAMES})
+        models = models_for(self.backend, self.trtllm_names)
         return {m: {k: {**common, **per_model.get(m, {})}[k] for k in keys} for m, (_, keys) in models.items()}
 
 
@@ -280,7 +292,7 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
     _, drafter = cfg.validate()
     adaptive_file = str(out.resolve() / "dflash_bls" / "1" / ADAPTIVE_FILE) if cfg.adaptive else ""
     values = cfg.values(drafter, adaptive_file)
-    models = models_for(cfg.backend)
+    models = models_for(cfg.backend, cfg.trtllm_names)
     adaptive_doc = adaptive_settings(cfg, drafter) if cfg.adaptive else None
     extra = _llmapi_files(cfg, drafter) if cfg.backend == "trtllm-pytorch" else {}
     with staged_output(out, force) as tmp:

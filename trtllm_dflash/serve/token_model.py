@@ -24,8 +24,7 @@ its backend does (``model_instance_state.cc`` ``fillTritonResponse``; the execut
   of its tokens so far (its executor returns a cancelled request's result); the stop request itself gets one empty
   final response.
 * ``return_perf_metrics``: the ten metrics on every response, [1, 1] (its example client reads all ten unguarded).
-  There is no paged KV cache here: a sequence holds one contiguous cache slot of ``max_seq_len`` tokens from its
-  start, so the KV-cache counters report that one block (allocated 1, total 1, reused 0).
+  There is no paged KV cache here, so the KV-cache counters report one block per sequence (``compat.KV_CACHE_METRICS``).
 
 Rendered ``--tensorrt-llm-unary`` (TensorRT-LLM's ``decoupled_mode`` false) the model is not decoupled, so clients
 calling unary ModelInfer get their one response; streaming, batches of several rows and several sequences are then
@@ -232,9 +231,6 @@ class TokenFrontend:
                ("sequence_length", np.array([[len(ids)]], dtype=np.int32))]
         for name, value in extra:
             if name == "num_output_tokens":  # the tokens this response carries, its prompt included
-                value = np.array([len(ids)], dtype=np.int32)
-            out.append((name, value.reshape(1, 1) if value.ndim == 1 else value))
-        if row.opts.perf_metrics:  # no paged KV cache: one contiguous slot per sequence, allocated at its start
-            out += [(name, np.array([[v]], dtype=np.int32)) for name, v in (
-                ("kv_cache_alloc_new_blocks", 1), ("kv_cache_reused_blocks", 0), ("kv_cache_alloc_total_blocks", 1))]
+                value = np.array([[len(ids)]], dtype=np.int32)
+            out.append((name, value))
         return out + list(labels)

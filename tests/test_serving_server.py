@@ -177,14 +177,15 @@ def test_malformed_tensors_are_rejected(server):
 
 
 def test_unary_call_maps_bad_input_to_invalid_argument(server):
+    """postprocessing (TensorRT-LLM's, unary) with a sequence length past its tokens: INVALID_ARGUMENT naming it."""
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
-    mt = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
-    mt.set_data_from_numpy(np.array([[0]], dtype=np.int32))
+    tokens = grpcclient.InferInput("TOKENS_BATCH", [1, 1, 3], "INT32")
+    tokens.set_data_from_numpy(np.array([[[1, 2, 3]]], dtype=np.int32))
+    length = grpcclient.InferInput("SEQUENCE_LENGTH", [1, 1], "INT32")
+    length.set_data_from_numpy(np.array([[9]], dtype=np.int32))
     with pytest.raises(Exception) as exc:
-        c.infer("preprocessing", [text, mt])
-    assert "INVALID_ARGUMENT" in str(exc.value.status()) and "max_tokens=0" in str(exc.value)
+        c.infer("postprocessing", [tokens, length])
+    assert "INVALID_ARGUMENT" in str(exc.value.status()) and "SEQUENCE_LENGTH=9: must be in [0, 3]" in str(exc.value)
 
 
 def bls_inputs(tok, prompt: str, max_tokens: int, sequences: int = 1):

@@ -297,3 +297,49 @@ def test_the_unary_model_answers_modelinfer_as_the_example_client_calls_it(unary
     with pytest.raises(InferenceServerException, match=r"streaming=True: needs the decoupled tensorrt_llm model") as e:
         infer(prompts[0], streaming=True)
     assert "INVALID_ARG" in str(e.value.status())
+
+
+def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_postprocessing(server, reference, tok):
+    """TensorRT-LLM's ensemble, step by step as its config wires them (and its speculative-decoding example client
+    calls them): preprocessing's QUERY -> INPUT_ID and the rest into tensorrt_llm, its output_ids and
+    sequence_length into postprocessing's TOKENS_BATCH and SEQUENCE_LENGTH -> OUTPUT, the prompt and the
+    autoregressive answer to the tokenizer's end id (empty bad and stop words, as its examples send them)."""
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def unary(model, inputs, names):
+        tensors = []
+        for name, arr in inputs.items():
+            t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else
+                                      {"int32": "INT32", "float32": "FP32"}[arr.dtype.name])
+            t.set_data_from_numpy(arr)
+            tensors.append(t)
+        result = c.infer(model, tensors)
+        return {n: result.as_numpy(n) for n in names}
+
+    prompt = "def fibonacci(n):"
+    pre = unary("preprocessing", {"QUERY": np.array([[prompt.encode()]], dtype=object),
+                                  "REQUEST_OUTPUT_LEN": np.array([[24]], np.int32),
+                                  "BAD_WORDS_DICT": np.array([[b""]], dtype=object),
+                                  "STOP_WORDS_DICT": np.array([[b""]], dtype=object)},
+                ["INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS",
+                 "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"])
+    ids = tok.encode(prompt)  # add_special_tokens true, TensorRT-LLM's default
+    assert pre["INPUT_ID"].tolist() == [ids] and pre["REQUEST_INPUT_LEN"].tolist() == [[len(ids)]]
+    assert pre["OUT_END_ID"].tolist() == [[tok.eos_token_id]] and pre["BAD_WORDS_IDS"].tolist() == [[[0], [-1]]]
+    results, error = trtllm_stream(server, "tensorrt_llm", {
+        "input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
+        "request_output_len": pre["REQUEST_OUTPUT_LEN"], "end_id": pre["OUT_END_ID"], "pad_id": pre["OUT_PAD_ID"],
+        "bad_words_list": pre["BAD_WORDS_IDS"], "stop_words_list": pre["STOP_WORDS_IDS"],
+        "embedding_bias": pre["EMBEDDING_BIAS"], "streaming": np.array([[False]])})
+    assert error is None, error
+    out = [r for r in results if r.as_numpy("output_ids") is not None][-1]
+    ref = reference(ids, 24, stops=[tok.eos_token_id])
+    assert out.as_numpy("output_ids")[0, 0].tolist() == ids + list(ref.token_ids)  # not excluded: the prompt first
+    text = unary("postprocessing", {"TOKENS_BATCH": out.as_numpy("output_ids"),
+                                    "SEQUENCE_LENGTH": out.as_numpy("sequence_length")}, ["OUTPUT"])["OUTPUT"]
+    assert text.tolist() == [tok.decode(ids + list(ref.token_ids), skip_special_tokens=True).encode()]
+    with pytest.raises(Exception) as exc:  # bad input: INVALID_ARGUMENT naming the field, as every model here
+        unary("preprocessing", {"QUERY": np.array([[b"hi"]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32),
+                                "EMBEDDING_BIAS_WORDS": np.array([[b" a", b" b"]], dtype=object),
+                                "EMBEDDING_BIAS_WEIGHTS": np.array([[1.0]], np.float32)}, ["INPUT_ID"])
+    assert "INVALID_ARGUMENT" in str(exc.value.status()) and "EMBEDDING_BIAS_WEIGHTS[0] count=1" in str(exc.value)

@@ -112,7 +112,7 @@ def sampling_from(pb_utils, request) -> SamplingParams:
 
 
 class Preprocessor:
-    """text_input (+ options) -> input_ids and normalised generation inputs for the loop."""
+    """The entry models' text request: text_input (+ options) -> the loop's GenerateRequest and response options."""
 
     def __init__(self, params: dict[str, str]) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
@@ -125,12 +125,9 @@ class Preprocessor:
             eos.add(int(self.tokenizer.eos_token_id))
         self.default_stops = [[e] for e in sorted(eos)]
 
-    def parse(self, pb_utils, request) -> GenerateRequest:
-        """Validate a request's inputs (each error names its field) into what the loop runs."""
-        return self.parse_options(pb_utils, request)[0]
-
     def parse_options(self, pb_utils, request) -> tuple[GenerateRequest, Options]:
-        """``parse``, and what the request asks of its responses (TensorRT-LLM's optional inputs: serve/compat.py)."""
+        """Validate a request's inputs (each error names its field) into what the loop runs, and what it asks of its
+        responses (TensorRT-LLM's optional inputs: serve/compat.py)."""
         from trtllm_dflash.runtime.text import encode_prompt, encode_words
 
         raw = get(pb_utils, request, "text_input")
@@ -192,38 +189,6 @@ class Preprocessor:
         for i, w in enumerate(weights):
             require(np.isfinite(w), f"embedding_bias_weights[{i}]", w, "must be finite")
         return replace(sampling, logit_bias=encode_bias(self.tokenizer, zip(words, weights)))
-
-    def __call__(self, pb_utils, request) -> list:
-        g = self.parse(pb_utils, request)
-        return [
-            tensor(pb_utils, "input_ids", np.array(g.input_ids, dtype=np.int32)),
-            tensor(pb_utils, "out_max_tokens", np.array([g.max_tokens], dtype=np.int32)),
-            tensor(pb_utils, "out_stream", np.array([g.stream], dtype=bool)),
-            tensor(pb_utils, "out_temperature", np.array([g.sampling.temperature], dtype=np.float32)),
-            tensor(pb_utils, "out_top_k", np.array([g.sampling.top_k], dtype=np.int32)),
-            tensor(pb_utils, "out_top_p", np.array([g.sampling.top_p], dtype=np.float32)),
-            tensor(pb_utils, "out_seed", np.array([g.sampling.seed], dtype=np.uint64)),
-            tensor(pb_utils, "stop_sequences", np.array(encode_stops([list(s) for s in g.stop_sequences]),
-                                                        dtype=np.int32)),
-        ]
-
-
-class Postprocessor:
-    """output_ids (all so far) + prev_len + is_final -> this response's text delta."""
-
-    def __init__(self, params: dict[str, str]) -> None:
-        from trtllm_dflash.runtime.text import load_tokenizer
-
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
-
-    def __call__(self, pb_utils, request) -> list:
-        from trtllm_dflash.runtime.text import text_delta
-
-        ids = np.asarray(get(pb_utils, request, "output_ids")).reshape(-1).tolist()
-        prev = scalar(pb_utils, request, "prev_len", 0, int)
-        final = bool(scalar(pb_utils, request, "is_final", False, bool))
-        delta = text_delta(self.tokenizer, ids, prev, final)
-        return [tensor(pb_utils, "text_output", np.array([delta.encode("utf-8")], dtype=object))]
 
 
 def _step_rows(pb_utils, request) -> tuple[int, list[int]]:

@@ -36,7 +36,8 @@ ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUE
 TOKEN_KEYS = ("name", *LOOP_KEYS, "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", "token_inputs",
               "token_outputs", "decoupled")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "max_seq_len", "instances", "io_nice")),
+    # TensorRT-LLM's tokenizer models, with its inputs and outputs (serve/trtllm_text.py)
+    "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
                                         "max_sequences", "max_seq_len", "block_size", "idle_timeout_s",

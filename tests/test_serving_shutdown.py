@@ -115,7 +115,7 @@ def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_pat
     try:
         assert json.loads(proc.stdout.readline())["grpc"] == f"127.0.0.1:{grpc}", "serve did not start"
         c = sixteen_streams(f"127.0.0.1:{grpc}")
-        assert len(stub_processes(repo)) == 10  # one per model of the repository
+        assert len(stub_processes(repo)) == len([m for m in repo.iterdir() if m.is_dir()])  # one per model
         proc.kill()
         proc.wait()
         t0 = time.monotonic()

@@ -1,6 +1,7 @@
 """TensorRT-LLM's token-level model, ``tensorrt_llm`` (serve/token_model.py), on a real Triton server with the real
 SmolLM2 pair: requests as TensorRT-LLM's ``inflight_batcher_llm_client.py`` sends them get the autoregressive answer
-in the shapes its backend answers with; batches, stop requests, perf metrics and bad input."""
+in the shapes its backend answers with; batches, stop requests, perf metrics and bad input; and TensorRT-LLM's tokenizer
+models around it (preprocessing, postprocessing), called step by step and as a Triton ensemble wired as its own."""
 
 import threading
 
@@ -343,3 +344,80 @@ def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_pos
                                 "EMBEDDING_BIAS_WORDS": np.array([[b" a", b" b"]], dtype=object),
                                 "EMBEDDING_BIAS_WEIGHTS": np.array([[1.0]], np.float32)}, ["INPUT_ID"])
     assert "INVALID_ARGUMENT" in str(exc.value.status()) and "EMBEDDING_BIAS_WEIGHTS[0] count=1" in str(exc.value)
+
+
+# A Triton ensemble over preprocessing -> tensorrt_llm -> postprocessing, wired with TensorRT-LLM's own tensor names
+# (its ensemble's step maps, triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt), as users write
+# their own: Triton checks every connection's dtype and dims when it loads it
+PIPELINE = """name: "pipeline"
+platform: "ensemble"
+max_batch_size: 8
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "bad_words" data_type: TYPE_STRING dims: [ -1 ] optional: true },
+  { name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true },
+  { name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+  { name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "preprocessing" model_version: -1
+      input_map { key: "QUERY" value: "text_input" }
+      input_map { key: "REQUEST_OUTPUT_LEN" value: "max_tokens" }
+      input_map { key: "BAD_WORDS_DICT" value: "bad_words" }
+      input_map { key: "STOP_WORDS_DICT" value: "stop_words" }
+      input_map { key: "END_ID" value: "end_id" }
+      output_map { key: "INPUT_ID" value: "_INPUT_ID" }
+      output_map { key: "REQUEST_INPUT_LEN" value: "_REQUEST_INPUT_LEN" }
+      output_map { key: "REQUEST_OUTPUT_LEN" value: "_REQUEST_OUTPUT_LEN" }
+      output_map { key: "BAD_WORDS_IDS" value: "_BAD_WORDS_IDS" }
+      output_map { key: "STOP_WORDS_IDS" value: "_STOP_WORDS_IDS" }
+      output_map { key: "EMBEDDING_BIAS" value: "_EMBEDDING_BIAS" }
+      output_map { key: "OUT_END_ID" value: "_PREPROCESSOR_END_ID" }
+      output_map { key: "OUT_PAD_ID" value: "_PREPROCESSOR_PAD_ID" } },
+    { model_name: "tensorrt_llm" model_version: -1
+      input_map { key: "input_ids" value: "_INPUT_ID" }
+      input_map { key: "input_lengths" value: "_REQUEST_INPUT_LEN" }
+      input_map { key: "request_output_len" value: "_REQUEST_OUTPUT_LEN" }
+      input_map { key: "bad_words_list" value: "_BAD_WORDS_IDS" }
+      input_map { key: "stop_words_list" value: "_STOP_WORDS_IDS" }
+      input_map { key: "embedding_bias" value: "_EMBEDDING_BIAS" }
+      input_map { key: "end_id" value: "_PREPROCESSOR_END_ID" }
+      input_map { key: "pad_id" value: "_PREPROCESSOR_PAD_ID" }
+      input_map { key: "runtime_top_k" value: "top_k" }
+      input_map { key: "streaming" value: "stream" }
+      output_map { key: "output_ids" value: "_TOKENS_BATCH" }
+      output_map { key: "sequence_length" value: "_SEQUENCE_LENGTH" } },
+    { model_name: "postprocessing" model_version: -1
+      input_map { key: "TOKENS_BATCH" value: "_TOKENS_BATCH" }
+      input_map { key: "SEQUENCE_LENGTH" value: "_SEQUENCE_LENGTH" }
+      output_map { key: "OUTPUT" value: "text_output" } }
+  ]
+}
+"""
+
+
+def test_a_triton_ensemble_wired_as_tensorrt_llms_runs_over_these_models(smollm2, reference, tok, tmp_path):
+    """TensorRT-LLM's wiring as a real Triton ensemble of its own (Triton validates each connection's dtype and dims
+    at load): streamed, each response's text is its new tokens decoded, and they add up to the answer; not streamed,
+    the prompt and the answer; both the autoregressive answer to the tokenizer's end id."""
+    repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256, max_sequences=2,
+                                trtllm_names=False), tmp_path / "repo")
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.pbtxt").write_text(PIPELINE)
+    prompt = "def fibonacci(n):"
+    ids = tok.encode(prompt)
+    ref = list(reference(ids, 24, stops=[tok.eos_token_id]).token_ids)
+    with TritonServer(repo, log_path=tmp_path / "server.log") as s:
+        for stream in (False, True):
+            results, error = trtllm_stream(s, "pipeline", {
+                "text_input": np.array([[prompt]], dtype=object), "max_tokens": np.array([[24]], np.int32),
+                "bad_words": np.array([[""]], dtype=object), "stop_words": np.array([[""]], dtype=object),
+                "top_k": np.array([[1]], np.int32), "stream": np.array([[stream]])})
+            assert error is None, error
+            texts = [r.as_numpy("text_output")[0].decode() for r in results if r.as_numpy("text_output") is not None]
+            want = tok.decode(ref if stream else ids + ref, skip_special_tokens=True)
+            assert "".join(texts) == want and (len(texts) > 1) == stream, (stream, texts)

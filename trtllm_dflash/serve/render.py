@@ -53,7 +53,7 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "baseline": ("entry", ENTRY_KEYS),
     # TensorRT-LLM's token-level model name, so its clients run unchanged: the dflash loop on token ids
     "tensorrt_llm": ("tensorrt_llm", TOKEN_KEYS),
-    # TensorRT-LLM's text-level model names (TRTLLM_NAMES): the dflash entry point again
+    # TensorRT-LLM's text-level model names (TRTLLM_NAMES below): the dflash entry point again
     "ensemble": ("entry", ENTRY_KEYS),
     "tensorrt_llm_bls": ("entry", ENTRY_KEYS),
 }
@@ -70,12 +70,12 @@ LLMAPI_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "baseline": ("ensemble_llmapi", ("name", "max_batch_size", "bridge_model", *TRTLLM_IO_KEYS, "trtllm_input_map",
                                      "trtllm_output_map")),
 }
-LLMAPI_MODELS.update({n: LLMAPI_MODELS["dflash"] for n in ("ensemble", "tensorrt_llm_bls")})
 # the names TensorRT-LLM's deployments give their text-level models, which its example client
 # (end_to_end_grpc_client.py: --model-name ensemble or tensorrt_llm_bls, default ensemble), its quick start
 # (POST /v2/models/ensemble/generate) and tools written for it address: rendered as copies of dflash unless
 # RepoConfig.trtllm_names is off
 TRTLLM_NAMES = ("ensemble", "tensorrt_llm_bls")
+LLMAPI_MODELS.update({n: LLMAPI_MODELS["dflash"] for n in TRTLLM_NAMES})
 
 
 def models_for(backend: str, trtllm_names: bool = True) -> dict[str, tuple[str, tuple[str, ...]]]:

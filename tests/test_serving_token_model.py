@@ -300,6 +300,22 @@ def test_the_unary_model_answers_modelinfer_as_the_example_client_calls_it(unary
     assert "INVALID_ARG" in str(e.value.status())
 
 
+# TensorRT-LLM's ensemble wiring (triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt): preprocessing's
+# outputs and the ensemble tensor each becomes, the preprocessing output each tensorrt_llm input takes, the
+# tensorrt_llm output each postprocessing input takes (through an ensemble tensor named "_" + that input)
+WIRING = {
+    "preprocessing": {"INPUT_ID": "_INPUT_ID", "REQUEST_INPUT_LEN": "_REQUEST_INPUT_LEN",
+                      "REQUEST_OUTPUT_LEN": "_REQUEST_OUTPUT_LEN", "BAD_WORDS_IDS": "_BAD_WORDS_IDS",
+                      "STOP_WORDS_IDS": "_STOP_WORDS_IDS", "EMBEDDING_BIAS": "_EMBEDDING_BIAS",
+                      "OUT_END_ID": "_PREPROCESSOR_END_ID", "OUT_PAD_ID": "_PREPROCESSOR_PAD_ID"},
+    "tensorrt_llm": {"input_ids": "INPUT_ID", "input_lengths": "REQUEST_INPUT_LEN",
+                     "request_output_len": "REQUEST_OUTPUT_LEN", "bad_words_list": "BAD_WORDS_IDS",
+                     "stop_words_list": "STOP_WORDS_IDS", "embedding_bias": "EMBEDDING_BIAS", "end_id": "OUT_END_ID",
+                     "pad_id": "OUT_PAD_ID"},
+    "postprocessing": {"TOKENS_BATCH": "output_ids", "SEQUENCE_LENGTH": "sequence_length"},
+}
+
+
 def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_postprocessing(server, reference, tok):
     """TensorRT-LLM's ensemble, step by step as its config wires them (and its speculative-decoding example client
     calls them): preprocessing's QUERY -> INPUT_ID and the rest into tensorrt_llm, its output_ids and
@@ -322,22 +338,18 @@ def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_pos
                                   "REQUEST_OUTPUT_LEN": np.array([[24]], np.int32),
                                   "BAD_WORDS_DICT": np.array([[b""]], dtype=object),
                                   "STOP_WORDS_DICT": np.array([[b""]], dtype=object)},
-                ["INPUT_ID", "REQUEST_INPUT_LEN", "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS",
-                 "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"])
+                list(WIRING["preprocessing"]))
     ids = tok.encode(prompt)  # add_special_tokens true, TensorRT-LLM's default
     assert pre["INPUT_ID"].tolist() == [ids] and pre["REQUEST_INPUT_LEN"].tolist() == [[len(ids)]]
     assert pre["OUT_END_ID"].tolist() == [[tok.eos_token_id]] and pre["BAD_WORDS_IDS"].tolist() == [[[0], [-1]]]
     results, error = trtllm_stream(server, "tensorrt_llm", {
-        "input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
-        "request_output_len": pre["REQUEST_OUTPUT_LEN"], "end_id": pre["OUT_END_ID"], "pad_id": pre["OUT_PAD_ID"],
-        "bad_words_list": pre["BAD_WORDS_IDS"], "stop_words_list": pre["STOP_WORDS_IDS"],
-        "embedding_bias": pre["EMBEDDING_BIAS"], "streaming": np.array([[False]])})
+        **{llm: pre[out] for llm, out in WIRING["tensorrt_llm"].items()}, "streaming": np.array([[False]])})
     assert error is None, error
     out = [r for r in results if r.as_numpy("output_ids") is not None][-1]
     ref = reference(ids, 24, stops=[tok.eos_token_id])
     assert out.as_numpy("output_ids")[0, 0].tolist() == ids + list(ref.token_ids)  # not excluded: the prompt first
-    text = unary("postprocessing", {"TOKENS_BATCH": out.as_numpy("output_ids"),
-                                    "SEQUENCE_LENGTH": out.as_numpy("sequence_length")}, ["OUTPUT"])["OUTPUT"]
+    text = unary("postprocessing", {post: out.as_numpy(llm) for post, llm in WIRING["postprocessing"].items()},
+                 ["OUTPUT"])["OUTPUT"]
     assert text.tolist() == [tok.decode(ids + list(ref.token_ids), skip_special_tokens=True).encode()]
     with pytest.raises(Exception) as exc:  # bad input: INVALID_ARGUMENT naming the field, as every model here
         unary("preprocessing", {"QUERY": np.array([[b"hi"]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[4]], np.int32),
@@ -346,57 +358,40 @@ def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_pos
     assert "INVALID_ARGUMENT" in str(exc.value.status()) and "EMBEDDING_BIAS_WEIGHTS[0] count=1" in str(exc.value)
 
 
+def maps(kind: str, pairs) -> str:
+    return "\n".join(f'      {kind}_map {{ key: "{k}" value: "{v}" }}' for k, v in pairs)
+
+
 # A Triton ensemble over preprocessing -> tensorrt_llm -> postprocessing, wired with TensorRT-LLM's own tensor names
-# (its ensemble's step maps, triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt), as users write
-# their own: Triton checks every connection's dtype and dims when it loads it
-PIPELINE = """name: "pipeline"
+# (WIRING), as users write their own: Triton checks every connection's dtype and dims when it loads it
+PIPELINE = f"""name: "pipeline"
 platform: "ensemble"
 max_batch_size: 8
 input [
-  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
-  { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] },
-  { name: "bad_words" data_type: TYPE_STRING dims: [ -1 ] optional: true },
-  { name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true },
-  { name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
-  { name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
-  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "bad_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }},
+  {{ name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }},
+  {{ name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }}
 ]
-output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
-ensemble_scheduling {
+output [ {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }} ]
+ensemble_scheduling {{
   step [
-    { model_name: "preprocessing" model_version: -1
-      input_map { key: "QUERY" value: "text_input" }
-      input_map { key: "REQUEST_OUTPUT_LEN" value: "max_tokens" }
-      input_map { key: "BAD_WORDS_DICT" value: "bad_words" }
-      input_map { key: "STOP_WORDS_DICT" value: "stop_words" }
-      input_map { key: "END_ID" value: "end_id" }
-      output_map { key: "INPUT_ID" value: "_INPUT_ID" }
-      output_map { key: "REQUEST_INPUT_LEN" value: "_REQUEST_INPUT_LEN" }
-      output_map { key: "REQUEST_OUTPUT_LEN" value: "_REQUEST_OUTPUT_LEN" }
-      output_map { key: "BAD_WORDS_IDS" value: "_BAD_WORDS_IDS" }
-      output_map { key: "STOP_WORDS_IDS" value: "_STOP_WORDS_IDS" }
-      output_map { key: "EMBEDDING_BIAS" value: "_EMBEDDING_BIAS" }
-      output_map { key: "OUT_END_ID" value: "_PREPROCESSOR_END_ID" }
-      output_map { key: "OUT_PAD_ID" value: "_PREPROCESSOR_PAD_ID" } },
-    { model_name: "tensorrt_llm" model_version: -1
-      input_map { key: "input_ids" value: "_INPUT_ID" }
-      input_map { key: "input_lengths" value: "_REQUEST_INPUT_LEN" }
-      input_map { key: "request_output_len" value: "_REQUEST_OUTPUT_LEN" }
-      input_map { key: "bad_words_list" value: "_BAD_WORDS_IDS" }
-      input_map { key: "stop_words_list" value: "_STOP_WORDS_IDS" }
-      input_map { key: "embedding_bias" value: "_EMBEDDING_BIAS" }
-      input_map { key: "end_id" value: "_PREPROCESSOR_END_ID" }
-      input_map { key: "pad_id" value: "_PREPROCESSOR_PAD_ID" }
-      input_map { key: "runtime_top_k" value: "top_k" }
-      input_map { key: "streaming" value: "stream" }
-      output_map { key: "output_ids" value: "_TOKENS_BATCH" }
-      output_map { key: "sequence_length" value: "_SEQUENCE_LENGTH" } },
-    { model_name: "postprocessing" model_version: -1
-      input_map { key: "TOKENS_BATCH" value: "_TOKENS_BATCH" }
-      input_map { key: "SEQUENCE_LENGTH" value: "_SEQUENCE_LENGTH" }
-      output_map { key: "OUTPUT" value: "text_output" } }
+    {{ model_name: "preprocessing" model_version: -1
+{maps("input", [("QUERY", "text_input"), ("REQUEST_OUTPUT_LEN", "max_tokens"), ("BAD_WORDS_DICT", "bad_words"),
+                ("STOP_WORDS_DICT", "stop_words"), ("END_ID", "end_id")])}
+{maps("output", WIRING["preprocessing"].items())} }},
+    {{ model_name: "tensorrt_llm" model_version: -1
+{maps("input", [(llm, WIRING["preprocessing"][out]) for llm, out in WIRING["tensorrt_llm"].items()])}
+{maps("input", [("runtime_top_k", "top_k"), ("streaming", "stream")])}
+{maps("output", [(llm, "_" + post) for post, llm in WIRING["postprocessing"].items()])} }},
+    {{ model_name: "postprocessing" model_version: -1
+{maps("input", [(post, "_" + post) for post in WIRING["postprocessing"]])}
+      output_map {{ key: "OUTPUT" value: "text_output" }} }}
   ]
-}
+}}
 """
 
 

@@ -78,7 +78,24 @@ def word_lists(rows: list[list[list[int]]]) -> np.ndarray:
     return out
 
 
-class TextPreprocessor:
+class PerRequest:
+    """A unary model's ``execute``: each request's inputs through ``self`` into one response, a failure into that
+    request's error response (INVALID_ARGUMENT naming the field for bad input)."""
+
+    def execute(self, pb_utils, requests) -> list:
+        from trtllm_dflash.serve.triton_io import error_response
+
+        responses = []
+        for request in requests:
+            try:
+                outputs = [pb_utils.Tensor(n, a) for n, a in self(request_reader(pb_utils, request))]
+                responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
+            except Exception as exc:  # every failure becomes this request's error response
+                responses.append(error_response(pb_utils, exc))
+        return responses
+
+
+class TextPreprocessor(PerRequest):
     """TensorRT-LLM's ``preprocessing`` (see the module docstring)."""
 
     def __init__(self, params: dict[str, str]) -> None:
@@ -121,13 +138,16 @@ class TextPreprocessor:
                 ("OUT_END_ID", one_per_row(read, "END_ID", batch, self.end_id)), ("OUT_PAD_ID", pad_ids)]
 
     def _words(self, read: Inputs, name: str, batch: int) -> np.ndarray:
+        from trtllm_dflash.runtime.text import encode_words
+
         arr = read(name)
         if arr is None:
             return np.empty((batch, 2, 0), dtype=np.int32)
-        return word_lists([[w for w in (self.tokenizer.encode(s, add_special_tokens=False) for s in row) if w]
-                           for row in rows_of(arr, name, batch)])
+        return word_lists([[list(w) for w in encode_words(self.tokenizer, row)] for row in rows_of(arr, name, batch)])
 
     def _bias(self, read: Inputs, batch: int) -> np.ndarray:
+        from trtllm_dflash.runtime.text import encode_bias
+
         words, weights = read("EMBEDDING_BIAS_WORDS"), read("EMBEDDING_BIAS_WEIGHTS")
         if words is None or weights is None:
             return np.empty((batch, 0), dtype=np.float32)
@@ -137,15 +157,15 @@ class TextPreprocessor:
         for b, (row, ws) in enumerate(zip(words, weights)):
             require(len(row) == len(ws), f"EMBEDDING_BIAS_WEIGHTS[{b}] count", len(ws),
                     f"must equal the number of EMBEDDING_BIAS_WORDS[{b}] ({len(row)}): one weight per word")
-            for word, w in zip(row, ws.tolist()):
+            for w in ws.tolist():
                 require(np.isfinite(w), f"EMBEDDING_BIAS_WEIGHTS[{b}]", w, "must be finite")
-                for t in self.tokenizer.encode(word):
-                    require(0 <= t < self.vocab, "EMBEDDING_BIAS_WORDS token id", t, f"must be in [0, {self.vocab})")
-                    out[b, t] += w
+            for t, w in encode_bias(self.tokenizer, zip(row, ws.tolist())):  # a token of several words: their sum
+                require(0 <= t < self.vocab, "EMBEDDING_BIAS_WORDS token id", t, f"must be in [0, {self.vocab})")
+                out[b, t] = w
         return out
 
 
-class TextPostprocessor:
+class TextPostprocessor(PerRequest):
     """TensorRT-LLM's ``postprocessing`` (see the module docstring)."""
 
     def __init__(self, params: dict[str, str]) -> None:

@@ -3,8 +3,8 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.triton_io import error_response, model_parameters
-from trtllm_dflash.serve.trtllm_text import TextPreprocessor, request_reader
+from trtllm_dflash.serve.triton_io import model_parameters
+from trtllm_dflash.serve.trtllm_text import TextPreprocessor
 
 
 class TritonPythonModel:
@@ -12,14 +12,7 @@ class TritonPythonModel:
         watch_parent()
         params = model_parameters(args)
         yield_to_compute(params.get("io_nice", 0))
-        self.pre = TextPreprocessor(params)
+        self.model = TextPreprocessor(params)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                outputs = [pb_utils.Tensor(n, a) for n, a in self.pre(request_reader(pb_utils, request))]
-                responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
-            except Exception as exc:  # every failure becomes this request's error response
-                responses.append(error_response(pb_utils, exc))
-        return responses
+        return self.model.execute(pb_utils, requests)

@@ -225,6 +225,20 @@ def served_updates(steps, req, shape) -> list:
     return updates
 
 
+def grpc_inputs(inputs: dict) -> list:
+    """{name: numpy array with the batch dimension} as tritonclient's gRPC input tensors (object arrays: BYTES)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    tensors = []
+    for name, arr in inputs.items():
+        dtype = "BYTES" if arr.dtype == object else np_to_triton_dtype(arr.dtype)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        tensors.append(t)
+    return tensors
+
+
 def trtllm_stream(server, model: str, inputs: dict, request_id: str = "",
                   outputs: list[str] | None = None) -> tuple[list, str | None]:
     """``inputs`` ({name: array with the batch dimension}) as one streamed request, as TensorRT-LLM's example client
@@ -233,7 +247,6 @@ def trtllm_stream(server, model: str, inputs: dict, request_id: str = "",
     import threading
 
     import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
 
     results, errors, done = [], [], threading.Event()
 
@@ -248,14 +261,8 @@ def trtllm_stream(server, model: str, inputs: dict, request_id: str = "",
 
     c = grpcclient.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=on_response)
-    tensors = []
-    for name, arr in inputs.items():
-        dtype = "BYTES" if arr.dtype == object else np_to_triton_dtype(arr.dtype)
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
     asked = None if outputs is None else [grpcclient.InferRequestedOutput(n) for n in outputs]
-    c.async_stream_infer(model, tensors, outputs=asked, request_id=request_id, enable_empty_final_response=True)
+    c.async_stream_infer(model, grpc_inputs(inputs), outputs=asked, request_id=request_id, enable_empty_final_response=True)
     assert done.wait(120), "no final response"
     c.stop_stream()
     return results, errors[0] if errors else None

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import trtllm_stream
+from conftest import grpc_inputs, trtllm_stream
 from trtllm_dflash.runtime.text import encode_prompt
 from trtllm_dflash.serve.render import RepoConfig, make_repo
 from trtllm_dflash.serve.server import TritonServer
@@ -139,7 +139,6 @@ def test_a_stop_request_ends_the_request_with_its_id(server, tok, streaming):
     import time
 
     from test_serving_server import active_states
-    from tritonclient.utils import np_to_triton_dtype
 
     ids = encode_prompt(tok, "Write a long story about a dragon.", chat=True)
     first, done, results = threading.Event(), threading.Event(), []
@@ -153,12 +152,7 @@ def test_a_stop_request_ends_the_request_with_its_id(server, tok, streaming):
 
     long = grpcclient.InferenceServerClient(server.grpc_url)
     long.start_stream(callback=on_response)
-    tensors = []
-    for name, arr in client_inputs(ids, 400, 0, streaming).items():
-        t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-        t.set_data_from_numpy(arr)
-        tensors.append(t)
-    long.async_stream_infer("tensorrt_llm", tensors, request_id="story-1")  # as the example client: no empty finals
+    long.async_stream_infer("tensorrt_llm", grpc_inputs(client_inputs(ids, 400, 0, streaming)), request_id="story-1")  # as the example client: no empty finals
     if streaming:
         assert first.wait(120)
     else:
@@ -263,20 +257,12 @@ def test_the_unary_model_answers_modelinfer_as_the_example_client_calls_it(unary
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
-
-    def tensors(inputs):
-        out = []
-        for name, arr in inputs.items():
-            t = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
-            t.set_data_from_numpy(arr)
-            out.append(t)
-        return out
+    from tritonclient.utils import InferenceServerException
 
     def infer(prompt, streaming=False, max_tokens=24, request_id=""):
         ids = encode_prompt(tok, prompt, chat=True)
         c = grpcclient.InferenceServerClient(unary_server.grpc_url)
-        return ids, c.infer("tensorrt_llm", tensors(client_inputs(ids, max_tokens, tok.eos_token_id, streaming)),
+        return ids, c.infer("tensorrt_llm", grpc_inputs(client_inputs(ids, max_tokens, tok.eos_token_id, streaming)),
                             parameters={"Streaming": streaming}, request_id=request_id)
 
     prompts = ["Name a prime number.", "What is the capital of Spain?", "Say hello in French."]
@@ -291,7 +277,7 @@ def test_the_unary_model_answers_modelinfer_as_the_example_client_calls_it(unary
         stop = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
                 "request_output_len": np.zeros((1, 1), np.int32), "stop": np.array([[True]])}
         c = grpcclient.InferenceServerClient(unary_server.grpc_url)
-        assert c.infer("tensorrt_llm", tensors(stop), request_id="story-2").as_numpy("output_ids") is None
+        assert c.infer("tensorrt_llm", grpc_inputs(stop), request_id="story-2").as_numpy("output_ids") is None
         ids, result = story.result(timeout=60)
     got = tokens_of([result])[0]
     assert got[:len(ids)] == ids and 0 < len(got) - len(ids) < 400
@@ -324,13 +310,7 @@ def test_tensorrt_llms_own_pipeline_runs_over_preprocessing_tensorrt_llm_and_pos
     c = grpcclient.InferenceServerClient(server.grpc_url)
 
     def unary(model, inputs, names):
-        tensors = []
-        for name, arr in inputs.items():
-            t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype == object else
-                                      {"int32": "INT32", "float32": "FP32"}[arr.dtype.name])
-            t.set_data_from_numpy(arr)
-            tensors.append(t)
-        result = c.infer(model, tensors)
+        result = c.infer(model, grpc_inputs(inputs))
         return {n: result.as_numpy(n) for n in names}
 
     prompt = "def fibonacci(n):"

@@ -24,8 +24,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 NICENESS = (0, 19)
 
@@ -60,8 +58,8 @@ def main(argv=None) -> int:
 
     from bench_serving import server_times
 
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     if args.target is None or args.drafter is None:
         from trtllm_dflash.assets import prepare_demo_assets

@@ -8,7 +8,7 @@ Two parts, each timing both ways alternately in one process (a shared VM's speed
 - ``forwards``: the real pair's verify forward (``rows`` × ``width`` tokens over ``--context`` cached tokens a row,
   the LM head over each row's first slot, as the decoder's verify that rejects d_1) and draft pass (``rows`` ×
   ``slots`` block slots, the head on the drafts), with ``layers.CPU_WEIGHT_MAJOR`` switched off and on; and the same
-  draft pass through the Triton drafter model's engine (``served draft``: ``serve.steps.BlockDrafter``, its own cache
+  draft pass through the Triton drafter model's engine (``served draft``: ``runtime.steps.BlockDrafter``, its own cache
   and head), which should cost what the in-process one costs.
 
     python perf/bench_cpu_gemm.py --threads 2 --out perf/results/cpu-gemm/amd-2threads.json
@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROWS = (1, 2, 3, 4, 7, 8, 12, 16, 32, 64, 96, 128)
 VERIFY = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (16, 2), (16, 4))
@@ -87,7 +86,7 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
     from trtllm_dflash.models.drafter import DrafterModel, draft_block
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
-    from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
+    from trtllm_dflash.runtime.steps import BlockDrafter, TargetHead
 
     assets = prepare_demo_assets() if target_dir is None or drafter_dir is None else {}
     target = TargetModel.from_pretrained(target_dir or assets["target"], dtype=torch.float32)
@@ -111,7 +110,7 @@ def forwards(target_dir, drafter_dir, context: int, repeats: int) -> dict:
         draft_block(torch.zeros(rows, dtype=torch.long), slots, dec.mask_token_id, target.embed,
                     lambda e: dec._draft(e, dcache, None), lambda hidden: target.logits(hidden))
 
-    # the Triton drafter model's engine (serve.steps.BlockDrafter): the same draft pass, its own cache and head
+    # the Triton drafter model's engine (runtime.steps.BlockDrafter): the same draft pass, its own cache and head
     served = BlockDrafter(drafter, TargetHead(target_dir or assets["target"]), 16, context + 17)
     none = drafter.new_cache(1, 1).k[:, 0, :0]  # [L, 0, kv, hd]: no new context K/V
 

@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LENGTHS = (128, 512, 2000, 4000)
 

@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cuda_graphs == "on" and not args.device.startswith("cuda"):
         p.error(f"--cuda-graphs on needs --device cuda (got {args.device}); --cuda-graphs rehearse runs anywhere")
-    sys.path.insert(0, str(ROOT))
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 

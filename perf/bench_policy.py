@@ -21,9 +21,7 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
@@ -33,7 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-block-size", type=int, default=16)
     args = p.parse_args(argv)
-    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel, Lookup
+    from trtllm_dflash.runtime.cost import GRID, CostModel
+    from trtllm_dflash.runtime.lookup import Lookup
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     out = {"machine": f"{platform.machine()} {platform.python_version()}", "max_block_size": args.max_block_size,
            "repeats": args.repeats, "rounds": args.rounds, "rows": {}}

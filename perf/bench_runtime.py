@@ -36,11 +36,9 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 # this checkout's package, not the one the virtual environment installed (editable: another checkout's), so that
 # running an older copy's script (``git archive <commit>``) times that commit's runtime
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # adaptive k with drafter blocks only / also with prompt-lookup continuations / also with tree steps where they pay

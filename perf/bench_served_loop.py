@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Triton's decode loop without Triton, against the in-process decoder: what the served path costs before transport.
 
-The ``dflash_bls`` model runs ``serve.loop.run_generation`` over the step models' engines (``serve.steps``:
+The ``dflash_bls`` model runs ``runtime.loop.run_generation`` over the step models' engines (``runtime.steps``:
 ``TargetVerifier``, ``KVInjector``, ``BlockDrafter``). Here that loop runs over the same engines in this process
-(``LocalSteps``), with the ``--block-size auto`` settings make-repo writes (``serve.render.adaptive_settings``), next
+(``LocalSteps``), with the ``--block-size auto`` settings make-repo writes (``serve.triton.render.adaptive_settings``), next
 to ``runtime.decoder`` with the settings ``trtllm-dflash generate`` uses; the two answer every prompt in turns (which
 goes first alternates). Where their tokens/s or the drafts they choose to verify (k) differ, the cause is the loop or
 its engines, not gRPC or the python backend. Session 38 found this way that the served drafter's LM head ran 2–4×
@@ -27,7 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PATHS = ("decoder", "loop")
 
@@ -41,11 +40,11 @@ def _paths(target_dir, drafter_dir, ngram: bool, max_len: int):
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
-    from trtllm_dflash.serve.bls import policy_from_settings
-    from trtllm_dflash.serve.loop import LocalSteps, run_generation
-    from trtllm_dflash.serve.protocol import GenerateRequest
-    from trtllm_dflash.serve.render import RepoConfig, adaptive_settings
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+    from trtllm_dflash.serve.triton.bls import policy_from_settings
+    from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+    from trtllm_dflash.runtime.protocol import GenerateRequest
+    from trtllm_dflash.serve.triton.render import RepoConfig, adaptive_settings
+    from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
     target, drafter = load_pair(target_dir, drafter_dir)
     stops = stop_token_ids(load_tokenizer(target_dir), target.spec.eos_token_ids)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""One served verify step (``serve.steps.TargetVerifier.verify``, what the Triton ``target_verify`` model runs):
+"""One served verify step (``runtime.steps.TargetVerifier.verify``, what the Triton ``target_verify`` model runs):
 --rows live sequences with prompts of 150, 160, ... tokens, each verifying one token, the batch in a shuffled order
 as requests arrive. With ``--width K`` the step's block is K + 1 tokens wide and only ``--drafting`` rows fill it;
-the others are padded with −1, which the verify skips (``serve.steps.real_width``), or, with
+the others are padded with −1, which the verify skips (``runtime.steps.real_width``), or, with
 ``--compute-padding``, carry a token as every slot did before (the cost of a padded step then). Prints the median
 milliseconds as JSON.
 
@@ -18,11 +18,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
@@ -38,7 +36,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.serve.steps import TargetVerifier
+    from trtllm_dflash.runtime.steps import TargetVerifier
 
     torch.set_num_threads(args.threads)
     assets = prepare_demo_assets()

@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer, server_command
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer, server_command
     from trtllm_dflash.specs import DrafterSpec
 
     if args.target is None:

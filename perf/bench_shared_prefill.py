@@ -16,11 +16,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
@@ -39,7 +37,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.serve.steps import TargetVerifier
+    from trtllm_dflash.runtime.steps import TargetVerifier
 
     torch.set_num_threads(args.threads)
     target = TargetModel.from_pretrained(args.target or prepare_demo_assets()["target"])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What checking a request's stop sequences costs per new token: ``serve.protocol.StopMatcher`` (stops indexed by
+"""What checking a request's stop sequences costs per new token: ``runtime.protocol.StopMatcher`` (stops indexed by
 their last token, session 39) against comparing every stop at every new token (before), same cuts.
 
     python perf/bench_stops.py --stops 1024 --out perf/results/reliability/stops.json
@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def every_stop(tokens, stops, checked):
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
 
     from trtllm_dflash.perf.record import emit_json
     from trtllm_dflash.runtime.text import load_tokenizer
-    from trtllm_dflash.serve.protocol import StopMatcher
+    from trtllm_dflash.runtime.protocol import StopMatcher
 
     if args.target is None:
         from trtllm_dflash.assets import prepare_demo_assets

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""The Triton step engines (``serve/steps.py``: ``target_verify``, ``kv_inject``, ``drafter``) on a device against
+"""The Triton step engines (``runtime/steps.py``: ``target_verify``, ``kv_inject``, ``drafter``) on a device against
 the CPU oracle, driven by the serving loop in-process (no Triton server: the engines are what the python-backend
 models call, and they have never run on a GPU).
 
     python perf/check_served_steps.py --device cuda [--target DIR --drafter DIR] > served_steps.json
 
-Concurrent sequences run through ``serve.loop.run_generation`` over ``BatchedLocalSteps`` (the live sequences' calls
+Concurrent sequences run through ``runtime.loop.run_generation`` over ``BatchedLocalSteps`` (the live sequences' calls
 batched per step, as the BLS model batches them) with every engine on ``--device``: block size 16, ``auto`` with
 prompt lookup, and the tree verify. Their tokens must equal target-only greedy decoding on the CPU: a tiny random pair
 in float64 (exact on any device), and with ``--target``/``--drafter`` the real pair in float32 (two chat prompts).
@@ -21,7 +21,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODES = ("16", "auto+ngram", "16+tree")
 TINY_PROMPTS = [[9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -34,12 +33,13 @@ def served(pair, target_dir, prompts: list[list[int]], tokens: int, mode: str) -
     drafter, loaded on the device; ``target_dir``: where the drafter engine's embedding and head come from), and τ."""
     import torch
 
-    from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel, GRID
+    from trtllm_dflash.runtime.cost import GRID, CostModel
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.tree import tree_for
-    from trtllm_dflash.serve.loop import BatchedLocalSteps, run_generation
-    from trtllm_dflash.serve.protocol import GenerateRequest
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+    from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation
+    from trtllm_dflash.runtime.protocol import GenerateRequest
+    from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
     target, drafter = pair
     bsz = drafter.spec.block_size

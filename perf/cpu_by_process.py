@@ -19,8 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serving import in_process_decoders, run_point  # noqa: E402
+from bench_serving import in_process_decoders, run_point
 
 
 def cpu_seconds(pgid: int) -> dict[int, tuple[str, float]]:
@@ -79,8 +78,8 @@ def main(argv=None) -> int:
         p.error(f"model {args.model!r}: dflash or baseline")
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.datasets import load_prompts
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     assets = prepare_demo_assets()
     texts = [q.text for q in load_prompts("humaneval", args.prompts)]

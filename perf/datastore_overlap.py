@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def coverage(store, responses: list[list[int]], n: int) -> list[float]:

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         tokenizer = tokenizer or assets["target"]
         if args.serve and not args.dry_run:
             from trtllm_dflash.perf.sweep import render_demo_repo
-            from trtllm_dflash.serve.server import TritonServer
+            from trtllm_dflash.serve.triton.server import TritonServer
 
             server = TritonServer(render_demo_repo(Path(args.out) / "repo", assets),
                                   log_path=Path(args.out) / "server.log")

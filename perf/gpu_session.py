@@ -18,7 +18,7 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
-- ``served_steps``: ``perf/check_served_steps.py --device``: the Triton step engines (``serve/steps.py``), driven
+- ``served_steps``: ``perf/check_served_steps.py --device``: the Triton step engines (``runtime/steps.py``), driven
   by the serving loop in-process with every engine on the device, give target-only greedy CPU tokens (tiny pair in
   float64; the real pair in float32 with ``--target``/``--drafter``) at block size 16, ``auto`` + lookup and the tree.
 - ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), first with
@@ -327,7 +327,6 @@ STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_pari
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     if args.export_prompts:
         print(json.dumps(export_prompts(Path(args.export_prompts))))
         return 0

@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from trtllm_dflash.hardware import warn_slow_bf16  # noqa: E402  (bf16 is the recipe's CPU default: warn where emulated)
+from trtllm_dflash.hardware import warn_slow_bf16
 
 
 def cpu_seconds() -> float:

@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """How often prompt lookup's proposals are accepted: per-slot conditional acceptance of the decoder's lookup
-(``runtime.adaptive.ngram_continuation`` with ``LOOKUP_MIN_N``: the continuation of a recurring 2- or 3-gram) over
+(``runtime.lookup.ngram_continuation`` with ``LOOKUP_MIN_N``: the continuation of a recurring 2- or 3-gram) over
 known greedy outputs, at every response position.
 
     python perf/ngram_acceptance.py artifacts/curve19/regen              # regenerated training shards (*.safetensors)
     python perf/ngram_acceptance.py artifacts/curve14/eval/greedy-humaneval-164-128.json   # cached greedy outputs
 
 Prints one JSON object: the fraction of positions with a proposal, and p_j = P(slot j accepted | slots before it
-were), j = 1..B−1, with the number of proposals that reached each slot. ``NGRAM_PRIOR`` in runtime/adaptive.py is this
+were), j = 1..B−1, with the number of proposals that reached each slot. ``NGRAM_PRIOR`` in runtime/acceptance.py is this
 script's output on regenerated training data (pool prompts, never the evaluation sets).
 
-``--by-match`` adds what ``runtime.adaptive.Lookup.prior`` is fitted from: P(slot 1 accepted) by the match's length
+``--by-match`` adds what ``runtime.lookup.Lookup.prior`` is fitted from: P(slot 1 accepted) by the match's length
 bin and whether the n-gram's two latest occurrences were followed by different tokens, and the later slots'
 conditional acceptance by bin (``LOOKUP_FIRST``, ``LOOKUP_NEXT``); and how well each way of predicting a step's
 lookup forecasts it along the decoder's own walk (every step proposes; log-loss per verified slot): the sequence's
@@ -47,7 +47,7 @@ def sequences(source: Path):
 
 
 def acceptance(seqs, block_size: int = 16) -> dict:
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
+    from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, ngram_continuation
 
     k = block_size - 1
     reached, accepted = [0] * k, [0] * k
@@ -70,7 +70,7 @@ def acceptance(seqs, block_size: int = 16) -> dict:
 def by_match(seqs, block_size: int = 16) -> dict:
     """P(slot 1 accepted) per (match bin, split) and the later slots' conditional acceptance per bin, at every
     response position that has a proposal."""
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MATCH_BINS, LOOKUP_MIN_N, lookup_bin, ngram_lookup
+    from trtllm_dflash.runtime.lookup import LOOKUP_MATCH_BINS, LOOKUP_MIN_N, lookup_bin, ngram_lookup
     from trtllm_dflash.train.audit import accepted_prefix
 
     nb = len(LOOKUP_MATCH_BINS) + 1
@@ -99,8 +99,8 @@ def forecast_loss(seqs, block_size: int = 16, strengths=(0.5, 2.0, 8.0, 1e6)) ->
     is one and moves past its accepted tokens and the bonus), all of slot 1's and all slots'."""
     import math
 
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, NGRAM_PRIOR, NGRAM_PRIOR_STRENGTH, AcceptanceModel, \
-        ngram_lookup
+    from trtllm_dflash.runtime.acceptance import NGRAM_PRIOR, NGRAM_PRIOR_STRENGTH, AcceptanceModel
+    from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, ngram_lookup
     from trtllm_dflash.train.audit import accepted_prefix
 
     k = block_size - 1

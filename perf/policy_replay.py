@@ -2,7 +2,7 @@
 """Replay ``--block-size auto``'s prompt-lookup decisions on known greedy outputs, without the machine's noise.
 
 A static batch of greedy outputs (``perf/ngram_acceptance.py --generate``'s JSON) is decoded again on paper: every
-step the policy decides from its cost model and each row's lookup (``runtime.adaptive.ngram_lookup``), a row accepts
+step the policy decides from its cost model and each row's lookup (``runtime.lookup.ngram_lookup``), a row accepts
 what its proposal shares with the known output, and the step costs what the cost model says. The drafter is left out
 (its acceptance needs the model); so are the machine's timing swings, which on a shared 2-core VM move an in-process
 batch-16 run by ±10 % and hide policy changes worth a few per cent. Prints JSON: simulated seconds, steps and τ per
@@ -26,7 +26,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # the cost of a verify over n tokens on the 2-core development machine (AMD EPYC, 2 threads), ms, over an empty
 # cache, each row's first slot through the LM head: 16 rows × (K + 1) tokens from 16 tokens up; below, the rows left
@@ -50,7 +49,7 @@ def replay(rows, policy_factory, truth, batch_size: int, max_new: int, features:
            extra_context: int = 0) -> dict:
     """Simulated seconds, steps, tokens and τ of decoding ``rows`` in static batches; ``features``: the policy sees
     each lookup's match (``SeqState.lookup``; without it, the sequence's lookup history decides)."""
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_lookup
+    from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, ngram_lookup
     from trtllm_dflash.train.audit import accepted_prefix
 
     seconds = steps = tokens = row_steps = 0
@@ -108,7 +107,8 @@ def main(argv=None) -> int:
                    help="what the policy believes steps cost: a cost cache file (the decoder's calibration, "
                         "$TRTLLM_DFLASH_CACHE/adaptive/cost-*.json); default: the true cost below")
     args = p.parse_args(argv)
-    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+    from trtllm_dflash.runtime.cost import GRID, CostModel
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     path = Path(args.greedy)
     if not path.is_file():

@@ -190,8 +190,8 @@ def main(argv=None) -> int:
 
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.perf.health import stub_processes
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     assets = prepare_demo_assets() if not (args.target and args.drafter) else {"target": args.target,
                                                                                   "drafter": args.drafter}

@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def parse_args(argv=None):
@@ -86,8 +85,8 @@ def main(argv=None) -> int:
     from trtllm_dflash.perf.health import step_batching
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     if args.target is None:
         assets = prepare_demo_assets()

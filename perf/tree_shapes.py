@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from learning_curve import greedy_reference, load_target, write_json  # noqa: E402  (perf/ is this script's folder)
+from learning_curve import greedy_reference, load_target, write_json
 
 
 def shapes(k: int) -> dict[str, object]:
@@ -91,7 +89,7 @@ def main(argv=None) -> dict:
 
     from trtllm_dflash.commands.common import resolve_datastore
     from trtllm_dflash.models.drafter import DrafterModel
-    from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N
+    from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N
     from trtllm_dflash.runtime.tree import TreeShape
     from trtllm_dflash.train.audit import drafter_choices, lookup_acceptance, tree_acceptance, walk, with_lookup
 

@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trtllm_dflash.runtime.adaptive import timed  # noqa: E402  (after the path insert)
+from trtllm_dflash.runtime.cost import timed
 
 
 def _sync(device: str):

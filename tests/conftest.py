@@ -11,6 +11,7 @@ import dataclasses  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest
 import torch
@@ -23,6 +24,18 @@ from trtllm_dflash.specs import TargetSpec
 # The device the kernel tests launch on: the CPU (Triton's interpreter, the default everywhere CI runs), or a GPU
 # with TRTLLM_DFLASH_TEST_DEVICE=cuda and TRITON_INTERPRET=0 (perf/gpu_session.py runs them so, natively compiled).
 DEVICE = torch.device(os.environ.get("TRTLLM_DFLASH_TEST_DEVICE", "cpu"))
+
+
+def perf_script(name: str):
+    """perf/<name>.py loaded as a module from its file: perf/ holds scripts, not a package, so tests import them by
+    path and leave sys.path as it is."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "perf" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"perf_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def on_device(*items):
@@ -184,8 +197,8 @@ def local_steps(tiny_dirs, tiny_models, tree: bool):
     """The served path without Triton on the tiny llama pair: (target, verifier, LocalSteps, the tree shape or
     None), room for 2 sequences of 256 tokens and block 16 (the tree of 7 drafts with ``tree``)."""
     from trtllm_dflash.runtime.tree import tree_for
-    from trtllm_dflash.serve.loop import LocalSteps
-    from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+    from trtllm_dflash.runtime.loop import LocalSteps
+    from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
     target, drafter = tiny_models["llama"]
     shape = tree_for(7) if tree else None
@@ -210,11 +223,11 @@ def lossless_decoders(target, drafter, prompts, answers) -> dict[str, Speculativ
 
 
 def served_updates(steps, req, shape) -> list:
-    """``serve.loop.run_generation`` of ``req`` over ``steps`` (``local_steps``) at block 8 with prompt lookup (and
+    """``runtime.loop.run_generation`` of ``req`` over ``steps`` (``local_steps``) at block 8 with prompt lookup (and
     ``shape``'s tree) -> the updates it reported."""
     import asyncio
 
-    from trtllm_dflash.serve.loop import run_generation
+    from trtllm_dflash.runtime.loop import run_generation
 
     updates = []
 

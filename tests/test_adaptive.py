@@ -7,8 +7,12 @@ import pytest
 
 from conftest import OracleDecoder, greedy_reference
 from trtllm_dflash.errors import ConfigError
-from trtllm_dflash.runtime import adaptive
-from trtllm_dflash.runtime.adaptive import GRID, AcceptanceModel, AdaptivePolicy, CostModel
+from trtllm_dflash.runtime import acceptance as acceptance_model
+from trtllm_dflash.runtime import cost as cost_model
+from trtllm_dflash.runtime import lookup as prompt_lookup
+from trtllm_dflash.runtime.acceptance import AcceptanceModel
+from trtllm_dflash.runtime.cost import GRID, CostModel
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 
@@ -181,10 +185,10 @@ def test_one_outlier_step_moves_the_cost_model_a_bounded_amount():
     cost = cpu_like()
     before = [cost.verify(n) for n in (16, 64)]
     cost.observe(16, 1000 * before[0])
-    assert cost.verify(16) == pytest.approx(before[0] * (1 + cost.alpha * (adaptive.MAX_STEP_RATIO - 1)))
+    assert cost.verify(16) == pytest.approx(before[0] * (1 + cost.alpha * (cost_model.MAX_STEP_RATIO - 1)))
     assert cost.verify(64) > 1.5 * cost.verify(16) and cost.verify(64) >= before[1]
     cost.observe(16, before[0] / 1000)
-    assert cost.verify(16) > before[0] / adaptive.MAX_STEP_RATIO
+    assert cost.verify(16) > before[0] / cost_model.MAX_STEP_RATIO
 
 
 def test_a_cost_per_call_observed_at_one_width_keeps_what_wider_verifies_add():
@@ -236,13 +240,13 @@ def test_the_context_calibration_recovers_its_coefficients():
         calls.append((rows, width, context))
         return 1e-3 + 2e-6 * rows * width + context * (3e-6 * rows + 0.7e-6 * rows * width)
 
-    alpha, beta = adaptive.calibrate_context(measure, context=512, rows=16, repeats=2)
+    alpha, beta = cost_model.calibrate_context(measure, context=512, rows=16, repeats=2)
     assert alpha == pytest.approx(3e-6) and beta == pytest.approx(0.7e-6)
     assert {c[2] for c in calls} == {0, 512} and {c[:2] for c in calls} == {(16, 1), (16, 4)}
     # a share of the step that does not grow with its rows stays out of β (and adds to α only its per-row part)
-    alpha, beta = adaptive.calibrate_context(lambda r, w, c: measure(r, w, c) + 2e-3 * c / 300, repeats=1)
+    alpha, beta = cost_model.calibrate_context(lambda r, w, c: measure(r, w, c) + 2e-3 * c / 300, repeats=1)
     assert beta == pytest.approx(0.7e-6) and alpha == pytest.approx(3e-6 + 2e-3 / 300 / 16)
-    assert adaptive.calibrate_context(lambda r, w, c: 1e-3, repeats=1) == (0.0, 0.0), "never negative"
+    assert cost_model.calibrate_context(lambda r, w, c: 1e-3, repeats=1) == (0.0, 0.0), "never negative"
 
 
 def test_cost_cache_round_trip_and_key(tmp_path):
@@ -252,46 +256,46 @@ def test_cost_cache_round_trip_and_key(tmp_path):
         calls.append(n)
         return 1e-3 * (1 + n / 16)
 
-    key = adaptive.cost_key("cpu-x", "float32", 2, "m1")
-    first = adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
+    key = cost_model.cost_key("cpu-x", "float32", 2, "m1")
+    first = cost_model.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
     measured = len(calls)
     assert measured > 0 and max(calls) == 32 and len(first.verify_s) == len(GRID)
     assert first.verify(256) > first.verify(32), "beyond the calibrated range the cost keeps growing"
-    again = adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
+    again = cost_model.load_or_calibrate(key, measure, measure, 32, root=tmp_path)
     assert len(calls) == measured and again.verify_s == first.verify_s
-    other = adaptive.load_or_calibrate(adaptive.cost_key("cpu-x", "float32", 1, "m1"), measure, measure, 32,
+    other = cost_model.load_or_calibrate(cost_model.cost_key("cpu-x", "float32", 1, "m1"), measure, measure, 32,
                                        root=tmp_path)
     assert len(calls) > measured and other.key["threads"] == 1
-    path = adaptive.cache_path(key, tmp_path)
+    path = cost_model.cache_path(key, tmp_path)
     doc = json.loads(path.read_text())
     assert doc["key"] == key and doc["grid"] == list(GRID)
     path.write_text("{not json")
-    adaptive.load_or_calibrate(key, measure, measure, 32, root=tmp_path)  # a broken cache is recalibrated
+    cost_model.load_or_calibrate(key, measure, measure, 32, root=tmp_path)  # a broken cache is recalibrated
     assert json.loads(path.read_text())["key"] == key
 
 
 def test_a_stale_cost_cache_is_rescaled_by_a_spot_check(tmp_path):
-    key = adaptive.cost_key("cpu-x", "float32", 2, "m1")
-    busy = adaptive.load_or_calibrate(key, lambda n: 7e-3 * (1 + n / 16), lambda n: 2e-3 * n, 32, root=tmp_path)
+    key = cost_model.cost_key("cpu-x", "float32", 2, "m1")
+    busy = cost_model.load_or_calibrate(key, lambda n: 7e-3 * (1 + n / 16), lambda n: 2e-3 * n, 32, root=tmp_path)
     calls = []
 
     def quiet(n):  # the same shape, 7x faster: the cache was calibrated under load
         calls.append(n)
         return 1e-3 * (1 + n / 16)
 
-    fresh = adaptive.load_or_calibrate(key, quiet, lambda n: 2e-3 * n, 32, root=tmp_path, check=2)
+    fresh = cost_model.load_or_calibrate(key, quiet, lambda n: 2e-3 * n, 32, root=tmp_path, check=2)
     assert calls and max(calls) == 1, "only the smallest verify is measured"
     assert fresh.verify(16) == pytest.approx(busy.verify(16) / 7) and fresh.draft_s == busy.draft_s
-    cached = adaptive.load_or_calibrate(key, quiet, quiet, 32, root=tmp_path)
+    cached = cost_model.load_or_calibrate(key, quiet, quiet, 32, root=tmp_path)
     assert cached.verify_s == busy.verify_s, "the cache itself keeps the calibration"
 
 
 def test_prior_from_the_shipped_drafters_training_log():
-    prior = adaptive.prior_from_training_log(SHIPPED, 15)
+    prior = acceptance_model.prior_from_training_log(SHIPPED, 15)
     log = json.loads((__import__("pathlib").Path(SHIPPED) / "training_log.json").read_text())
     assert prior == log["held_out"][-1]["accuracy"][:15]
-    assert adaptive.prior_from_training_log(SHIPPED, 3) == prior[:3]
-    assert adaptive.prior_from_training_log("/nonexistent", 15) is None
+    assert acceptance_model.prior_from_training_log(SHIPPED, 3) == prior[:3]
+    assert acceptance_model.prior_from_training_log("/nonexistent", 15) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -408,7 +412,7 @@ def test_auto_equals_block_size_1_on_the_real_model(smollm2, temperature):
     reqs = [Request(tuple(p), 32, SamplingParams(temperature=temperature, seed=i), stop_token_ids=stops)
             for i, p in enumerate(prompts)]
     ar = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(reqs)]
-    prior = adaptive.prior_from_training_log(smollm2["drafter"], 15)
+    prior = acceptance_model.prior_from_training_log(smollm2["drafter"], 15)
     shipped = SpeculativeDecoder(target, drafter, "auto", policy=AdaptivePolicy(cpu_like(), 16, prior))
     assert [r.token_ids for r in shipped.generate(reqs)] == ar
     oracle = OracleDecoder(target, drafter, "auto", prompts, ar, corrupt=0.3,
@@ -426,8 +430,8 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
     pytest.importorskip("tritonclient.grpc")
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
     from trtllm_dflash.perf.metrics import fetch_metrics, parse_prometheus
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
                                 max_sequences=4, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
@@ -457,33 +461,33 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
 
 
 def test_ngram_continuation_is_prompt_lookup():
-    assert adaptive.ngram_continuation([1, 2, 3, 9, 9, 1, 2, 3], 4) == [9, 9, 1, 2]
-    assert adaptive.ngram_continuation([5, 1, 2, 7, 1, 2], 1) == [7]  # the latest earlier match of the longest tail
-    assert adaptive.ngram_continuation([4, 1, 8, 6, 1], 3) == [8, 6, 1]  # falls back to a 1-gram
-    assert adaptive.ngram_continuation([1, 2, 3], 5) == []
+    assert prompt_lookup.ngram_continuation([1, 2, 3, 9, 9, 1, 2, 3], 4) == [9, 9, 1, 2]
+    assert prompt_lookup.ngram_continuation([5, 1, 2, 7, 1, 2], 1) == [7]  # the latest earlier match of the longest tail
+    assert prompt_lookup.ngram_continuation([4, 1, 8, 6, 1], 3) == [8, 6, 1]  # falls back to a 1-gram
+    assert prompt_lookup.ngram_continuation([1, 2, 3], 5) == []
     # several proposals, longest tail first: (1 2) recurs once ([9, 9] after it), then (2) twice, but what followed
     # its earlier occurrence ([9, 9]) is proposed already
-    assert adaptive.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 8, max_n=2, per_n=2) == [[9, 9], [9, 1]]
-    assert adaptive.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 1, max_n=2, per_n=2) == [[9, 9]]
+    assert prompt_lookup.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 8, max_n=2, per_n=2) == [[9, 9], [9, 1]]
+    assert prompt_lookup.ngram_candidates([1, 2, 9, 9, 2, 9, 1, 2], 2, 1, max_n=2, per_n=2) == [[9, 9]]
 
 
 def test_ngram_lookup_reports_what_predicts_acceptance():
     """The same proposal as ``ngram_continuation``, with how far back the matched occurrence agrees with the
     context's end and whether the n-gram's two latest occurrences were followed by different tokens."""
-    lk = adaptive.ngram_lookup([1, 2, 3, 9, 9, 1, 2, 3], 4)
-    assert lk == adaptive.Lookup([9, 9, 1, 2], match=3, split=False)
+    lk = prompt_lookup.ngram_lookup([1, 2, 3, 9, 9, 1, 2, 3], 4)
+    assert lk == prompt_lookup.Lookup([9, 9, 1, 2], match=3, split=False)
     # (1 2 3) occurred twice before, followed by 9 (latest) and by 5: split; the latest match goes back 5 tokens
-    lk = adaptive.ngram_lookup([1, 2, 3, 5, 4, 0, 1, 2, 3, 9, 7, 4, 0, 1, 2, 3], 3)
-    assert lk == adaptive.Lookup([9, 7, 4], match=5, split=True)
-    assert adaptive.ngram_lookup([1, 2, 3], 5) == adaptive.Lookup([])
+    lk = prompt_lookup.ngram_lookup([1, 2, 3, 5, 4, 0, 1, 2, 3, 9, 7, 4, 0, 1, 2, 3], 3)
+    assert lk == prompt_lookup.Lookup([9, 7, 4], match=5, split=True)
+    assert prompt_lookup.ngram_lookup([1, 2, 3], 5) == prompt_lookup.Lookup([])
     rng = random.Random(0)
     for _ in range(500):
         ctx = [rng.randint(0, 3) for _ in range(rng.randint(1, 30))]
         for min_n in (1, 2):
-            assert adaptive.ngram_lookup(ctx, 5, 3, min_n).tokens == adaptive.ngram_continuation(ctx, 5, 3, min_n)
-            assert adaptive.ngram_lookup(ctx, 5, 3, min_n).match <= adaptive.MAX_MATCH
+            assert prompt_lookup.ngram_lookup(ctx, 5, 3, min_n).tokens == prompt_lookup.ngram_continuation(ctx, 5, 3, min_n)
+            assert prompt_lookup.ngram_lookup(ctx, 5, 3, min_n).match <= prompt_lookup.MAX_MATCH
     # a long match is likelier to be accepted than a short one, a split n-gram less than an unsplit one
-    long, short, split = (adaptive.Lookup([1], m, sp).prior(15) for m, sp in ((24, False), (2, False), (2, True)))
+    long, short, split = (prompt_lookup.Lookup([1], m, sp).prior(15) for m, sp in ((24, False), (2, False), (2, True)))
     assert len(long) == 15 and long[0] > short[0] > split[0] and long[1] > short[1]
 
 
@@ -492,7 +496,7 @@ def test_policy_follows_the_lookups_features():
     fresh sequence history); without features the two look alike."""
     policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)  # verify(7) = 2.2 × verify(1)
     good, poor = policy.new_sequence(), policy.new_sequence()
-    good.lookup, poor.lookup = adaptive.Lookup([5] * 6, 24), adaptive.Lookup([5] * 6, 2, split=True)
+    good.lookup, poor.lookup = prompt_lookup.Lookup([5] * 6, 24), prompt_lookup.Lookup([5] * 6, 2, split=True)
     assert policy.decide([good], [6]) == [6] and good.source == "ngram"
     assert policy.decide([poor], [6]) == [0] and poor.source is None
     good.lookup = poor.lookup = None
@@ -515,7 +519,7 @@ def test_a_static_batch_values_the_rows_that_set_its_length():
     def plan(weight_ahead):
         policy = AdaptivePolicy(cpu_like(ratio16=4.0), 16, prior=[0.05] * 15, ngram=True)
         behind, ahead = policy.new_sequence(), policy.new_sequence()
-        ahead.lookup, ahead.weight = adaptive.Lookup([5] * 6, 24), weight_ahead
+        ahead.lookup, ahead.weight = prompt_lookup.Lookup([5] * 6, 24), weight_ahead
         return policy.decide([behind, ahead], [0, 6])
 
     assert plan(1.0) == [0, 6]  # serving: every token counts
@@ -581,7 +585,7 @@ def test_a_verify_computes_only_each_rows_real_tokens(tiny_models):
     import torch
 
     from trtllm_dflash.runtime.sampling import SamplingParams
-    from trtllm_dflash.serve.steps import TargetVerifier
+    from trtllm_dflash.runtime.steps import TargetVerifier
 
     target, drafter = tiny_models["qwen3"]
     taps = drafter.spec.target_layer_ids
@@ -622,7 +626,7 @@ def test_decide_finds_the_best_plan_over_every_set_of_drafting_rows():
                 k = rng.randint(1, 7)
                 s.acceptance.observe(k, rng.randint(0, k))
             n = rng.choice([0, 0, 2, 7])
-            s.lookup = adaptive.Lookup([9] * n, rng.randint(2, 30), rng.random() < 0.3) if n else None
+            s.lookup = prompt_lookup.Lookup([9] * n, rng.randint(2, 30), rng.random() < 0.3) if n else None
             lens.append(n)
         ks = policy.decide(states, lens)
         prior = policy.drafter_prior()

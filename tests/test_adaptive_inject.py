@@ -8,12 +8,12 @@ import torch
 from conftest import greedy_reference
 from test_adaptive import cpu_like, prompts_for
 from trtllm_dflash.models.drafter import draft_block
-from trtllm_dflash.runtime.adaptive import AdaptivePolicy
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.loop import LocalSteps, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest
-from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.protocol import GenerateRequest
+from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
 
 class ScriptedPolicy(AdaptivePolicy):

@@ -81,7 +81,7 @@ def test_decoding_with_bad_words_is_lossless(tmp_path_factory, temperature):
 def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_models, tree):
     """The served path without Triton: target_verify's engine keeps each sequence's tokens from its start through
     every verify's returned tokens, chain or tree; the loop's answer is the in-process autoregressive one."""
-    from trtllm_dflash.serve.protocol import GenerateRequest
+    from trtllm_dflash.runtime.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     for prompt in ([9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6]):

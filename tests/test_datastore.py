@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import greedy_reference
+from conftest import greedy_reference, perf_script
 from trtllm_dflash.cli import main as cli
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.datastore import NGRAMS, Datastore, hash_windows, tail_hashes
@@ -142,12 +142,7 @@ def test_a_datastore_needs_the_tree_with_lookup(tiny_models):
 
 
 def test_overlap_script_counts_the_responses_ngrams_found_in_the_store(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("overlap", Path(__file__).parents[1] / "perf" / "datastore_overlap.py")
-    overlap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(overlap)
+    overlap = perf_script("datastore_overlap")
     Datastore.from_sequences([[1, 2, 3, 4], [7, 8]]).save(tmp_path / "ds.safetensors")
     greedy = tmp_path / "greedy.json"
     greedy.write_text(json.dumps([{"id": "a", "token_ids": [1, 2, 3, 9]},  # 2-grams 12 23 39: 2 of 3 stored

@@ -9,7 +9,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED, TargetVerifier
+from trtllm_dflash.runtime.steps import SLOTS_EXHAUSTED, TargetVerifier
 
 PROMPT = [3 + (7 * i) % 200 for i in range(37)]
 
@@ -95,7 +95,7 @@ class VerifierSteps:
             return r.first_token, r.taps, r.logprobs
 
     async def _start(self, seq_id, prompt_ids, sampling, want_taps, keep=0, fork_of=None):
-        from trtllm_dflash.serve.bls import StepError
+        from trtllm_dflash.serve.triton.bls import StepError
 
         try:
             r = self.v.fork(seq_id, fork_of, prompt_ids, sampling)
@@ -107,7 +107,7 @@ class VerifierSteps:
 def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_not_wait_for_it(tiny_models):
     import asyncio
 
-    from trtllm_dflash.serve.bls import RequestSteps, Siblings
+    from trtllm_dflash.serve.triton.bls import RequestSteps, Siblings
 
     async def run():
         v = verifier(tiny_models, sequences=2)
@@ -133,7 +133,7 @@ def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_
 def test_the_first_sequence_waits_for_its_siblings_forks_but_not_for_one_that_ended_before_its_start(tiny_models):
     import asyncio
 
-    from trtllm_dflash.serve.bls import RequestSteps, Siblings
+    from trtllm_dflash.serve.triton.bls import RequestSteps, Siblings
 
     async def run():
         v = verifier(tiny_models, sequences=3)

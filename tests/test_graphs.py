@@ -138,7 +138,8 @@ def test_rehearsed_graphs_are_lossless_on_the_real_model(smollm2):
 
 def test_a_step_that_captured_a_graph_teaches_the_cost_model_nothing():
     """A capture (warm-up runs and recording, tens of ms on a GPU) inside a step is not what that step costs."""
-    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+    from trtllm_dflash.runtime.cost import GRID, CostModel
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     policy = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-3] * len(GRID)), 8)
     before = (list(policy.cost.verify_s), list(policy.cost.draft_s), policy.cost.overhead_s)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_tiny_smol
+from tests.conftest import perf_script, write_tiny_smol
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,11 +168,7 @@ def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path
 
 
 def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
-    sys.path.insert(0, str(REPO / "perf"))
-    try:
-        from learning_curve import pool_prompts
-    finally:
-        sys.path.remove(str(REPO / "perf"))
+    pool_prompts = perf_script("learning_curve").pool_prompts
     pool = tmp_path / "pool.jsonl"
     rows = [{"id": f"code/x/f{i}", "prompt": f"def f{i}(x):", "chat": True} for i in range(10)]
     rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain {i}.", "chat": True} for i in range(10)]
@@ -190,11 +186,7 @@ def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
 
 
 def test_train_can_skip_the_shards_a_drafter_already_trained_on(tmp_path):
-    sys.path.insert(0, str(REPO / "perf"))
-    try:
-        from learning_curve import prefix_shards
-    finally:
-        sys.path.remove(str(REPO / "perf"))
+    prefix_shards = perf_script("learning_curve").prefix_shards
     # two workers' cost files, shards 0-4 of 10/20/30/40/50 tokens; shard 5 missing (not made yet), 6 made
     costs = {0: {}, 1: {}}
     for c, n in enumerate((10, 20, 30, 40, 50, None, 70)):

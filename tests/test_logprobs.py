@@ -88,7 +88,7 @@ def test_a_stop_token_takes_its_log_probability_with_it(tiny_models):
 def test_the_serving_loop_returns_them_with_the_tokens(tiny_dirs, tiny_models, tree, temperature):
     """The served path without Triton: target_verify's engine returns each start's and verify's log-probabilities
     (chain or tree), the loop keeps them aligned with the tokens it reports, a stop sequence cuts both."""
-    from trtllm_dflash.serve.protocol import GenerateRequest
+    from trtllm_dflash.runtime.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     sampling = SamplingParams(temperature, seed=3, logprobs=True)

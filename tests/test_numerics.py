@@ -138,14 +138,14 @@ def test_small_cpu_products_run_weight_major(threads, monkeypatch):
 
 
 def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch):
-    """The Triton drafter model's LM head (``serve.steps.BlockDrafter.logits``) runs the product every other head of
+    """The Triton drafter model's LM head (``runtime.steps.BlockDrafter.logits``) runs the product every other head of
     the runtime runs (``layers.linear``: weight-major for a few float32 rows), bit for bit; as x · Wᵀ it took 2–4× as
     long for 2–8 rows on the 2-core CPU and ``--block-size auto`` drafted half as often through Triton."""
     from types import SimpleNamespace
 
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.models import layers
-    from trtllm_dflash.serve.steps import BlockDrafter
+    from trtllm_dflash.runtime.steps import BlockDrafter
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     _, drafter = load_pair(*tiny_dirs["llama"], dtype=torch.float32)

@@ -86,7 +86,7 @@ def test_the_serving_loop_over_the_step_engines_is_lossless(tiny_dirs, tiny_mode
     """The served path without Triton: target_verify's engine keeps each sequence's occurrences from its start
     (prompt and first token) through every verify's returned tokens, chain or tree; the loop's answer is the
     in-process autoregressive one with the same penalties."""
-    from trtllm_dflash.serve.protocol import GenerateRequest
+    from trtllm_dflash.runtime.protocol import GenerateRequest
 
     target, verifier, steps, shape = local_steps(tiny_dirs, tiny_models, tree)
     sampling = SamplingParams(temperature, seed=3, repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3)

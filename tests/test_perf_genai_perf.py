@@ -1,7 +1,6 @@
 """perf/genai_perf.py: the GenAI-Perf commands it runs, the numbers it reads from GenAI-Perf's export (a recorded run
 against a real server, perf/results/genai-perf/), and GenAI-Perf's recorded request against our entry's inputs."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from test_serving_compat import pbtxt_inputs
-from trtllm_dflash.serve.render import RepoConfig, make_repo
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+
+from conftest import perf_script
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "perf" / "genai_perf.py"
@@ -20,10 +21,7 @@ RUN = ROOT / "perf" / "results" / "genai-perf" / "s40-auto-ngram"
 
 @pytest.fixture(scope="module")
 def gp():
-    spec = importlib.util.spec_from_file_location("genai_perf_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return perf_script("genai_perf")
 
 
 def test_summary_and_ratios_come_from_genai_perfs_export(gp):

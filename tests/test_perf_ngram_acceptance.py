@@ -5,12 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import perf_script
+
 SCRIPT = Path(__file__).parents[1] / "perf" / "ngram_acceptance.py"
 
 
 def test_counts_by_hand(tmp_path):
-    sys.path.insert(0, str(SCRIPT.parent))
-    from ngram_acceptance import acceptance
+    acceptance = perf_script("ngram_acceptance").acceptance
 
     # prompt 1 2 3, output 1 2 3 9: at the output's "1" the tail "3 1" never occurred before; at "1 2" (at 0) the
     # proposal is 3 1 2: slot 1 right (3), slot 2 wrong (9 follows); at "1 2 3" the proposal 1 2 3 is wrong at once
@@ -32,10 +33,11 @@ def test_match_table_and_forecast_loss_by_hand():
     decoder's walk verifies only the first (then it is past the end): slot 1 right, slot 2 wrong."""
     import math
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    from ngram_acceptance import by_match, forecast_loss
+    script = perf_script("ngram_acceptance")
+    by_match, forecast_loss = script.by_match, script.forecast_loss
 
-    from trtllm_dflash.runtime.adaptive import LOOKUP_FIRST, LOOKUP_NEXT, NGRAM_PRIOR
+    from trtllm_dflash.runtime.acceptance import NGRAM_PRIOR
+    from trtllm_dflash.runtime.lookup import LOOKUP_FIRST, LOOKUP_NEXT
 
     seqs = [([1, 2, 3, 1, 2, 3, 9], 3)]
     table = by_match(seqs, block_size=5)

@@ -92,8 +92,8 @@ def install_perf_analyzer() -> str:
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     pytest.importorskip("tritonclient.grpc")
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     root = tmp_path_factory.mktemp("perf")
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512,

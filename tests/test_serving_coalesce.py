@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trtllm_dflash.serve.coalesce import StepCoalescer
+from trtllm_dflash.runtime.coalesce import StepCoalescer
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""Clients written for TensorRT-LLM's Triton ensemble (serve/compat.py): the inputs they send are declared with the
+"""Clients written for TensorRT-LLM's Triton ensemble (serve/trtllm/compat.py): the inputs they send are declared with the
 ensemble's dtypes and dims, honoured or refused by name; min_tokens is lossless in the runtime."""
 
 import json
@@ -13,9 +13,9 @@ from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams, ban_tokens
-from trtllm_dflash.serve import compat
-from trtllm_dflash.serve.protocol import StopMatcher
-from trtllm_dflash.serve.render import RepoConfig, make_repo
+from trtllm_dflash.serve.trtllm import compat
+from trtllm_dflash.runtime.protocol import StopMatcher
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_ensemble" / "ensemble_io.json").read_text())
 # the ensemble's inputs not declared here (Triton refuses them naming the input): prompt tables, embedding bias,

@@ -13,9 +13,8 @@ import yaml
 
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve import compat
-from trtllm_dflash.serve import llmapi
-from trtllm_dflash.serve.render import LLMAPI_MODELS, RepoConfig, make_repo
+from trtllm_dflash.serve.trtllm import compat, llmapi
+from trtllm_dflash.serve.triton.render import LLMAPI_MODELS, RepoConfig, make_repo
 from trtllm_dflash.specs import DrafterSpec
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_llmapi" / "llmapi_facts.json").read_text())
@@ -233,7 +232,7 @@ def test_bridge_model_over_fake_bls(tiny_dirs):
                                       end_id=np.array([2], np.int32))))
     (resp, flags), = sent
     assert flags == 1 and "end_id=2" in resp.error.message()
-    # TensorRT-LLM's ensemble inputs (serve/compat.py): the prompt echoed when not streaming, each response's own
+    # TensorRT-LLM's ensemble inputs (serve/trtllm/compat.py): the prompt echoed when not streaming, each response's own
     # token count and the draft totals so far; min_tokens, which the llmapi model has no input for, refused by name
     sent.clear()
     asyncio.run(bridge._serve(request(text_input=np.array([b"hi"], dtype=object), max_tokens=np.array([5], np.int32),

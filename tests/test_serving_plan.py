@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from conftest import greedy_reference
-from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+from trtllm_dflash.runtime.cost import GRID, CostModel
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.loop import BatchedLocalSteps, StepReport, plan_together, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest
-from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+from trtllm_dflash.runtime.loop import BatchedLocalSteps, StepReport, plan_together, run_generation
+from trtllm_dflash.runtime.protocol import GenerateRequest
+from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
 PROMPTS = [[9, 8, 7, 9, 8, 7, 9, 8], [5, 6, 7, 8, 5, 6], [3, 4, 5, 6, 7, 8], [11, 12, 11, 12, 11, 12, 11]]
 
@@ -109,8 +110,8 @@ def test_triton_concurrent_auto_streams_step_as_one_batch(smollm2, tmp_path):
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.perf.health import step_batching
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     texts = [p.text for p in load_prompts("humaneval", 2)] + [p.text for p in load_prompts("mtbench", 2)]
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", ngram=True, max_seq_len=768,
@@ -140,7 +141,7 @@ def test_a_step_is_observed_with_its_own_rows_contexts():
     sequences that plan alone interleave): the curve learns the time beyond the context's share."""
     from dataclasses import replace
 
-    from trtllm_dflash.serve.loop import observe_steps
+    from trtllm_dflash.runtime.loop import observe_steps
 
     aware, blind = _policy(), _policy()
     for p in (aware, blind):

@@ -13,9 +13,9 @@ import pytest
 
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, build_inputs
 from trtllm_dflash.perf.health import active_sequences, slot_counts, wait_until_idle
-from trtllm_dflash.serve.lifecycle import stub_pids
-from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import TritonServer
+from trtllm_dflash.serve.triton.lifecycle import stub_pids
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+from trtllm_dflash.serve.triton.server import TritonServer
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")

@@ -6,15 +6,16 @@ import json
 import pytest
 import torch
 
-from conftest import greedy_reference
+from conftest import greedy_reference, perf_script
 from trtllm_dflash.cli import main
 from trtllm_dflash.errors import ArtifactError, ConfigError
-from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+from trtllm_dflash.runtime.cost import GRID, CostModel
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.loop import LocalSteps, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest, StopMatcher, decode_stops, encode_stops
-from trtllm_dflash.serve.render import MODELS, RepoConfig, make_repo, render_text
-from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.protocol import GenerateRequest, StopMatcher, decode_stops, encode_stops
+from trtllm_dflash.serve.triton.render import MODELS, RepoConfig, make_repo, render_text
+from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
 
 def test_render_text_is_strict():
@@ -64,7 +65,7 @@ def test_make_repo_ngram_reaches_the_dflash_loops_only(tiny_dirs, tmp_path, caps
 def test_make_repo_auto_writes_the_loop_policy(tiny_dirs, tmp_path, monkeypatch):
     """--block-size auto: the step models are built for the longest block, dflash_bls gets "auto" and the settings
     file (calibrated cost model + the drafter's prior) that its loop loads; the baseline stays autoregressive."""
-    from trtllm_dflash.serve.bls import load_policy
+    from trtllm_dflash.serve.triton.bls import load_policy
 
     monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path / "cache"))
     t, d = tiny_dirs["llama"]
@@ -112,7 +113,7 @@ def test_make_repo_template_with_missing_or_extra_key_fails(tiny_dirs, tmp_path)
     templates = tmp_path / "templates"
     import shutil
 
-    from trtllm_dflash.serve.render import TEMPLATES
+    from trtllm_dflash.serve.triton.render import TEMPLATES
 
     shutil.copytree(TEMPLATES, templates)
     cfg = templates / "kv_inject" / "config.pbtxt"
@@ -149,11 +150,7 @@ def test_indexed_stops_cut_where_comparing_every_stop_does():
     """StopMatcher compares a new token with the stops ending in it only: the same cut as comparing every stop at
     every position, on random streams and stop lists over a small vocabulary (many overlaps)."""
     import random
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "perf"))
-    from bench_stops import every_stop  # the check before session 39, which perf/bench_stops.py times
+    every_stop = perf_script("bench_stops").every_stop  # the check perf/bench_stops.py times this one against
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -224,7 +221,7 @@ def test_loop_over_step_engines_is_lossless(tiny_dirs, tiny_models, block_size):
 def test_server_env_bounds_openmp_spinning(tmp_path, monkeypatch):
     """Step-model processes share the cores: by default their idle OpenMP threads spin a bounded while (neither the
     unbounded default nor a futex sleep after every op); a user's own OMP_WAIT_POLICY / GOMP_SPINCOUNT wins."""
-    from trtllm_dflash.serve.server import OMP_SPINCOUNT, server_command
+    from trtllm_dflash.serve.triton.server import OMP_SPINCOUNT, server_command
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
@@ -239,7 +236,7 @@ def test_cpu_step_threads_follow_the_load():
     """A CPU step model computes on every core while it serves one sequence and on one thread once several overlap
     (the target's and the drafter's processes would otherwise fight over the cores at each op's barrier); a fixed
     ``torch_threads`` wins at any load."""
-    from trtllm_dflash.serve.handlers import CpuThreads
+    from trtllm_dflash.serve.triton.handlers import CpuThreads
 
     before = torch.get_num_threads()
     try:
@@ -266,7 +263,7 @@ def test_a_coalescing_loops_one_row_requests_get_every_core():
 
     import numpy as np
 
-    from trtllm_dflash.serve.handlers import CpuThreads, _coalesced
+    from trtllm_dflash.serve.triton.handlers import CpuThreads, _coalesced
 
     pb = SimpleNamespace(get_input_tensor_by_name=lambda request, name: SimpleNamespace(
         as_numpy=lambda: request[name]) if name in request else None)
@@ -289,7 +286,7 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
     import sys
 
     code = ("import os, threading, time\n"
-            "from trtllm_dflash.serve.lifecycle import raise_niceness, yield_to_compute\n"
+            "from trtllm_dflash.serve.triton.lifecycle import raise_niceness, yield_to_compute\n"
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
             "assert yield_to_compute(0) is False\n"
             "n = raise_niceness(3); again = raise_niceness(2)\n"
@@ -310,7 +307,7 @@ def test_raise_niceness_sets_every_thread_and_io_nice_renders_only_to_io_models(
 def test_a_server_that_exits_while_loading_names_the_model_and_why(tmp_path):
     """startup_failure puts the log's error and failed-load lines, which the model table and the shutdown push out
     of any short tail, ahead of the tail."""
-    from trtllm_dflash.serve.server import startup_failure
+    from trtllm_dflash.serve.triton.server import startup_failure
 
     lines = ['I1128 01:07:55.313238 2792 model_lifecycle.cc:472] "loading: dflash:1"',
              'E1128 01:08:06.021758 2792 model_lifecycle.cc:642] "failed to load \'dflash\' version 1: Internal: '
@@ -389,7 +386,7 @@ def test_tensorrt_llm_names_are_the_dflash_entry_point_unless_left_out(tiny_dirs
     choices) render as dflash, their name aside; make-repo --no-trtllm-names leaves them out."""
     from conftest import run_cli
 
-    from trtllm_dflash.serve.render import TRTLLM_NAMES
+    from trtllm_dflash.serve.triton.render import TRTLLM_NAMES
 
     target, drafter = map(str, tiny_dirs["llama"])
     repo = make_repo(RepoConfig(target, drafter, block_size=4, max_seq_len=256), tmp_path / "named")

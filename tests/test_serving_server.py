@@ -13,8 +13,8 @@ import pytest
 from conftest import trtllm_stream
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, ServerError
 from trtllm_dflash.runtime.text import encode_prompt
-from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import SHM_DIR, TritonServer, shm_prefix
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+from trtllm_dflash.serve.triton.server import SHM_DIR, TritonServer, shm_prefix
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -328,7 +328,7 @@ def test_out_of_vocabulary_ids_to_the_token_loop_are_named_and_hold_no_slot(serv
         assert client.generate("dflash", GenerateParams("Say yes.", 4)).token_ids
 
 
-# Clients written for TensorRT-LLM's Triton ensemble (serve/compat.py, tests/data/trtllm_ensemble/ensemble_io.json):
+# Clients written for TensorRT-LLM's Triton ensemble (serve/trtllm/compat.py, tests/data/trtllm_ensemble/ensemble_io.json):
 # its example client and GenAI-Perf send inputs beyond ours and read text_output as a 1-D tensor.
 @pytest.fixture(scope="module")
 def raw_runtime(smollm2, oracle):

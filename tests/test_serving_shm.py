@@ -1,11 +1,11 @@
-"""Shared-memory hygiene of our Triton servers (serve/server.py): the python backend's regions live in /dev/shm (RAM),
+"""Shared-memory hygiene of our Triton servers (serve/triton/server.py): the python backend's regions live in /dev/shm (RAM),
 and a server that is SIGKILLed, or dies with the process that started it, never frees them."""
 
 import os
 import subprocess
 import sys
 
-from trtllm_dflash.serve.server import remove_shm_regions, shm_prefix
+from trtllm_dflash.serve.triton.server import remove_shm_regions, shm_prefix
 
 
 def test_sweep_removes_only_regions_of_exited_processes(tmp_path):

@@ -15,8 +15,8 @@ import pytest
 
 from trtllm_dflash.client.grpc import DFlashClient, GenerateParams, build_inputs
 from trtllm_dflash.perf.health import stub_processes
-from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import SHM_DIR, STOP_GRACE_S, free_ports, remove_shm_regions
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+from trtllm_dflash.serve.triton.server import SHM_DIR, STOP_GRACE_S, free_ports, remove_shm_regions
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -105,7 +105,7 @@ def test_serve_reloads_a_killed_model_and_sigterm_leaves_nothing_behind(smollm2,
 
 def test_serve_killed_with_sigkill_leaves_no_server_and_no_stub(smollm2, tmp_path):
     """serve itself SIGKILLed (no clean-up of its own) with 16 generations in flight: its tritonserver dies with it
-    (PR_SET_PDEATHSIG) and every stub within seconds (serve/lifecycle.py), none left computing."""
+    (PR_SET_PDEATHSIG) and every stub within seconds (serve/triton/lifecycle.py), none left computing."""
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
                                 max_sequences=16), tmp_path / "repo")
     http, grpc, metrics = free_ports(3)

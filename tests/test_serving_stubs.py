@@ -1,4 +1,4 @@
-"""Which processes count as a model's python stubs (serve/lifecycle.py), on real processes laid out as Triton's
+"""Which processes count as a model's python stubs (serve/triton/lifecycle.py), on real processes laid out as Triton's
 python backend starts them: argv[0] the stub binary, argv[1] ``<repo>/<model>/1/model.py``, argv[8] the stub's name
 (the model's for the short-lived auto-complete stub, ``<model>_0_0`` for an instance)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_dflash.serve.lifecycle import StubWatch, python_stubs, stub_pids, watchdog_argv
+from trtllm_dflash.serve.triton.lifecycle import StubWatch, python_stubs, stub_pids, watchdog_argv
 
 
 def fake_stub(tmp_path, model: str, name: str) -> subprocess.Popen:
@@ -28,7 +28,7 @@ def loop_stub(seconds: float) -> subprocess.Popen:
     """A sibling that watches the drafter's stubs as a loop model does (checks every 0.1 s); returns once it has
     watched for 0.5 s; it prints "alive" if it outlives ``seconds`` more."""
     code = ("import time\n"
-            "from trtllm_dflash.serve.lifecycle import watch_parent\n"
+            "from trtllm_dflash.serve.triton.lifecycle import watch_parent\n"
             "watch_parent(0.1, needs=('drafter',)); time.sleep(0.5); print('watching', flush=True)\n"
             f"time.sleep({seconds}); print('alive', flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

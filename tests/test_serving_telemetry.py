@@ -1,11 +1,11 @@
-"""The loop models' custom metrics (serve/telemetry.py) gather counts in the stub and hand them to Triton in few
+"""The loop models' custom metrics (serve/triton/telemetry.py) gather counts in the stub and hand them to Triton in few
 calls: every metric call is a round trip to the server process."""
 
 from collections import Counter
 
-from trtllm_dflash.serve import telemetry
-from trtllm_dflash.serve.loop import Update
-from trtllm_dflash.serve.telemetry import LoopTelemetry
+from trtllm_dflash.serve.triton import telemetry
+from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.serve.triton.telemetry import LoopTelemetry
 
 
 class FakePb:

@@ -1,4 +1,4 @@
-"""TensorRT-LLM's token-level model, ``tensorrt_llm`` (serve/token_model.py), on a real Triton server with the real
+"""TensorRT-LLM's token-level model, ``tensorrt_llm`` (serve/trtllm/token_model.py), on a real Triton server with the real
 SmolLM2 pair: requests as TensorRT-LLM's ``inflight_batcher_llm_client.py`` sends them get the autoregressive answer
 in the shapes its backend answers with; batches, stop requests, perf metrics and bad input; and TensorRT-LLM's tokenizer
 models around it (preprocessing, postprocessing), called step by step and as a Triton ensemble wired as its own."""
@@ -10,8 +10,8 @@ import pytest
 
 from conftest import grpc_inputs, trtllm_stream
 from trtllm_dflash.runtime.text import encode_prompt
-from trtllm_dflash.serve.render import RepoConfig, make_repo
-from trtllm_dflash.serve.server import TritonServer
+from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+from trtllm_dflash.serve.triton.server import TritonServer
 
 pytestmark = pytest.mark.slow
 grpcclient = pytest.importorskip("tritonclient.grpc")

@@ -15,9 +15,9 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import Topology, TreeShape, tree_for
-from trtllm_dflash.serve.loop import LocalSteps, run_generation, tree_block
-from trtllm_dflash.serve.protocol import GenerateRequest
-from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier, tree_topology
+from trtllm_dflash.runtime.loop import LocalSteps, run_generation, tree_block
+from trtllm_dflash.runtime.protocol import GenerateRequest
+from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier, tree_topology
 
 
 @pytest.mark.parametrize("shape", [TreeShape.for_block(15, datastore=True), TreeShape.for_block(3),
@@ -164,8 +164,8 @@ PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"", "Wr
 @pytest.fixture(scope="module")
 def tree_server(smollm2, tmp_path_factory):
     from trtllm_dflash.commands.serving import repo_datastore
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     cfg = RepoConfig(smollm2["target"], smollm2["drafter"], block_size=16, max_seq_len=512, max_sequences=8,
                      ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True))
@@ -265,8 +265,8 @@ def test_triton_auto_with_a_tree_is_lossless(smollm2, tmp_path):
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
     from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
                                 max_sequences=4, ngram=True, tree=True,

@@ -14,11 +14,11 @@ from conftest import greedy_reference
 from trtllm_dflash.engine import contract
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve import trtllm_engine as te
-from trtllm_dflash.serve.loop import LocalSteps, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest
-from trtllm_dflash.serve.render import MODELS, RepoConfig, make_repo
-from trtllm_dflash.serve.steps import BlockDrafter, KVInjector, TargetHead
+from trtllm_dflash.serve.trtllm import engine as te
+from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.protocol import GenerateRequest
+from trtllm_dflash.serve.triton.render import MODELS, RepoConfig, make_repo
+from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_1_2_1" / "runtime_api.json").read_text())
 API = FACTS["executor"]

@@ -1,4 +1,4 @@
-"""The ``tensorrt_llm`` model's request parsing and responses (serve/token_model.py), against TensorRT-LLM's recorded
+"""The ``tensorrt_llm`` model's request parsing and responses (serve/trtllm/token_model.py), against TensorRT-LLM's recorded
 token-level model (tests/data/trtllm_ensemble/tensorrt_llm_io.json); the real server runs it in
 tests/test_serving_token_model.py."""
 
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.serve import token_model
-from trtllm_dflash.serve.compat import Options
-from trtllm_dflash.serve.loop import Update
-from trtllm_dflash.serve.protocol import generate_request
-from trtllm_dflash.serve.render import TEMPLATES, render_text
-from trtllm_dflash.serve.token_model import TokenFrontend, word_list
+from trtllm_dflash.serve.trtllm import token_model
+from trtllm_dflash.serve.trtllm.compat import Options
+from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.runtime.protocol import generate_request
+from trtllm_dflash.serve.triton.render import TEMPLATES, render_text
+from trtllm_dflash.serve.trtllm.token_model import TokenFrontend, word_list
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_ensemble" / "tensorrt_llm_io.json").read_text())
 VOCAB = 100
@@ -193,8 +193,8 @@ def test_responses_carry_what_the_backend_sends():
 
 
 def test_row_views_read_one_row_of_a_batch_as_a_request_of_its_own():
-    """The entry models' batches: each row's inputs as a one-row request (serve.triton_io.RowView)."""
-    from trtllm_dflash.serve.triton_io import row_views, scalar
+    """The entry models' batches: each row's inputs as a one-row request (serve.triton.io.RowView)."""
+    from trtllm_dflash.serve.triton.io import row_views, scalar
 
     req = {"text_input": np.array([[b"a"], [b"b"]], dtype=object), "max_tokens": np.array([[3], [5]], np.int32),
            "temperature": np.array([[0.5]], np.float32)}

@@ -271,7 +271,8 @@ def test_tree_without_lookup_and_a_shape_for_another_block_size(tiny_models):
 
 def _policy(flat: bool, shape: TreeShape, ngram: bool = True):
     """A device where a verify costs the same at any width (flat: a GPU at small batch) or in proportion to it."""
-    from trtllm_dflash.runtime.adaptive import GRID, AdaptivePolicy, CostModel
+    from trtllm_dflash.runtime.cost import GRID, CostModel
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     verify = [1e-3 if flat else 1e-3 * n for n in GRID]
     # alpha 0: the model keeps these costs (the step times it would observe are this CPU's)
@@ -282,7 +283,7 @@ def _policy(flat: bool, shape: TreeShape, ngram: bool = True):
 def test_auto_takes_the_tree_where_a_wide_verify_is_cheap():
     """choose_tree: with a flat verify cost the tree's expected tokens win; where cost grows with the width the chain
     plan wins, and a tree step is re-tried only after the probe interval the budget allows."""
-    from trtllm_dflash.runtime.adaptive import AdaptivePolicy
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     shape = TreeShape.for_block(15, datastore=True)
     flat = _policy(True, shape)

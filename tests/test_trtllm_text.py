@@ -1,4 +1,4 @@
-"""``preprocessing`` / ``postprocessing`` with TensorRT-LLM's inputs and outputs (serve/trtllm_text.py), against its
+"""``preprocessing`` / ``postprocessing`` with TensorRT-LLM's inputs and outputs (serve/trtllm/text.py), against its
 recorded models (tests/data/trtllm_ensemble/text_models_io.json), on the real SmolLM2 tokenizer; the real server
 chains them around the ``tensorrt_llm`` model in tests/test_serving_token_model.py."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from trtllm_dflash.errors import DFlashError
-from trtllm_dflash.serve.render import MODELS, TEMPLATES, render_text
-from trtllm_dflash.serve.trtllm_text import TextPostprocessor, TextPreprocessor, flag, word_lists
+from trtllm_dflash.serve.triton.render import MODELS, TEMPLATES, render_text
+from trtllm_dflash.serve.trtllm.text import TextPostprocessor, TextPreprocessor, flag, word_lists
 
 FACTS = json.loads((Path(__file__).parent / "data" / "trtllm_ensemble" / "text_models_io.json").read_text())
 ENTRY = re.compile(r'\{ name: "(\w+)" data_type: (\w+) dims: \[ ([-\d, ]+) \]( optional: true)? \}')

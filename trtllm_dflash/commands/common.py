@@ -144,7 +144,7 @@ def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_b
     ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with lookup chains only with ``ngram``, and
     proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter directory's, if it has one);
     ``cuda_graphs``: ``SpeculativeDecoder``'s."""
-    from trtllm_dflash.runtime.adaptive import prior_from_training_log
+    from trtllm_dflash.runtime.acceptance import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
     prior = None

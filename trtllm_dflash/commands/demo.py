@@ -107,8 +107,8 @@ def _in_process(args, assets, block, ngram) -> dict:
 def _through_triton(args, assets, block, ngram) -> dict:
     from trtllm_dflash.assets import cache_dir
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
-    from trtllm_dflash.serve.server import TritonServer
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
 
     repo = make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=block, max_seq_len=2048,
                                 max_sequences=4, ngram=ngram, trtllm_names=False),  # it asks dflash and baseline

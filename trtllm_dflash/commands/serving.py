@@ -12,7 +12,7 @@ import threading
 
 def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     from trtllm_dflash.commands.common import add_ngram_argument, block_size_arg
-    from trtllm_dflash.serve.render import BACKENDS, RepoConfig
+    from trtllm_dflash.serve.triton.render import BACKENDS, RepoConfig
 
     d = RepoConfig("", "")
     parser.add_argument("--target", default=None,
@@ -78,7 +78,7 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_repo_main(args: argparse.Namespace) -> int:
     from trtllm_dflash.commands.common import resolve_ngram
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
     from trtllm_dflash.specs import DrafterSpec
 
     from trtllm_dflash.errors import require
@@ -131,7 +131,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from trtllm_dflash.serve.server import TritonServer, check_backend_available
+    from trtllm_dflash.serve.triton.server import TritonServer, check_backend_available
 
     check_backend_available(args.repo)
 

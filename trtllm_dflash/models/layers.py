@@ -79,7 +79,7 @@ class Linear(nn.Linear):
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``, weight-major where ``weight_major_rows`` says so: every product with a weight the
-    runtime holds goes through here (``Linear``, and the Triton drafter's LM head, ``serve.steps.BlockDrafter``)."""
+    runtime holds goes through here (``Linear``, and the Triton drafter's LM head, ``runtime.steps.BlockDrafter``)."""
     if not CPU_WEIGHT_MAJOR or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 \
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, bias)

@@ -10,7 +10,7 @@ import numpy as np
 
 from trtllm_dflash.perf.metrics import fetch_metrics, parse_prometheus
 
-STATS = 3  # the step models' STATS mode (serve/handlers.py)
+STATS = 3  # the step models' STATS mode (serve/triton/handlers.py)
 
 
 def active_sequences(metrics_url: str) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Parse the Prometheus text of Triton's metrics endpoint and read the DFlash acceptance counters from it.
 
-The BLS loop models export (``trtllm_dflash/serve/telemetry.py``), per label ``model`` (the entry models dflash | baseline, and
+The BLS loop models export (``trtllm_dflash/serve/triton/telemetry.py``), per label ``model`` (the entry models dflash | baseline, and
 the token-level dflash_bls | baseline_bls):
 ``dflash_draft_tokens_total``, ``dflash_accepted_draft_tokens_total``, ``dflash_steps_total``,
 ``dflash_requests_total`` and ``dflash_acceptance_length_total{tau=..}``. A benchmark point reads them before and

@@ -327,7 +327,7 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
             metrics_url = cfg.metrics_url or f"http://{host}:8002/metrics"
             return _sweep_server(cfg, exe, pa_version, cfg.repo_url, metrics_url, out, input_data, "served", None, bar)
         from trtllm_dflash.assets import prepare_demo_assets
-        from trtllm_dflash.serve.server import TritonServer
+        from trtllm_dflash.serve.triton.server import TritonServer
 
         assets = prepare_demo_assets()
         block_sizes = cfg.block_sizes or ("auto",)  # make-repo's defaults (the sweep rendered block 16 until s40)
@@ -354,7 +354,7 @@ def render_demo_repo(out: Path, assets: dict, block_size: int | str = "auto", ng
     """The demo pair's repository (``prepare_demo_assets()``) rendered into ``out`` as make-repo renders it by default:
     block size auto, prompt lookup on wherever it applies; ``settings``: other ``RepoConfig`` fields."""
     from trtllm_dflash.commands.common import resolve_ngram
-    from trtllm_dflash.serve.render import RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
 
     return make_repo(RepoConfig(assets["target"], assets["drafter"], block_size=block_size,
                                 ngram=resolve_ngram(ngram, block_size), **settings), out, force=True)

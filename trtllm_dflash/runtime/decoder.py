@@ -14,7 +14,7 @@ injection is lazy: a row's taps wait (``_PendingTaps``) until it next drafts, so
 that draft, right before their draft pass; rows verifying k = 0 never touch the drafter.
 
 Block size 1 skips the drafter (and the taps): it is plain autoregressive decoding through the same code, the
-built-in baseline. Block size ``"auto"`` asks ``runtime.adaptive`` each step how many drafts k ∈ [0, B−1] every row
+built-in baseline. Block size ``"auto"`` asks ``runtime.policy`` each step how many drafts k ∈ [0, B−1] every row
 verifies (k = 0: no draft pass for that row); the step verifies a rectangular [b, K + 1] block, rows drafting fewer
 than K padded with drafts that never match, so acceptance, crop and injection are the same code.
 
@@ -34,7 +34,9 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, SeqState, ngram_lookup
+from trtllm_dflash.runtime.acceptance import SeqState
+from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, ngram_lookup
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, target_samples,
                                             verify_samples)
 from trtllm_dflash.runtime.datastore import Datastore
@@ -158,7 +160,7 @@ class SpeculativeDecoder:
         ``prior``; ``ngram``: also verify prompt-lookup continuations where they are expected to yield more).
 
         ``ngram`` at a fixed block size: a row whose context ends in a 2- or 3-gram that occurred earlier verifies the
-        B − 1 tokens that followed it (``adaptive.ngram_continuation``, at least ``LOOKUP_MIN_N`` tokens matched)
+        B − 1 tokens that followed it (``lookup.ngram_continuation``, at least ``LOOKUP_MIN_N`` tokens matched)
         instead of the drafter's block, and skips the draft pass; the others draft as usual. Lossless either way: the
         verify step does not care where a proposal came from.
 
@@ -595,7 +597,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     import hashlib
     import math
 
-    from trtllm_dflash.runtime import adaptive
+    from trtllm_dflash.runtime import cost as cost_model
 
     target, drafter, bsz = decoder.target, decoder.drafter, decoder.block_size
     assert drafter is not None and decoder.mask_token_id is not None
@@ -603,7 +605,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     graphs = decoder.graphs.mode if decoder.graphs is not None else None  # a graphed step costs another curve
     model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)
                                 + ((graphs,) if graphs else ())).encode())
-    key = adaptive.cost_key(adaptive.device_name(dev), str(target.dtype).removeprefix("torch."),
+    key = cost_model.cost_key(cost_model.device_name(dev), str(target.dtype).removeprefix("torch."),
                             torch.get_num_threads(), model.hexdigest()[:16])
 
     caches = {}  # (rows, context) -> a cache whose first ``context`` slots of every row count as committed
@@ -618,7 +620,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             cache = caches[rows, context] = target.new_cache(rows, context + max(width, bsz) + 1)
             cache.lengths.fill_(context)
         ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        return adaptive.timed(lambda: target.logits(decoder.verify_forward(ids, cache, None)[0][:, :1]), sync)
+        return cost_model.timed(lambda: target.logits(decoder.verify_forward(ids, cache, None)[0][:, :1]), sync)
 
     @torch.inference_mode()
     def draft(n: int) -> float:
@@ -628,9 +630,9 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             dcache = drafts[rows] = drafter.new_cache(rows, bsz + 1)
         bonus = torch.zeros(rows, dtype=torch.long, device=dev)
         # the class's own draft (a test's decoder may override ``propose`` to replace the drafts)
-        return adaptive.timed(lambda: SpeculativeDecoder.propose(decoder, bonus, dcache, None, dcache.lengths,
+        return cost_model.timed(lambda: SpeculativeDecoder.propose(decoder, bonus, dcache, None, dcache.lengths,
                                                                  width - 1), sync)
 
-    cost = adaptive.load_or_calibrate(key, lambda n: verify_over(1, n, 0), draft, max_rows * bsz, refresh=refresh,
+    cost = cost_model.load_or_calibrate(key, lambda n: verify_over(1, n, 0), draft, max_rows * bsz, refresh=refresh,
                                       check=3, measure_context=verify_over)
     return AdaptivePolicy(cost, bsz, prior, ngram=ngram)

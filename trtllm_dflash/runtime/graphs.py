@@ -24,7 +24,7 @@ through the same input and output buffers on every call instead of replaying, so
 is exercised where no GPU is (it computes a verify's padding, which the CPU's eager verify skips: a test mode, not a
 CPU speed-up); ``"off"``: ``run`` calls the function directly. The decoder's graphs cover the target's step forward
 (autoregressive, verify, tree verify) and the draft pass; the prefill, the acceptance and the KV injection run eagerly
-as before, and so do the Triton step models (``serve/steps.py``).
+as before, and so do the Triton step models (``runtime/steps.py``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import held, ngram_candidates
+from trtllm_dflash.runtime.lookup import held, ngram_candidates
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import History, target_samples
 
@@ -50,7 +50,7 @@ from trtllm_dflash.runtime.sampling import History, target_samples
 DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2, 9)) + ((2, 2), (3, 2), (4, 2))
 DEFAULT_ALTERNATE_LEN = 4
 # Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest
-# earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``adaptive.ngram_candidates``). Picked
+# earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``lookup.ngram_candidates``). Picked
 # by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/s24/shapes-*):
 # with the alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to
 # 1-grams and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36
@@ -309,7 +309,7 @@ def tree_for(k: int, lookup: bool = True, datastore: bool = False) -> TreeShape:
 
 def lookup_chains(shape: TreeShape, context, datastore: Datastore | None = None) -> list[list[int]]:
     """Proposals for ``shape``'s lookup chains from the tokens so far (prompt + output), best first, at most
-    ``shape.lookup`` of them, each at most k tokens: prompt lookup's (``adaptive.ngram_candidates``); with a
+    ``shape.lookup`` of them, each at most k tokens: prompt lookup's (``lookup.ngram_candidates``); with a
     ``datastore`` (``runtime.datastore``), prompt lookup's take half the chains (rounded up) and the datastore's the
     rest, each filling what the other leaves unused, and a proposal an earlier one starts with is skipped."""
     return _proposals(context, shape.k, shape.lookup, datastore) if shape.lookup else []

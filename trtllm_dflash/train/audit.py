@@ -26,7 +26,7 @@ import torch
 
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, ngram_continuation
+from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, ngram_continuation
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.tree import TreeShape, graft_chains, lookup_chains
@@ -117,7 +117,7 @@ def lookup_acceptance(ids: list[int], prompt_len: int, block_size: int, max_ngra
                       min_ngram: int = 1, tree: TreeShape | None = None, datastore: Datastore | None = None,
                       main: torch.Tensor | None = None) -> list[tuple[int, int]]:
     """Prompt lookup at every response anchor a of a known output ``ids`` (prompt + response): (drafts accepted,
-    drafts proposed). The draft is ``runtime.adaptive.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
+    drafts proposed). The draft is ``runtime.lookup.ngram_continuation`` of ids[: a + 1] (as the decoder proposes
     it), at most B − 1 tokens; no recurring suffix of min_ngram .. max_ngram tokens, no draft. With ``tree``: the
     proposals of its lookup chains (``runtime.tree.lookup_chains``, as the tree verify makes them, with
     ``datastore``'s if given), the longest accepted of them; and of its grafted chains (``runtime.tree.graft_chains``

@@ -1,12 +1,12 @@
 """dflash_bls / baseline_bls, and the entry points dflash / baseline (rendered from the ``entry`` template with this
 same file; their ``frontend: on`` parameter adds tokenization and detokenization): the decoupled speculative loop,
-BLS calls to the step models (logic: trtllm_dflash.serve.bls)."""
+BLS calls to the step models (logic: trtllm_dflash.serve.triton.bls)."""
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.serve.bls import LoopModel
-from trtllm_dflash.serve.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.triton_io import model_parameters
+from trtllm_dflash.serve.triton.bls import LoopModel
+from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
+from trtllm_dflash.serve.triton.io import model_parameters
 
 
 class TritonPythonModel:

@@ -1,10 +1,10 @@
-"""dflash_llmapi / baseline_llmapi: our ensemble I/O over NVIDIA's LLM-API model (logic: trtllm_dflash.serve.llmapi)."""
+"""dflash_llmapi / baseline_llmapi: our ensemble I/O over NVIDIA's LLM-API model (logic: trtllm_dflash.serve.trtllm.llmapi)."""
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.serve.llmapi import LlmApiBridge
-from trtllm_dflash.serve.lifecycle import watch_parent
-from trtllm_dflash.serve.triton_io import model_parameters
+from trtllm_dflash.serve.trtllm.llmapi import LlmApiBridge
+from trtllm_dflash.serve.triton.lifecycle import watch_parent
+from trtllm_dflash.serve.triton.io import model_parameters
 
 
 class TritonPythonModel:

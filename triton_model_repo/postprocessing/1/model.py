@@ -1,10 +1,10 @@
-"""postprocessing: TensorRT-LLM's detokenizer model, TOKENS_BATCH -> OUTPUT (logic: trtllm_dflash.serve.trtllm_text)."""
+"""postprocessing: TensorRT-LLM's detokenizer model, TOKENS_BATCH -> OUTPUT (logic: trtllm_dflash.serve.trtllm.text)."""
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.serve.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.triton_io import model_parameters
-from trtllm_dflash.serve.trtllm_text import TextPostprocessor
+from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
+from trtllm_dflash.serve.triton.io import model_parameters
+from trtllm_dflash.serve.trtllm.text import TextPostprocessor
 
 
 class TritonPythonModel:

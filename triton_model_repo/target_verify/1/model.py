@@ -1,10 +1,10 @@
-"""target_verify: one DFlash step for a dynamically batched list of requests (logic: trtllm_dflash.serve.handlers)."""
+"""target_verify: one DFlash step for a dynamically batched list of requests (logic: trtllm_dflash.serve.triton.handlers)."""
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.serve.handlers import TargetVerifyModel
-from trtllm_dflash.serve.lifecycle import watch_parent
-from trtllm_dflash.serve.triton_io import model_parameters
+from trtllm_dflash.serve.triton.handlers import TargetVerifyModel
+from trtllm_dflash.serve.triton.lifecycle import watch_parent
+from trtllm_dflash.serve.triton.io import model_parameters
 
 
 class TritonPythonModel:

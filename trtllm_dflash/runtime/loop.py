@@ -8,7 +8,7 @@ run it over the step engines in-process; a TensorRT-LLM backend only needs anoth
     K/V     = kv_inject(taps, position of the first of them)                       (block_size > 1 only)
 
 ``block_size == 1`` is the autoregressive baseline through the same models. ``block_size == "auto"``: before each
-step the shared ``runtime.adaptive`` policy picks how many drafts k this sequence verifies (k = 0: no draft call, the
+step the shared ``runtime.policy`` policy picks how many drafts k this sequence verifies (k = 0: no draft call, the
 verify is a plain autoregressive step), and the step's draft / verify / other times are fed back to its cost model.
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
@@ -38,12 +38,13 @@ import time
 
 import torch
 
-from trtllm_dflash.runtime.adaptive import LOOKUP_MIN_N, AdaptivePolicy, Lookup, ngram_lookup
+from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, Lookup, ngram_lookup
+from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
-from trtllm_dflash.serve.coalesce import StepCoalescer
-from trtllm_dflash.serve.protocol import GenerateRequest, StopMatcher
+from trtllm_dflash.runtime.coalesce import StepCoalescer
+from trtllm_dflash.runtime.protocol import GenerateRequest, StopMatcher
 
 
 class StepClient(Protocol):
@@ -322,7 +323,7 @@ class LocalSteps:
 
 
 class CoalescedSteps:
-    """The step calls of a StepClient whose ``coalescer`` (``serve.coalesce.StepCoalescer(self._send)``) batches
+    """The step calls of a StepClient whose ``coalescer`` (``runtime.coalesce.StepCoalescer(self._send)``) batches
     the live sequences' calls: each call is submitted with its shape as the key (verify: block length, taps, tree;
     draft: block size, top), the ``plan`` calls are decided together here (``plan_together``), and ``_step(kind,
     key, calls)`` makes the batched step-model call. ``on_batch(kind, rows)``: told of every batched call."""

@@ -13,7 +13,7 @@ its backend does (``model_instance_state.cc`` ``fillTritonResponse``; the execut
   top-p <= 0 is dropped), greedy when both are off or top-k is 1 (``regularizeTopKTopP``); ``end_id`` ends the answer
   only when it is sent (absent or -1: the answer runs to ``request_output_len`` or a stop word); the penalties,
   ``min_tokens``, ``seed``, the log-probabilities and ``num_return_sequences`` as the entry models honour them
-  (``serve/compat.py``). A prompt plus ``request_output_len`` past the context limit shortens the answer, as its
+  (``serve/trtllm/compat.py``). A prompt plus ``request_output_len`` past the context limit shortens the answer, as its
   executor does (``LlmRequest::validate``); a prompt that leaves no room is refused.
 * ``stop_words_list`` / ``bad_words_list`` INT32 [2, L] per row (the words' token ids, then each word's end offset,
   strictly increasing, padded with -1: ``convertWordList``) and ``embedding_bias`` FP32 [vocab] (one value per token;
@@ -45,10 +45,10 @@ import numpy as np
 
 from trtllm_dflash.errors import require
 from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
-from trtllm_dflash.serve.compat import Options, parse_options, response_outputs
-from trtllm_dflash.serve.loop import Update
-from trtllm_dflash.serve.protocol import GenerateRequest, generate_request
-from trtllm_dflash.serve.triton_io import RowView, get, scalar
+from trtllm_dflash.serve.trtllm.compat import Options, parse_options, response_outputs
+from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.runtime.protocol import GenerateRequest, generate_request
+from trtllm_dflash.serve.triton.io import RowView, get, scalar
 
 # name: (Triton dtype, dims), as TensorRT-LLM's tensorrt_llm config declares them; input_ids, input_lengths and
 # request_output_len come first (input_ids is optional there too: a stop request needs none)

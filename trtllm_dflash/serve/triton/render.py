@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from importlib import resources
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError, require
-from trtllm_dflash.serve import compat, token_model
+from trtllm_dflash.serve.trtllm import compat, token_model
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-TEMPLATES = Path(__file__).resolve().parents[2] / "triton_model_repo"
+TEMPLATES = Path(str(resources.files("trtllm_dflash") / "triton_model_repo"))  # package data (pyproject.toml)
 BACKENDS = ("torch", "trtllm-engine", "trtllm-pytorch")
 
 # template directory -> the template directory whose 1/model.py it renders with (one loop model.py serves both)
@@ -29,14 +30,14 @@ QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
 # the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), the tree verify (on / off) and
 # its datastore file ("" = none), its step coalescer (on / off) and the step models' batch
 LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "tree", "datastore", "coalesce", "max_batch_size")
-# TensorRT-LLM's ensemble inputs and outputs beyond ours (serve/compat.py), in the entry points' configs
+# TensorRT-LLM's ensemble inputs and outputs beyond ours (serve/trtllm/compat.py), in the entry points' configs
 TRTLLM_IO_KEYS = ("trtllm_inputs", "trtllm_outputs")
 ENTRY_KEYS = ("name", *LOOP_KEYS, "instances", "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", *TRTLLM_IO_KEYS)
-# TensorRT-LLM's token-level model (serve/token_model.py): its inputs and outputs, one instance
+# TensorRT-LLM's token-level model (serve/trtllm/token_model.py): its inputs and outputs, one instance
 TOKEN_KEYS = ("name", *LOOP_KEYS, "target_dir", "max_seq_len", *QUEUE_KEYS, "io_nice", "token_inputs",
               "token_outputs", "decoupled")
 MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
-    # TensorRT-LLM's tokenizer models, with its inputs and outputs (serve/trtllm_text.py)
+    # TensorRT-LLM's tokenizer models, with its inputs and outputs (serve/trtllm/text.py)
     "preprocessing": ("preprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
@@ -186,7 +187,7 @@ class RepoConfig:
             raise ArtifactError(self.datastore, "missing (--datastore)", "pass a file from `trtllm-dflash datastore`, "
                                 "or --datastore none")
         if self.backend == "trtllm-engine":
-            from trtllm_dflash.serve.trtllm_engine import load_engine_set
+            from trtllm_dflash.serve.trtllm.engine import load_engine_set
 
             load_engine_set(self.engines_dir, self.block(drafter), drafter.target_layer_ids)
         return target, drafter
@@ -232,7 +233,7 @@ class RepoConfig:
 
 def _llmapi_files(cfg: RepoConfig, drafter) -> dict[str, str]:
     """model -> rendered 1/model.yaml text for the two LLM-API models."""
-    from trtllm_dflash.serve.llmapi import dump_yaml, model_yaml
+    from trtllm_dflash.serve.trtllm.llmapi import dump_yaml, model_yaml
 
     base = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size)
     spec = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size, cfg.drafter_dir, cfg.block(drafter) - 1,
@@ -251,7 +252,7 @@ def _manifest(cfg: RepoConfig, drafter, models) -> dict:
         manifest["plugin_preload"] = ("import trtllm_dflash.plugin.trt before deserializing (QDP aot_impl ops, "
                                       "kernels embedded in the engines; no .so to LD_PRELOAD)")
     if cfg.backend == "trtllm-pytorch":
-        from trtllm_dflash.serve.llmapi import DERIVED_OUTPUTS, LLMAPI_MODEL_PY_SOURCE, UNAVAILABLE_INPUTS
+        from trtllm_dflash.serve.trtllm.llmapi import DERIVED_OUTPUTS, LLMAPI_MODEL_PY_SOURCE, UNAVAILABLE_INPUTS
 
         manifest["model_py_source"] = {m: LLMAPI_MODEL_PY_SOURCE for m in ("tensorrt_llm_dflash",
                                                                            "tensorrt_llm_baseline")}
@@ -272,7 +273,7 @@ def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
     import torch
 
     from trtllm_dflash.checkpoints import load_pair
-    from trtllm_dflash.runtime.adaptive import prior_from_training_log
+    from trtllm_dflash.runtime.acceptance import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder, calibrated_policy
 
     block = cfg.block(drafter)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from trtllm_dflash.errors import require
-from trtllm_dflash.serve.protocol import decode_text
+from trtllm_dflash.runtime.protocol import decode_text
 
 Inputs = Callable[[str], "np.ndarray | None"]  # an input by name, with its batch dimension, or None when absent
 TRUE = ("true", "1", "t", "y", "yes")
@@ -83,7 +83,7 @@ class PerRequest:
     request's error response (INVALID_ARGUMENT naming the field for bad input)."""
 
     def execute(self, pb_utils, requests) -> list:
-        from trtllm_dflash.serve.triton_io import error_response
+        from trtllm_dflash.serve.triton.io import error_response
 
         responses = []
         for request in requests:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
-from trtllm_dflash.serve.lifecycle import StubWatch
+from trtllm_dflash.serve.triton.lifecycle import StubWatch
 
 OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
 EXIT_TIMEOUT_S = 5  # Triton's own wait for in-flight requests on SIGTERM
@@ -37,7 +37,7 @@ STUB_RESCAN_S = 30.0  # dead_models looks for new stubs this often; a known stub
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: Linux kills the server if the process that started it dies, so a killed test
-    run, demo or ``serve`` leaves no server behind (its stubs then exit too, serve/lifecycle.py). SIGKILL, not
+    run, demo or ``serve`` leaves no server behind (its stubs then exit too, serve/triton/lifecycle.py). SIGKILL, not
     SIGTERM: Triton 2.51 shutting down alone with decoupled requests in flight never finishes unloading."""
     try:
         import ctypes
@@ -62,7 +62,7 @@ def remove_shm_regions(prefix: str | None = None, shm_dir: Path = SHM_DIR) -> li
     ``prefix*`` (a server just stopped), or with ``prefix=None`` those of every server whose starting process has
     exited (its server died with it, ``_die_with_parent``, and a SIGKILLed server never frees its regions: 1.4 GB had
     piled up on a development machine). Returns the names removed."""
-    from trtllm_dflash.serve.lifecycle import pid_alive
+    from trtllm_dflash.serve.triton.lifecycle import pid_alive
 
     removed = []
     for f in shm_dir.glob(f"{prefix or SHM_PREFIX}*"):
@@ -238,7 +238,7 @@ class TritonServer:
     def _yield_to_compute(self) -> None:
         """The server's own threads at the repository's ``io_nice`` (lifecycle.yield_to_compute). Done once every
         model is loaded, so the step models' stubs, which the server's threads start, keep the default priority."""
-        from trtllm_dflash.serve.lifecycle import yield_to_compute
+        from trtllm_dflash.serve.triton.lifecycle import yield_to_compute
 
         yield_to_compute(read_manifest(self.repo).get("repo_config", {}).get("io_nice", 0), self.proc.pid)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.serve.compat import Options, request_options, response_outputs
+from trtllm_dflash.serve.trtllm.compat import Options, request_options, response_outputs
 
 LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
                           "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
@@ -210,9 +210,9 @@ class LlmApiBridge:
             asyncio.get_running_loop().create_task(self._serve(request))
 
     def _parse(self, request) -> tuple[BridgeRequest, Options]:
-        from trtllm_dflash.serve.handlers import sampling_from
-        from trtllm_dflash.serve.protocol import decode_text
-        from trtllm_dflash.serve.triton_io import get, scalar
+        from trtllm_dflash.serve.triton.handlers import sampling_from
+        from trtllm_dflash.runtime.protocol import decode_text
+        from trtllm_dflash.serve.triton.io import get, scalar
 
         pb = self.pb
         raw = get(pb, request, "text_input")
@@ -243,7 +243,7 @@ class LlmApiBridge:
 
     def _response(self, u: BridgeUpdate, text: str | None = None, extra=()):
         """``text``: instead of the delta (the prompt echoed); ``extra``: what ``compat.response_outputs`` asks."""
-        from trtllm_dflash.serve.triton_io import tensor
+        from trtllm_dflash.serve.triton.io import tensor
 
         pb = self.pb
         text = u.text_delta if text is None else text
@@ -257,7 +257,7 @@ class LlmApiBridge:
         ])
 
     async def _serve(self, request) -> None:
-        from trtllm_dflash.serve.triton_io import error_response
+        from trtllm_dflash.serve.triton.io import error_response
 
         pb, sender = self.pb, request.get_response_sender()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL

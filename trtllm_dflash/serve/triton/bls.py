@@ -1,7 +1,7 @@
 """The decoupled BLS model: one coroutine per request runs ``loop.run_generation`` over async BLS calls.
 
 ``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
-once; its step coalescer (``serve/coalesce.py``, parameter ``coalesce``) sends the live sequences' verify / inject /
+once; its step coalescer (``runtime/coalesce.py``, parameter ``coalesce``) sends the live sequences' verify / inject /
 draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of C rows
 (continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
 error response (INVALID_ARGUMENT for bad input) and the final flag.
@@ -28,14 +28,14 @@ import torch
 from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
-from trtllm_dflash.serve.coalesce import Call, StepCoalescer
-from trtllm_dflash.serve.compat import Options, response_outputs
-from trtllm_dflash.serve.lifecycle import StubWatch
-from trtllm_dflash.serve.loop import CoalescedSteps, Update, run_generation
-from trtllm_dflash.serve.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
-from trtllm_dflash.serve.steps import SLOTS_EXHAUSTED
-from trtllm_dflash.serve.token_model import Row
-from trtllm_dflash.serve.triton_io import (as_torch, error_response, get, row_views, scalar, tensor,
+from trtllm_dflash.runtime.coalesce import Call, StepCoalescer
+from trtllm_dflash.serve.trtllm.compat import Options, response_outputs
+from trtllm_dflash.serve.triton.lifecycle import StubWatch
+from trtllm_dflash.runtime.loop import CoalescedSteps, Update, run_generation
+from trtllm_dflash.runtime.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
+from trtllm_dflash.runtime.steps import SLOTS_EXHAUSTED
+from trtllm_dflash.serve.trtllm.token_model import Row
+from trtllm_dflash.serve.triton.io import (as_torch, error_response, get, row_views, scalar, tensor,
                                            torch_rows_output)
 
 START, VERIFY, FREE = 0, 1, 2
@@ -330,7 +330,7 @@ class RequestSteps:
 
 def parse_request(pb_utils, request) -> GenerateRequest:
     """The token-level loop's request (``dflash_bls``; preprocessing's outputs, plus an optional ``min_tokens``)."""
-    from trtllm_dflash.serve.handlers import sampling_from
+    from trtllm_dflash.serve.triton.handlers import sampling_from
 
     raw = np.asarray(get(pb_utils, request, "input_ids"))
     require(raw.ndim <= 1, "input_ids shape", [*raw.shape], "must be one prompt per request ([1, tokens])",
@@ -353,8 +353,9 @@ def load_policy(path: str):
 
 
 def policy_from_settings(doc: dict):
-    """An AdaptivePolicy from make-repo's ``auto`` settings (``serve.render.adaptive_settings``)."""
-    from trtllm_dflash.runtime.adaptive import AdaptivePolicy, CostModel
+    """An AdaptivePolicy from make-repo's ``auto`` settings (``serve.triton.render.adaptive_settings``)."""
+    from trtllm_dflash.runtime.cost import CostModel
+    from trtllm_dflash.runtime.policy import AdaptivePolicy
 
     return AdaptivePolicy(CostModel.from_json(doc["cost"]), int(doc["max_block_size"]), doc.get("prior"),
                           ngram=bool(doc.get("ngram", False)))
@@ -386,17 +387,17 @@ class LoopModel:
         self.stopping = False  # set by finalize: every live request ends before its next step
         self.frontend = self.tokens = None
         if params.get("frontend", "off") == "on":  # the entry point: text in, text out (no ensemble around it)
-            from trtllm_dflash.serve.handlers import Preprocessor
+            from trtllm_dflash.serve.triton.handlers import Preprocessor
 
             self.frontend = Preprocessor(params)
         elif params.get("frontend") == "tokens":  # tensorrt_llm: TensorRT-LLM's token-level model
-            from trtllm_dflash.serve.token_model import TokenFrontend
+            from trtllm_dflash.serve.trtllm.token_model import TokenFrontend
 
             self.tokens = TokenFrontend(params)
         self.live_ids: dict[str, list[dict]] = {}  # request id -> its live requests' state (tensorrt_llm's stop)
         self.telemetry = None
         if params.get("metrics", "on") == "on":
-            from trtllm_dflash.serve.telemetry import LoopTelemetry
+            from trtllm_dflash.serve.triton.telemetry import LoopTelemetry
 
             self.telemetry = LoopTelemetry(pb_utils, params.get("model_name", "dflash_bls"),
                                            self.policy.max_k + 1 if self.policy is not None else self.block_size)

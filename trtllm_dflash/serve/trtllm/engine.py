@@ -1,4 +1,4 @@
-"""The step models of ``make-repo --backend trtllm-engine``: the same three steps as ``serve/steps.py``, run on the
+"""The step models of ``make-repo --backend trtllm-engine``: the same three steps as ``runtime/steps.py``, run on the
 TensorRT-LLM 1.2.1 engines of ``trtllm-dflash build`` (layout: ``engine/contract.py``).
 
 ``EngineTargetVerifier``  the target engine under TRT-LLM's C++ executor (``tensorrt_llm.bindings.executor``): in-flight
@@ -10,8 +10,8 @@ TensorRT-LLM 1.2.1 engines of ``trtllm-dflash build`` (layout: ``engine/contract
 ``EngineBlockDrafter``    the ``drafter`` engine under ``Session``; each sequence's injected context K/V lives in a
                           device-memory ``ContextCache`` row owned by this model (torch CUDA tensors).
 
-They have the interfaces of ``TargetVerifier`` / ``KVInjector`` / ``BlockDrafter``, so ``serve/handlers.py`` (the
-Triton I/O) and ``serve/loop.py`` (the speculative loop in ``dflash_bls``) are shared with the torch backend unchanged.
+They have the interfaces of ``TargetVerifier`` / ``KVInjector`` / ``BlockDrafter``, so ``serve/triton/handlers.py`` (the
+Triton I/O) and ``runtime/loop.py`` (the speculative loop in ``dflash_bls``) are shared with the torch backend unchanged.
 
 Everything that decides something is a pure function here, unit-tested on CPU against facts recorded from TensorRT-LLM
 (``tests/data/trtllm_1_2_1/runtime_api.json``): request building (a plain dict of Request kwargs), output parsing
@@ -34,7 +34,7 @@ import torch
 from trtllm_dflash.engine import contract
 from trtllm_dflash.errors import ArtifactError, ConfigError, read_json, require
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams, accepted_lengths
-from trtllm_dflash.serve.steps import SlotTable, StartResult, VerifyResult
+from trtllm_dflash.runtime.steps import SlotTable, StartResult, VerifyResult
 
 BUILD_MANIFEST = "build_manifest.json"
 ENGINE_CONFIG_KEYS = ("version", "pretrained_config", "build_config")  # trtllm_triton.md §2.4

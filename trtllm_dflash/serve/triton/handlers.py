@@ -5,7 +5,7 @@ TensorRT-LLM engines (``trtllm_engine.py``); only their construction differs, th
 
 Step-model protocol (tensors carry a leading batch dimension: one row per sequence; START and STATS take one row,
 VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step coalescer sends the live sequences'
-calls of one kind as one request, see ``serve/coalesce.py``; every row of a request has the same mode):
+calls of one kind as one request, see ``runtime/coalesce.py``; every row of a request has the same mode):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
                                      (keep_prefill INT32 [1] n: n siblings will fork from it; fork_of UINT64 [1]:
@@ -30,10 +30,10 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
-from trtllm_dflash.serve.compat import Options, request_options
-from trtllm_dflash.serve.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
+from trtllm_dflash.serve.trtllm.compat import Options, request_options
+from trtllm_dflash.runtime.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
                                          generate_request, validate_generation)
-from trtllm_dflash.serve.triton_io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
+from trtllm_dflash.serve.triton.io import (error_response, get, rows, rows_torch, scalar, tensor, torch_output,
                                            torch_rows_output)
 
 START, VERIFY, FREE, STATS = 0, 1, 2, 3
@@ -127,7 +127,7 @@ class Preprocessor:
 
     def parse_options(self, pb_utils, request) -> tuple[GenerateRequest, Options]:
         """Validate a request's inputs (each error names its field) into what the loop runs, and what it asks of its
-        responses (TensorRT-LLM's optional inputs: serve/compat.py)."""
+        responses (TensorRT-LLM's optional inputs: serve/trtllm/compat.py)."""
         from trtllm_dflash.runtime.text import encode_prompt, encode_words
 
         raw = get(pb_utils, request, "text_input")
@@ -221,7 +221,7 @@ def _coalesced(pb_utils, request, seqs: list[int]) -> bool:
 def _parents(pb_utils, request, seqs: list[int]) -> tuple[int, ...] | None:
     """A tree verify's ``parents`` (one row per sequence, all equal: a batched call verifies one tree; checked to be
     a tree), or None."""
-    from trtllm_dflash.serve.steps import tree_topology
+    from trtllm_dflash.runtime.steps import tree_topology
 
     arr = rows(pb_utils, request, "parents")
     if arr is None:
@@ -241,13 +241,13 @@ def _stats(slots) -> list[tuple[str, np.ndarray]]:
 class TargetVerifyModel:
     def __init__(self, params: dict[str, str]) -> None:
         from trtllm_dflash.models.target import TargetModel
-        from trtllm_dflash.serve.steps import TargetVerifier
+        from trtllm_dflash.runtime.steps import TargetVerifier
 
         self.threads, self.drafting = CpuThreads(params), set()
         taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
         self.tree_capable = not _engine_backend(params)
         if _engine_backend(params):
-            from trtllm_dflash.serve.trtllm_engine import EngineTargetVerifier, load_engine_set
+            from trtllm_dflash.serve.trtllm.engine import EngineTargetVerifier, load_engine_set
             from trtllm_dflash.specs import TargetSpec
 
             self.tap_width = len(taps) * TargetSpec.load(params["target_dir"]).hidden_size
@@ -363,11 +363,11 @@ class TargetVerifyModel:
 class KVInjectModel:
     def __init__(self, params: dict[str, str]) -> None:
         from trtllm_dflash.checkpoints import load_pair
-        from trtllm_dflash.serve.steps import KVInjector
+        from trtllm_dflash.runtime.steps import KVInjector
 
         CpuThreads(params)(live=2)  # a few ms per step, as fast on one thread: one thread at any load
         if _engine_backend(params):
-            from trtllm_dflash.serve.trtllm_engine import EngineKVInjector, load_engine_set
+            from trtllm_dflash.serve.trtllm.engine import EngineKVInjector, load_engine_set
 
             self.inject = EngineKVInjector(load_engine_set(params["engine_dir"], int(params["block_size"])))
             self.dtype, self.device = self.inject.dtype, "cuda"
@@ -401,12 +401,12 @@ class KVInjectModel:
 class DrafterStepModel:
     def __init__(self, params: dict[str, str]) -> None:
         from trtllm_dflash.checkpoints import load_pair
-        from trtllm_dflash.serve.steps import BlockDrafter, TargetHead
+        from trtllm_dflash.runtime.steps import BlockDrafter, TargetHead
 
         self.threads = CpuThreads(params)
         self.tree_capable = not _engine_backend(params)
         if _engine_backend(params):
-            from trtllm_dflash.serve.trtllm_engine import EngineBlockDrafter, load_engine_set
+            from trtllm_dflash.serve.trtllm.engine import EngineBlockDrafter, load_engine_set
             from trtllm_dflash.specs import DrafterSpec
 
             self.drafter = EngineBlockDrafter(load_engine_set(params["engine_dir"], int(params["block_size"])),

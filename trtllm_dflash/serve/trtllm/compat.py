@@ -125,7 +125,7 @@ def parse_options(read: Reader, max_tokens: int, vocab_size: int, exclude_defaul
 
 def request_options(pb_utils, request, max_tokens: int, vocab_size: int) -> Options:
     """``parse_options`` over a Triton request's inputs (the entry models and the trtllm-pytorch bridge)."""
-    from trtllm_dflash.serve.triton_io import scalar
+    from trtllm_dflash.serve.triton.io import scalar
 
     return parse_options(lambda name, default, kind: scalar(pb_utils, request, name, default, kind), max_tokens,
                          vocab_size)

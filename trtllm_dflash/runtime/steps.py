@@ -33,7 +33,7 @@ from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_bu
 from trtllm_dflash.runtime.tree import Topology, commit_path
 
 
-SLOTS_EXHAUSTED = "slots are in use"  # message marker the BLS loop waits on (serve/bls.py)
+SLOTS_EXHAUSTED = "slots are in use"  # message marker the BLS loop waits on (serve/triton/bls.py)
 
 
 class SlotsExhausted(ConfigError):
@@ -104,7 +104,7 @@ class VerifyResult:
 
 
 def real_width(block: list[int]) -> int:
-    """The tokens of a verify block before its −1 padding (the step's common width, ``serve.loop``): on a CPU the
+    """The tokens of a verify block before its −1 padding (the step's common width, ``runtime.loop``): on a CPU the
     layers compute only those (``TargetModel.verify_widths``), so a row that verifies no drafts costs one token."""
     return next((j for j, t in enumerate(block) if t < 0), len(block))
 

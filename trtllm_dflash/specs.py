@@ -12,12 +12,15 @@ same tensor; an implementation that captured "before layer i" would be off by on
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trtllm_dflash.errors import ArtifactError, ConfigError, read_json, require
+
+log = logging.getLogger(__name__)
 
 
 class TargetFamily(enum.Enum):
@@ -237,14 +240,17 @@ class DrafterSpec:
     rms_norm_eps: float
     rope: RopeSpec
     block_size: int  # tokens drafted per step, including the bonus slot
-    num_target_layers: int  # layers of the target the drafter was trained against
+    num_target_layers: int | None  # layers of the target it was trained against; None: not recorded (speculators)
     mask_token_id: int  # id embedded (with the target's table) in slots 1..block_size-1
     target_layer_ids: tuple[int, ...]  # taps, "output of decoder layer i"
     layer_types: tuple[LayerType, ...]  # [num_hidden_layers]
     layer_causal: tuple[bool, ...]  # [num_hidden_layers]: causal inside the block (sliding layers by default)
     sliding_window: int | None  # tokens; applies to LayerType.SLIDING layers only
     attention_bias: bool
-    vocab_size: int | None  # informational; the target's vocabulary is what counts
+    vocab_size: int | None  # informational for z-lab drafters; the verifier's vocabulary for speculators ones
+    # > 0: the drafter has its OWN LM head over a reduced draft vocabulary of this many ids, mapped to target ids by
+    # its ``d2t`` table (speculators format, models/speculators.py); None: it drafts through the target's head
+    draft_vocab_size: int | None = None
 
     @property
     def num_taps(self) -> int:
@@ -252,6 +258,17 @@ class DrafterSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], prefix: str = "drafter") -> "DrafterSpec":
+        """A z-lab ``DFlashDraftModel`` config, or a vLLM ``speculators`` one (``speculators_model_type`` present;
+        translated by ``_from_speculators``)."""
+        if "speculators_model_type" in cfg:
+            return _from_speculators(cfg, prefix)
+        return cls._from_zlab(cfg, prefix)
+
+    @classmethod
+    def _from_zlab(cls, cfg: dict[str, Any], prefix: str, *, num_target_layers: int | None = -1,
+                   draft_vocab_size: int | None = None) -> "DrafterSpec":
+        """``num_target_layers`` -1: read from ``cfg`` (required there); None: not recorded, taps checked against
+        the target in ``check_pair`` instead."""
         archs = cfg.get("architectures") or []
         require(
             "DFlashDraftModel" in archs,
@@ -279,10 +296,12 @@ class DrafterSpec:
         head_dim = cfg.get("head_dim") or hidden // heads
         # block_size sits at top level in the original drafters and under dflash_config in newer ones.
         block_size = _int({**cfg, **{k: v for k, v in dcfg.items() if k == "block_size"}}, "block_size", prefix)
-        num_target_layers = _int(cfg, "num_target_layers", prefix)
+        if num_target_layers == -1:
+            num_target_layers = _int(cfg, "num_target_layers", prefix)
         mask_token_id = _int(dcfg, "mask_token_id", f"{prefix}.dflash_config", minimum=0)
         raw_ids = dcfg.get("target_layer_ids")
         if raw_ids is None:
+            require(num_target_layers is not None, f"{prefix}.dflash_config.target_layer_ids", raw_ids, "is required")
             ids = build_target_layer_ids(num_target_layers, layers)
         else:
             require(
@@ -294,7 +313,7 @@ class DrafterSpec:
             ids = tuple(raw_ids)
         for i, layer in enumerate(ids):
             require(
-                isinstance(layer, int) and 0 <= layer < num_target_layers,
+                isinstance(layer, int) and 0 <= layer < (num_target_layers or layer + 1),
                 f"{prefix}.dflash_config.target_layer_ids[{i}]",
                 layer,
                 f"must be an integer in [0, num_target_layers={num_target_layers})",
@@ -340,6 +359,7 @@ class DrafterSpec:
             sliding_window=window if LayerType.SLIDING in types else None,
             attention_bias=bool(cfg.get("attention_bias", False)),
             vocab_size=cfg.get("vocab_size"),
+            draft_vocab_size=draft_vocab_size,
         )
 
     @classmethod
@@ -347,13 +367,21 @@ class DrafterSpec:
         return cls.from_hf_config(read_config_json(model_dir, "drafter"))
 
     def to_hf_config(self, *, target: TargetSpec) -> dict[str, Any]:
-        """The z-lab config.json for this drafter (used when writing checkpoints)."""
+        """The z-lab config.json for this drafter (used when writing checkpoints). The z-lab format has no own
+        head, so a reduced-vocabulary drafter is refused (``models/speculators.py`` writes that format)."""
+        require(
+            self.draft_vocab_size is None,
+            "drafter.draft_vocab_size",
+            self.draft_vocab_size,
+            "the z-lab format has no LM head of its own, so it cannot hold a reduced draft vocabulary",
+            "write the drafter in speculators format (models.speculators.write_speculators_drafter)",
+        )
         return {
             "architectures": ["DFlashDraftModel"],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3",
             "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
+            "num_target_layers": self.num_target_layers or target.num_hidden_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -384,6 +412,127 @@ class DrafterSpec:
         }
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Drafter, speculators format
+#
+# vLLM's ``speculators`` library (0.9.0, ``speculators/models/dflash/{config,core}.py``) writes a DFlash drafter as a
+# ``DFlashSpeculatorConfig``: ``speculators_model_type: "dflash"``, the draft decoder's layer config nested under
+# ``transformer_layer_config`` (the verifier's config with ``num_hidden_layers`` set to the draft depth, serialized
+# with ``to_diff_dict``, so keys equal to the config class's defaults may be absent), ``draft_vocab_size``,
+# ``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids`` and ``speculators_config.verifier``. Its layer ids
+# index Hugging Face's ``hidden_states`` directly (0 is the embedding output): speculators' own z-lab converter writes
+# ``target_layer_id + 1`` and vLLM's ``update_dflash`` reads back ``aux_id - 1``, so ours are ``aux_id - 1``.
+
+# Defaults of the layer-config classes speculators nests (transformers 5.19 ``Qwen3Config`` / ``LlamaConfig``), used
+# only for keys ``to_diff_dict`` left out; every one filled in is logged. head_dim None: hidden_size // heads.
+_LAYER_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 32768, "attention_bias": False},
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048, "attention_bias": False},
+}
+
+# speculators model types that are not plain DFlash, with what they add: refused by name rather than drafted as
+# DFlash (their extra heads would be dropped silently).
+_REFUSED_SPECULATORS_TYPES = {
+    "dspark": "DSpark adds a low-rank Markov logit-bias head and a confidence head to the DFlash backbone, and its "
+              "anchor slot predicts (sample_from_anchor); this runtime implements neither",
+    "dflash2": "DFlash2 adds a convolution and a candidate selector this runtime does not implement",
+    "eagle3": "EAGLE-3 is an autoregressive drafter, not a DFlash block drafter",
+    "peagle": "P-EAGLE is not a DFlash block drafter",
+    "mtp": "MTP heads are not a DFlash block drafter",
+    "xpress": "xpress is not a DFlash block drafter",
+}
+
+
+def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
+    """A speculators ``DFlashSpeculatorConfig`` -> DrafterSpec (see the section comment for the conventions)."""
+    kind = cfg.get("speculators_model_type")
+    require(
+        kind not in _REFUSED_SPECULATORS_TYPES,
+        f"{prefix}.speculators_model_type",
+        kind,
+        _REFUSED_SPECULATORS_TYPES.get(kind, ""),
+        "use a plain DFlash drafter (speculators_model_type \"dflash\")",
+    )
+    require(
+        kind == "dflash",
+        f"{prefix}.speculators_model_type",
+        kind,
+        'is not a speculators model type this runtime knows; only "dflash" is supported',
+        "use a speculators DFlash drafter or a z-lab DFlashDraftModel",
+    )
+    layer = cfg.get("transformer_layer_config")
+    require(isinstance(layer, dict), f"{prefix}.transformer_layer_config", layer, "must be a JSON object",
+            "re-save the drafter with speculators' save_pretrained")
+    lprefix = f"{prefix}.transformer_layer_config"
+    layer_type = layer.get("model_type", "qwen3")  # speculators' validator builds a Qwen3Config without one
+    require(
+        layer_type in _LAYER_CONFIG_DEFAULTS,
+        f"{lprefix}.model_type",
+        layer_type,
+        f"must be one of {sorted(_LAYER_CONFIG_DEFAULTS)} (the layer configs whose defaults this loader knows)",
+        "write every layer field explicitly, or add the class's defaults to specs._LAYER_CONFIG_DEFAULTS",
+    )
+    filled = {}
+    layer = dict(layer)
+    for key, default in _LAYER_CONFIG_DEFAULTS[layer_type].items():
+        rope_given = key == "rope_theta" and ("rope_parameters" in layer or "rope_scaling" in layer)
+        if key not in layer and not rope_given and default is not None:
+            layer[key] = filled[key] = default
+    if filled:
+        log.info("%s: filled %s defaults absent from the config (to_diff_dict omits them): %s", lprefix,
+                 layer_type, filled)
+    require(not layer.get("attention_bias", False), f"{lprefix}.attention_bias", layer.get("attention_bias"),
+            "speculators gives o_proj a bias too when set; this runtime's drafter has none",
+            "use a drafter trained with attention_bias false")
+    require(cfg.get("sample_from_anchor") in (None, False), f"{prefix}.sample_from_anchor",
+            cfg.get("sample_from_anchor"),
+            "a drafter whose anchor slot predicts the first draft is not implemented (slot k predicts position k here)",
+            "use a drafter trained with sample_from_anchor false (the speculators DFlash default)")
+    hidden = _int(layer, "hidden_size", lprefix)
+    target_hidden = cfg.get("target_hidden_size")
+    require(target_hidden in (None, hidden), f"{prefix}.target_hidden_size", target_hidden,
+            f"must equal transformer_layer_config.hidden_size ({hidden}): fc reads taps of the drafter's width",
+            "use a drafter whose hidden size equals its target's")
+    mask = cfg.get("mask_token_id")
+    require(mask is not None, f"{prefix}.mask_token_id", mask, "is required (the id embedded in slots 1..B-1)",
+            "set mask_token_id to the id the drafter was trained with (speculators' --mask-token-id)")
+    mask = _int(cfg, "mask_token_id", prefix, minimum=0)
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    require(isinstance(aux, list) and len(aux) > 0, f"{prefix}.aux_hidden_state_layer_ids", aux,
+            "must be a non-empty list of target layer ids", "set the layer ids the drafter was trained with")
+    for i, a in enumerate(aux):
+        require(isinstance(a, int) and a >= 1, f"{prefix}.aux_hidden_state_layer_ids[{i}]", a,
+                "must be an integer >= 1 (id i is the output of target decoder layer i-1; 0, the embedding "
+                "output, is not a tap this runtime captures)")
+    vocab = _int(layer, "vocab_size", lprefix)
+    draft_vocab = _int(cfg, "draft_vocab_size", prefix, default=32000)  # DFlashSpeculatorConfig's default
+    require(draft_vocab <= vocab, f"{prefix}.draft_vocab_size", draft_vocab,
+            f"must be <= transformer_layer_config.vocab_size ({vocab})")
+    # layer_types absent: speculators builds every layer as full attention; sliding layers are causal unless
+    # sliding_window_non_causal (its anchor-block mask), the same rule as our layer_causal
+    num_layers = _int(layer, "num_hidden_layers", lprefix)
+    types = layer.get("layer_types") or ["full_attention"] * num_layers
+    zlab = {
+        **layer,
+        "architectures": ["DFlashDraftModel"],
+        "block_size": _int(cfg, "block_size", prefix, default=8),
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": [a - 1 for a in aux]},
+        "layer_types": types,
+    }
+    if "sliding_attention" in types and cfg.get("sliding_window_non_causal"):
+        zlab["dflash_config"]["causal"] = False
+    if "sliding_attention" in types:
+        log.warning("%s: sliding layers: speculators bounds the context window at the block's anchor, this runtime "
+                    "at each query, so drafts can differ once the context exceeds sliding_window=%s",
+                    prefix, layer.get("sliding_window"))
+    return DrafterSpec._from_zlab(zlab, lprefix, num_target_layers=None,
+                                  draft_vocab_size=None if draft_vocab == vocab else draft_vocab)
+
+
 def check_pair(target: TargetSpec, drafter: DrafterSpec) -> None:
     """Cross-checks between a target and its drafter (the drafter reads the target's embedding, head and taps)."""
     require(
@@ -395,7 +544,7 @@ def check_pair(target: TargetSpec, drafter: DrafterSpec) -> None:
         "use the drafter trained for this target",
     )
     require(
-        drafter.num_target_layers == target.num_hidden_layers,
+        drafter.num_target_layers in (None, target.num_hidden_layers),
         "drafter.num_target_layers",
         drafter.num_target_layers,
         f"must equal the target's num_hidden_layers ({target.num_hidden_layers})",
@@ -408,6 +557,15 @@ def check_pair(target: TargetSpec, drafter: DrafterSpec) -> None:
             layer,
             f"is out of range for a target with {target.num_hidden_layers} layers",
             "check that --target matches the drafter's training target",
+        )
+    if drafter.draft_vocab_size is not None:
+        require(
+            drafter.vocab_size == target.vocab_size,
+            "drafter.transformer_layer_config.vocab_size",
+            drafter.vocab_size,
+            f"must equal the target's vocab_size ({target.vocab_size}): the drafter's d2t table maps into the "
+            "vocabulary it was trained against",
+            "use the drafter trained for this target",
         )
     require(
         drafter.mask_token_id < target.vocab_size,

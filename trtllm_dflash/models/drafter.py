@@ -12,6 +12,10 @@ no LM head, which are the target's. Two operations, mirroring SGLang/vLLM's "pre
 
 Sliding layers (``layer_types``) see keys within ``sliding_window`` of the query and are causal inside the block
 unless the config overrides it (specs.DrafterSpec.layer_causal).
+
+A speculators-format drafter (``models/speculators.py``) loads into the same module; one with a reduced draft
+vocabulary also carries ``draft_head`` (``models/draft_vocab.py``), its own LM head plus the draft-to-target id map,
+which ``draft_block`` applies in place of the target's head.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from trtllm_dflash.models.draft_vocab import DraftVocabHead
 from trtllm_dflash.models.layers import MLP, KVCache, Linear, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
@@ -73,6 +78,12 @@ class DrafterModel(nn.Module):
         self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(spec) for _ in range(spec.num_hidden_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.draft_head = None
+        if spec.draft_vocab_size is not None:
+            self.draft_head = DraftVocabHead(h, spec.draft_vocab_size, spec.vocab_size)
+            # every draft forward (``draft`` and the plugin path's ``drafter_ops.draft``) ends in ``norm``: checking
+            # there catches any caller that would use the target's head on this drafter (draft_vocab.py)
+            self.norm.register_forward_pre_hook(lambda _m, _x: self.draft_head.check_armed())
         self.to(dtype=dtype, device=device)
         self.rotary = Rotary(spec.rope, spec.head_dim, max_positions or 32768, dtype, device)
 
@@ -86,9 +97,14 @@ class DrafterModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype=torch.float32, device="cpu", max_positions=None):
+        from trtllm_dflash.models import speculators
+
         spec = DrafterSpec.load(model_dir)
         model = cls(spec, dtype=dtype, device=device, max_positions=max_positions)
-        load_into(model, read_state_dict(model_dir), model_dir)
+        if speculators.is_speculators_dir(model_dir):
+            speculators.load_into_drafter(model, model_dir)
+        else:
+            load_into(model, read_state_dict(model_dir), model_dir)
         return model.eval().requires_grad_(False)
 
     def new_cache(self, num_rows: int, max_len: int) -> KVCache:
@@ -166,14 +182,23 @@ def draft_block(
     forward,  # block embeddings [b, B, hidden] -> final-normed drafter hidden states [b, B, hidden]
     head,  # hidden [b, B−1, hidden] -> target logits [b, B−1, vocab]
     top: int = 1,  # > 1: the ``top`` best tokens of every slot, best first ([b, B−1, top])
-) -> torch.Tensor:  # [b, B−1] greedy drafts d_1..d_{B−1}
+    *,
+    own_head: DraftVocabHead | None = None,  # the drafter's ``draft_head``: used instead of ``head`` when not None
+) -> torch.Tensor:  # [b, B−1] greedy drafts d_1..d_{B−1}, target ids
     """One DFlash draft: the block ``[bonus, MASK × (B−1)]`` through the drafter, then greedy through the target's
     head. The callables say where the embedding, the drafter forward (torch or plugin kernels, which cache rows) and
-    the head come from; the in-process decoder and the Triton drafter model both draft through this one function."""
+    the head come from; the in-process decoder and the Triton drafter model both draft through this one function.
+
+    With ``own_head`` (a reduced-vocabulary drafter, ``draft_vocab.py``) the greedy or top-``top`` choice is made over
+    the drafter's own logits [b, B−1, draft_vocab] and mapped to target ids; ``head`` is then unused."""
     block = torch.full((bonus.shape[0], block_size), mask_token_id, dtype=torch.long, device=bonus.device)
     block[:, 0] = bonus
     # slots 1..B−1 made contiguous first: with b > 1 rows the [:, 1:] view's rows do not merge into one matrix, and
     # torch.matmul of such a view with a weight that needs no grad runs one GEMM per row, each reading the whole LM
     # head (SmolLM2's 49k × 576): 16 rows took 134 ms on 2 CPU cores against 75 ms as one GEMM (the copy: 0.5 MB)
-    logits = head(forward(embed(block))[:, 1:].contiguous())
-    return logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices
+    if own_head is None:
+        logits = head(forward(embed(block))[:, 1:].contiguous())
+        return logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices
+    with own_head.drafting():
+        logits = own_head(forward(embed(block))[:, 1:].contiguous())  # [b, B−1, draft_vocab]
+    return own_head.to_target(logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices)

@@ -11,7 +11,11 @@
                     the ``top`` best tokens per slot, for a tree verify).
 
 Sequences are keyed by a client-chosen integer ``seq_id``; rows are allocated on ``start``/first use and freed by
-``free`` or after ``idle_timeout_s`` without use. All math is the in-process decoder's (runtime/decoder.py).
+``free`` or after ``idle_timeout_s`` without use. All math is the in-process decoder's (runtime/decoder.py), and so
+are the fast paths: ``kernels`` (``plugin.dispatch.Impl``; AUTO: the drafting plugin's Triton kernels on CUDA, the
+drafter's torch code elsewhere) for the KV injection and the draft pass, and ``cuda_graphs`` (``runtime.graphs``:
+True / "on" on CUDA, "rehearse" anywhere) for the verify forward and the draft pass, chosen exactly as
+``SpeculativeDecoder`` chooses them for the same device.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
+from trtllm_dflash.plugin.dispatch import Impl, resolve
+from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, tail, target_samples,
                                             verify_samples)
 from trtllm_dflash.runtime.tree import Topology, commit_path
@@ -131,10 +137,13 @@ def tree_topology(parents: tuple[int, ...]) -> Topology:
 
 class TargetVerifier:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
-                 max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0) -> None:
+                 max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0,
+                 cuda_graphs: bool | str = False) -> None:
         """``max_tree_nodes``: the widest tree verify allowed (0: none); the cache keeps that many scratch slots past
-        a sequence's committed tokens (else one block's)."""
+        a sequence's committed tokens (else one block's). ``cuda_graphs``: the verify forward replays a CUDA graph
+        per step shape (``runtime.graphs``; the prefill and the tree verify run eagerly)."""
         self.target, self.tap_layers = target, tap_layers
+        self.graphs = StepGraphs.for_device(target.device, cuda_graphs)
         self.max_seq_len, self.max_tree_nodes = max_seq_len, max_tree_nodes
         self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
         self.slots = SlotTable(max_sequences, idle_timeout_s)
@@ -257,8 +266,7 @@ class TargetVerifier:
             positions = self.cache.lengths[rows] + 1  # [b] the token slot 0 predicts (per-position sampling noise)
             lp = logprobs_buffer([p for p, *_ in params], *ids.shape, self.target.device)
             with torch.inference_mode():
-                hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
-                                           widths=self.target.verify_widths([real_width(b) for b in blocks]))
+                hidden, taps = self._forward(ids.clamp(min=0), rows, want_taps, [real_width(b) for b in blocks])
                 samples, acc = verify_samples(self.target.logits, hidden, ids[:, 1:], [p for p, *_ in params],
                                               [g for _, g, *_ in params], positions,
                                               self._history(params, ids), lp)  # [b, B], [b]
@@ -267,6 +275,17 @@ class TargetVerifier:
         for seq_id, r in zip(seq_ids, results):
             self._count(seq_id, r.emitted)
         return results
+
+    def _forward(self, ids: torch.Tensor, rows: torch.Tensor, want_taps: bool, widths: list[int]):
+        """The target over a verify's [b, S] tokens at the rows' next positions -> (hidden, taps): through the CUDA
+        graph of this shape when graphs are on, else skipping the padding past each row's real ``widths`` where that
+        pays (``TargetModel.verify_widths``), as ``SpeculativeDecoder.verify_forward`` runs it."""
+        layers = self.tap_layers if want_taps else ()
+        if self.graphs is None:
+            return self.target(ids, self.cache, rows, layers, widths=self.target.verify_widths(widths))
+        return self.graphs.run(("verify", tuple(ids.shape), want_taps), self.cache,
+                               lambda x, r: self.target(x, self.cache, r, tap_layers=layers, static=True),
+                               ids, rows.to(ids.device))
 
     @staticmethod
     def _history(params, ids: torch.Tensor, parents: tuple[int, ...] | None = None) -> History | None:
@@ -332,15 +351,22 @@ class TargetVerifier:
 
 
 class KVInjector:
-    def __init__(self, drafter: DrafterModel) -> None:
+    def __init__(self, drafter: DrafterModel, kernels: Impl = Impl.AUTO) -> None:
+        """``kernels``: AUTO runs the drafting plugin's fused injection (every layer's K/V projection in one GEMM, the
+        k_norm + RoPE + store as one Triton kernel: ``plugin.kv_inject``) on CUDA and ``DrafterModel.context_kv``
+        elsewhere, as the in-process decoder does."""
         self.drafter = drafter
+        self.kernels = resolve(kernels, next(drafter.parameters()).device)
+        self.weights = None
+        if self.kernels is Impl.TRITON:
+            from trtllm_dflash.plugin.kv_inject import InjectWeights
+
+            self.weights = InjectWeights.from_drafter(drafter)
 
     def __call__(self, taps: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """taps [T, K·H] of tokens at positions start..start+T−1 -> K, V [num_layers, T, num_kv_heads, head_dim]."""
-        positions = torch.arange(start, start + taps.shape[0])[None]  # [1, T]
-        with torch.inference_mode():
-            k, v = self.drafter.context_kv(taps[None], positions)
-        return k[:, 0], v[:, 0]
+        k, v = self.rows(taps[None], torch.tensor([start]))
+        return k[0], v[0]
 
     def rows(self, taps: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """taps [n, T, K·H] of n sequences, row j at positions starts[j].. -> K, V [n, num_layers, T, kv, head_dim]
@@ -350,8 +376,31 @@ class KVInjector:
         # rotary table there; those K/V are padding, discarded by the caller
         positions = positions.clamp(max=self.drafter.rotary.max_positions - 1)
         with torch.inference_mode():
+            if self.weights is not None:
+                return self._kernel_kv(taps, positions)
             k, v = self.drafter.context_kv(taps, positions)
         return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _kernel_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` through the plugin's injection: each row's K/V stored into an output laid out as a one-row cache
+        of T slots, rotated at the row's own positions (the rotary tables gathered at them, so slot t takes
+        position positions[j, t])."""
+        from trtllm_dflash.plugin import dispatch
+        from trtllm_dflash.plugin.ragged import RaggedBatch
+
+        w, rotary = self.weights, self.drafter.rotary
+        n, t, _ = taps.shape
+        shape = (w.num_layers, 1, t, w.num_kv_heads, w.head_dim)  # one row of t slots: what the kernel stores into
+        batch = RaggedBatch.from_lengths(torch.tensor([t], dtype=torch.int32, device=taps.device))
+        zero = torch.zeros(1, dtype=torch.long, device=taps.device)
+        ks, vs = [], []
+        for j in range(n):
+            k, v = taps.new_empty(shape, dtype=w.fc.dtype), taps.new_empty(shape, dtype=w.fc.dtype)
+            dispatch.kv_inject(taps[j], batch, zero, zero, w, rotary.cos[positions[j]], rotary.sin[positions[j]],
+                               k, v, self.kernels)
+            ks.append(k)
+            vs.append(v)
+        return torch.cat(ks, dim=1).transpose(0, 1), torch.cat(vs, dim=1).transpose(0, 1)
 
 
 class TargetHead:
@@ -369,8 +418,14 @@ class TargetHead:
 
 class BlockDrafter:
     def __init__(self, drafter: DrafterModel, head: TargetHead, max_sequences: int, max_seq_len: int,
-                 idle_timeout_s: float = 120.0) -> None:
+                 idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO, cuda_graphs: bool | str = False) -> None:
+        """``kernels``: AUTO runs the draft pass's attention through the drafting plugin's Triton kernel on CUDA
+        (``plugin.drafter_ops.draft``) and the drafter's torch code elsewhere; ``cuda_graphs``: the whole draft (block
+        embedding, drafter, head, argmax) replays a CUDA graph per batch shape. Both as ``SpeculativeDecoder``."""
         self.drafter, self.head = drafter, head
+        device = next(drafter.parameters()).device
+        self.kernels = resolve(kernels, device)
+        self.graphs = StepGraphs.for_device(device, cuda_graphs)
         self.cache = drafter.new_cache(max_sequences, max_seq_len + drafter.spec.block_size)
         self.slots = SlotTable(max_sequences, idle_timeout_s)
 
@@ -391,18 +446,33 @@ class BlockDrafter:
             else:  # first draft of this sequence: a fresh row, emptied
                 row = self.slots.allocate(s)
                 self.cache.crop(torch.tensor([row]), torch.zeros(1, dtype=torch.long))
+            if int(self.cache.lengths[row]) + k.shape[1] + block_size > self.cache.max_len:
+                raise ConfigError("sequence length", int(self.cache.lengths[row]) + k.shape[1],
+                                  f"exceeds the drafter cache ({self.cache.max_len} tokens)")
             if k.shape[1]:
-                r = torch.tensor([row])
-                if int(self.cache.lengths[row]) + k.shape[1] + block_size > self.cache.max_len:
-                    raise ConfigError("sequence length", int(self.cache.lengths[row]) + k.shape[1],
-                                      f"exceeds the drafter cache ({self.cache.max_len} tokens)")
-                self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache, r)
+                self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache,
+                                            torch.tensor([row]))
             rows.append(row)
-        rows_t = torch.tensor(rows)
+        device = self.head.embed.device
+        first, rows_t = torch.tensor(bonus, device=device), torch.tensor(rows, device=device)
+        static = self.graphs is not None
+
+        def block(ids: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            return draft_block(ids, block_size, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
+                               lambda e: self._forward(e, r, static), self.logits, top)
+
         with torch.inference_mode():
-            return draft_block(torch.tensor(bonus), block_size, self.drafter.spec.mask_token_id,
-                               lambda ids: self.head.embed[ids], lambda e: self.drafter.draft(e, self.cache, rows_t),
-                               self.logits, top)
+            if not static:
+                return block(first, rows_t)
+            return self.graphs.run(("draft", len(rows), block_size, top), self.cache, block, first, rows_t)[0]
+
+    def _forward(self, block_embeds: torch.Tensor, rows: torch.Tensor, static: bool) -> torch.Tensor:
+        """The drafter over the block at ``rows``: through the plugin kernels when ``kernels`` resolved to them."""
+        if self.kernels is Impl.TRITON:
+            from trtllm_dflash.plugin import drafter_ops
+
+            return drafter_ops.draft(self.drafter, block_embeds, self.cache, rows, self.kernels, static=static)
+        return self.drafter.draft(block_embeds, self.cache, rows, static=static)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over drafter hidden states [..., H] -> [..., V]: the product the in-process

@@ -6,15 +6,15 @@ import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.triton.bls import LoopModel
 from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.triton.io import model_parameters
+from trtllm_dflash.serve.settings import ModelSettings
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent(needs=("target_verify", "kv_inject", "drafter"))
-        params = model_parameters(args)
-        yield_to_compute(params.get("io_nice", 0))
-        self.loop = LoopModel(params, pb_utils)
+        settings = ModelSettings.from_args(args)
+        yield_to_compute(settings.io_nice)
+        self.loop = LoopModel(settings, pb_utils)
 
     async def execute(self, requests):
         await self.loop.execute(requests)

@@ -4,13 +4,13 @@ import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.triton.handlers import KVInjectModel
 from trtllm_dflash.serve.triton.lifecycle import watch_parent
-from trtllm_dflash.serve.triton.io import model_parameters
+from trtllm_dflash.serve.settings import ModelSettings
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent()
-        self.model = KVInjectModel(model_parameters(args))
+        self.model = KVInjectModel(ModelSettings.from_args(args))
 
     def execute(self, requests):
         return self.model.execute(pb_utils, requests)

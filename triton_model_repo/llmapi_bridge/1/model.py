@@ -4,13 +4,13 @@ import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.trtllm.llmapi import LlmApiBridge
 from trtllm_dflash.serve.triton.lifecycle import watch_parent
-from trtllm_dflash.serve.triton.io import model_parameters
+from trtllm_dflash.serve.settings import ModelSettings
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent()
-        self.bridge = LlmApiBridge(model_parameters(args), pb_utils)
+        self.bridge = LlmApiBridge(ModelSettings.from_args(args), pb_utils)
 
     async def execute(self, requests):
         await self.bridge.execute(requests)

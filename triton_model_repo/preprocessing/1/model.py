@@ -3,16 +3,16 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.triton.io import model_parameters
 from trtllm_dflash.serve.trtllm.text import TextPreprocessor
+from trtllm_dflash.serve.settings import ModelSettings
 
 
 class TritonPythonModel:
     def initialize(self, args):
         watch_parent()
-        params = model_parameters(args)
-        yield_to_compute(params.get("io_nice", 0))
-        self.model = TextPreprocessor(params)
+        settings = ModelSettings.from_args(args)
+        yield_to_compute(settings.io_nice)
+        self.model = TextPreprocessor(settings)
 
     def execute(self, requests):
         return self.model.execute(pb_utils, requests)

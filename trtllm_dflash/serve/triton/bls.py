@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from trtllm_dflash.errors import DFlashError, require
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
 from trtllm_dflash.runtime.coalesce import Call, StepCoalescer
@@ -59,18 +60,17 @@ class TritonSteps(CoalescedSteps):
     """StepClient over BLS calls to the target_verify / kv_inject / drafter models. Taps and K/V are handed to the
     loop as torch tensors (rows of a batched call's outputs; on a GPU they stay in device memory)."""
 
-    def __init__(self, pb_utils, params: dict[str, str]) -> None:
+    def __init__(self, pb_utils, settings: ModelSettings) -> None:
         self.pb = pb_utils
-        self.target = params["target_verify_model"]
-        self.injector = params.get("kv_inject_model", "kv_inject")
-        self.drafter = params.get("drafter_model", "drafter")
-        self.max_sequences = int(params.get("max_sequences", "0") or 0)
-        self.max_queue = int(params.get("max_queue", "64"))
-        self.queue_timeout_s = float(params.get("queue_timeout_s", "300"))
+        self.target = settings.target_verify_model
+        self.injector = settings.kv_inject_model
+        self.drafter = settings.drafter_model
+        self.max_sequences = settings.max_sequences
+        self.max_queue = settings.max_queue
+        self.queue_timeout_s = settings.queue_timeout_s
         self.waiting = 0  # requests of this model instance waiting for a slot
         self.watch = StubWatch()
-        self.coalescer = StepCoalescer(self._send, enabled=params.get("coalesce", "on") == "on",
-                                       max_rows=int(params.get("step_max_batch_size", "64") or 64))
+        self.coalescer = StepCoalescer(self._send, enabled=settings.coalesce, max_rows=settings.step_max_batch_size)
         self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
         # then go target_verify -> kv_inject -> drafter without touching the host (see ``_rows``).
@@ -361,45 +361,45 @@ def policy_from_settings(doc: dict):
                           ngram=bool(doc.get("ngram", False)))
 
 
-def load_tree(params: dict[str, str], block_size, ngram: bool):
+def load_tree(settings: ModelSettings, block_size, ngram: bool):
     """The tree a dflash loop verifies with (``tree: on``; the same ``runtime.tree.tree_for`` shape
     make-repo sized target_verify's cache for) and its retrieval datastore; (None, None) without one."""
-    if params.get("tree", "off") != "on":
+    if not settings.tree:
         return None, None
     from trtllm_dflash.runtime.datastore import Datastore
     from trtllm_dflash.runtime.tree import tree_for
 
-    path = params.get("datastore", "")
-    store = Datastore.load(path) if path else None
+    store = Datastore.load(settings.datastore) if settings.datastore else None
     return tree_for(int(block_size) - 1, ngram, store is not None), store
 
 
 class LoopModel:
-    def __init__(self, params: dict[str, str], pb_utils) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils) -> None:
+        s = ModelSettings.of(params)
         self.pb = pb_utils
-        self.block_size = params["block_size"] if params["block_size"] == "auto" else int(params["block_size"])
-        self.policy = load_policy(params["adaptive"]) if self.block_size == "auto" else None
-        self.ngram = params.get("ngram", "off") == "on"  # a repository rendered before prompt lookup: off
+        self.block_size = s.block_size
+        self.policy = load_policy(s.adaptive) if s.adaptive_block else None
+        self.ngram = s.ngram
         longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
-        self.tree, self.datastore = load_tree(params, longest, self.ngram)
-        self.steps = TritonSteps(pb_utils, params)
+        self.tree, self.datastore = load_tree(s, longest, self.ngram)
+        self.steps = TritonSteps(pb_utils, s)
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
         self.frontend = self.tokens = None
-        if params.get("frontend", "off") == "on":  # the entry point: text in, text out (no ensemble around it)
+        if s.frontend == "on":  # the entry point: text in, text out (no ensemble around it)
             from trtllm_dflash.serve.triton.handlers import Preprocessor
 
-            self.frontend = Preprocessor(params)
-        elif params.get("frontend") == "tokens":  # tensorrt_llm: TensorRT-LLM's token-level model
+            self.frontend = Preprocessor(s)
+        elif s.frontend == "tokens":  # tensorrt_llm: TensorRT-LLM's token-level model
             from trtllm_dflash.serve.trtllm.token_model import TokenFrontend
 
-            self.tokens = TokenFrontend(params)
+            self.tokens = TokenFrontend(s)
         self.live_ids: dict[str, list[dict]] = {}  # request id -> its live requests' state (tensorrt_llm's stop)
         self.telemetry = None
-        if params.get("metrics", "on") == "on":
+        if s.metrics:
             from trtllm_dflash.serve.triton.telemetry import LoopTelemetry
 
-            self.telemetry = LoopTelemetry(pb_utils, params.get("model_name", "dflash_bls"),
+            self.telemetry = LoopTelemetry(pb_utils, s.model_name or "dflash_bls",
                                            self.policy.max_k + 1 if self.policy is not None else self.block_size)
             self.steps.on_batch = self.telemetry.step_call
 

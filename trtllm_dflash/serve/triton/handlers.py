@@ -30,6 +30,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.serve.trtllm.compat import Options, request_options
 from trtllm_dflash.runtime.protocol import (MAX_STOP_WORDS, GenerateRequest, decode_stops, decode_text, encode_stops,
                                          generate_request, validate_generation)
@@ -54,8 +55,8 @@ class CpuThreads:
     the very same steps. ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
     """
 
-    def __init__(self, params: dict[str, str]) -> None:
-        n = int(params.get("torch_threads", "0") or 0)
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+        n = ModelSettings.of(params).torch_threads
         self.fixed = n > 0 or _device() != "cpu"
         if n > 0:
             torch.set_num_threads(n)
@@ -74,13 +75,6 @@ class CpuThreads:
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _engine_backend(params: dict[str, str]) -> bool:
-    """The rendered ``backend`` parameter: ``torch`` (steps.py) or ``trtllm-engine`` (trtllm_engine.py)."""
-    backend = params.get("backend", "torch")
-    require(backend in ("torch", "trtllm-engine"), "backend", backend, "must be torch or trtllm-engine")
-    return backend == "trtllm-engine"
 
 
 def sampling_from(pb_utils, request) -> SamplingParams:
@@ -114,13 +108,14 @@ def sampling_from(pb_utils, request) -> SamplingParams:
 class Preprocessor:
     """The entry models' text request: text_input (+ options) -> the loop's GenerateRequest and response options."""
 
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
         from trtllm_dflash.specs import TargetSpec
 
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
-        self.max_seq_len = int(params["max_seq_len"])
-        eos = set(TargetSpec.load(params["tokenizer_dir"]).eos_token_ids)
+        s = ModelSettings.of(params)
+        self.tokenizer = load_tokenizer(s.tokenizer_dir)
+        self.max_seq_len = s.max_seq_len
+        eos = set(TargetSpec.load(s.tokenizer_dir).eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.default_stops = [[e] for e in sorted(eos)]
@@ -239,27 +234,25 @@ def _stats(slots) -> list[tuple[str, np.ndarray]]:
 
 
 class TargetVerifyModel:
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.models.target import TargetModel
         from trtllm_dflash.runtime.steps import TargetVerifier
 
-        self.threads, self.drafting = CpuThreads(params), set()
-        taps = tuple(int(x) for x in params["tap_layers"].split(",") if x)
-        self.tree_capable = not _engine_backend(params)
-        if _engine_backend(params):
+        s = ModelSettings.of(params)
+        self.threads, self.drafting = CpuThreads(s), set()
+        taps = s.tap_layers
+        self.tree_capable = not s.engine_backend
+        if s.engine_backend:
             from trtllm_dflash.serve.trtllm.engine import EngineTargetVerifier, load_engine_set
             from trtllm_dflash.specs import TargetSpec
 
-            self.tap_width = len(taps) * TargetSpec.load(params["target_dir"]).hidden_size
-            self.verifier = EngineTargetVerifier(
-                load_engine_set(params["engine_dir"], int(params["max_block_size"])), self.tap_width,
-                int(params["max_sequences"]), int(params["max_seq_len"]), float(params["idle_timeout_s"]),
-                int(params["max_batch_size"]))
+            self.tap_width = len(taps) * TargetSpec.load(s.target_dir).hidden_size
+            self.verifier = EngineTargetVerifier(load_engine_set(s.engine_dir, s.max_block_size), self.tap_width,
+                                                 s.max_sequences, s.max_seq_len, s.idle_timeout_s, s.max_batch_size)
             return
-        target = TargetModel.from_pretrained(params["target_dir"], device=_device())
-        self.verifier = TargetVerifier(target, taps, int(params["max_sequences"]), int(params["max_seq_len"]),
-                                       int(params["max_block_size"]), float(params["idle_timeout_s"]),
-                                       int(params.get("max_tree_nodes", "0") or 0))
+        target = TargetModel.from_pretrained(s.target_dir, device=_device())
+        self.verifier = TargetVerifier(target, taps, s.max_sequences, s.max_seq_len, s.max_block_size,
+                                       s.idle_timeout_s, s.max_tree_nodes, cuda_graphs=s.cuda_graphs)
         self.tap_width = len(taps) * target.spec.hidden_size
 
     def _outputs(self, pb_utils, tokens, taps, extra=(), logprobs=None):
@@ -361,18 +354,19 @@ class TargetVerifyModel:
 
 
 class KVInjectModel:
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.checkpoints import load_pair
         from trtllm_dflash.runtime.steps import KVInjector
 
-        CpuThreads(params)(live=2)  # a few ms per step, as fast on one thread: one thread at any load
-        if _engine_backend(params):
+        s = ModelSettings.of(params)
+        CpuThreads(s)(live=2)  # a few ms per step, as fast on one thread: one thread at any load
+        if s.engine_backend:
             from trtllm_dflash.serve.trtllm.engine import EngineKVInjector, load_engine_set
 
-            self.inject = EngineKVInjector(load_engine_set(params["engine_dir"], int(params["block_size"])))
+            self.inject = EngineKVInjector(load_engine_set(s.engine_dir, s.block_size))
             self.dtype, self.device = self.inject.dtype, "cuda"
             return
-        _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
+        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device())
         self.inject = KVInjector(drafter)
         self.dtype, self.device = drafter.dtype, _device()
 
@@ -399,24 +393,25 @@ class KVInjectModel:
 
 
 class DrafterStepModel:
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.checkpoints import load_pair
         from trtllm_dflash.runtime.steps import BlockDrafter, TargetHead
 
-        self.threads = CpuThreads(params)
-        self.tree_capable = not _engine_backend(params)
-        if _engine_backend(params):
+        s = ModelSettings.of(params)
+        self.threads = CpuThreads(s)
+        self.tree_capable = not s.engine_backend
+        if s.engine_backend:
             from trtllm_dflash.serve.trtllm.engine import EngineBlockDrafter, load_engine_set
             from trtllm_dflash.specs import DrafterSpec
 
-            self.drafter = EngineBlockDrafter(load_engine_set(params["engine_dir"], int(params["block_size"])),
-                                              DrafterSpec.load(params["drafter_dir"]), int(params["max_sequences"]),
-                                              int(params["max_seq_len"]), float(params["idle_timeout_s"]))
+            self.drafter = EngineBlockDrafter(load_engine_set(s.engine_dir, s.block_size),
+                                              DrafterSpec.load(s.drafter_dir), s.max_sequences, s.max_seq_len,
+                                              s.idle_timeout_s)
             return
-        _, drafter = load_pair(params["target_dir"], params["drafter_dir"], device=_device())
-        head = TargetHead(params["target_dir"], device=_device())
-        self.drafter = BlockDrafter(drafter, head, int(params["max_sequences"]), int(params["max_seq_len"]),
-                                    float(params["idle_timeout_s"]))
+        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device())
+        head = TargetHead(s.target_dir, device=_device())
+        self.drafter = BlockDrafter(drafter, head, s.max_sequences, s.max_seq_len, s.idle_timeout_s,
+                                    cuda_graphs=s.cuda_graphs)
 
     def execute(self, pb_utils, requests) -> list:
         self.drafter.expire()

@@ -1,4 +1,5 @@
-"""Glue shared by the python-backend ``model.py`` shells: config parameters, input access, error responses.
+"""Glue shared by the python-backend ``model.py`` shells: input access, error responses (their parameters:
+``serve.settings.ModelSettings``).
 
 ``pb_utils`` (``triton_python_backend_utils``) only exists inside the Triton stub, so it is passed in, never
 imported here; everything else in the serving path is plain, testable Python.
@@ -6,18 +7,11 @@ imported here; everything else in the serving path is plain, testable Python.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 
 from trtllm_dflash.errors import DFlashError, require
-
-
-def model_parameters(args: dict[str, str]) -> dict[str, str]:
-    """The ``parameters`` of a model's config.pbtxt as {key: string_value}."""
-    cfg = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in cfg.get("parameters", {}).items()}
 
 
 def get(pb_utils, request, name: str, default: Any = None) -> np.ndarray | None:

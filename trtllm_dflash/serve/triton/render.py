@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError, require
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.serve.trtllm import compat, token_model
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -42,11 +43,12 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "postprocessing": ("postprocessing", ("max_batch_size", "target_dir", "instances", "io_nice")),
     "target_verify": ("target_verify", ("max_batch_size", "queue_delay_us", "target_dir", "tap_layers",
                                         "max_sequences", "max_seq_len", "block_size", "idle_timeout_s",
-                                        "torch_threads", "tree_nodes", *STEP_KEYS)),
+                                        "torch_threads", "tree_nodes", "cuda_graphs", *STEP_KEYS)),
     "kv_inject": ("kv_inject", ("max_batch_size", "target_dir", "drafter_dir", "torch_threads", "instances",
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
-                            "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", *STEP_KEYS)),
+                            "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", "cuda_graphs",
+                            *STEP_KEYS)),
     "dflash_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
     "baseline_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
@@ -82,6 +84,14 @@ LLMAPI_MODELS.update({n: LLMAPI_MODELS["dflash"] for n in TRTLLM_NAMES})
 def models_for(backend: str, trtllm_names: bool = True) -> dict[str, tuple[str, tuple[str, ...]]]:
     models = LLMAPI_MODELS if backend == "trtllm-pytorch" else MODELS
     return {m: v for m, v in models.items() if trtllm_names or m not in TRTLLM_NAMES}
+
+
+PARAMETER = re.compile(r'parameters\s*\{\s*key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def config_parameters(text: str) -> dict[str, str]:
+    """A rendered config.pbtxt's ``parameters`` as {key: string_value}: what Triton hands its model at initialize."""
+    return {key: value.replace('\\"', '"').replace("\\\\", "\\") for key, value in PARAMETER.findall(text)}
 
 
 def render_text(template: str, values: dict[str, object], source: str) -> str:
@@ -123,6 +133,9 @@ class RepoConfig:
     # for clients that call ModelInfer (its example client without --streaming)
     tensorrt_llm_decoupled: bool = True
     trtllm_names: bool = True  # also render dflash as TensorRT-LLM's ensemble and tensorrt_llm_bls (TRTLLM_NAMES)
+    # the torch step models' verify and draft forwards replay CUDA graphs (runtime.graphs): "on" (CUDA), "rehearse"
+    # (any device: the same static forwards without the capture) or "off"
+    cuda_graphs: str = "off"
 
     @property
     def adaptive(self) -> bool:
@@ -178,6 +191,11 @@ class RepoConfig:
         require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
         require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
         require(0 <= self.io_nice <= 19, "--io-nice", self.io_nice, "must be in [0, 19] (0 = no priority split)")
+        require(self.cuda_graphs in ("off", "on", "rehearse"), "--cuda-graphs", self.cuda_graphs,
+                "must be off, on or rehearse")
+        require(self.cuda_graphs == "off" or self.backend == "torch", "--cuda-graphs", self.cuda_graphs,
+                f"applies to the torch step models, not --backend {self.backend} (its engines bring their own)",
+                "drop --cuda-graphs or use --backend torch")
         require(not self.tree or self.backend == "torch", "--tree", True,
                 f"runs in the BLS loop over the torch step models, not with --backend {self.backend}",
                 "drop --tree, or use --backend torch")
@@ -204,6 +222,7 @@ class RepoConfig:
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
+            "cuda_graphs": self.cuda_graphs,
             "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s, "io_nice": self.io_nice,
             "tap_layers": ",".join(map(str, tap_layers)),
             "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
@@ -303,6 +322,8 @@ def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: 
             if not (src / "config.pbtxt").is_file():
                 raise ArtifactError(src / "config.pbtxt", "template missing", "restore triton_model_repo/")
             text = render_text((src / "config.pbtxt").read_text(), values[model], f"{template}/config.pbtxt")
+            if (templates / MODEL_PY_FROM.get(template, template) / "1" / "model.py").is_file():
+                ModelSettings.from_parameters(config_parameters(text))  # what the model will read back, checked now
             (tmp / model / "1").mkdir(parents=True)
             (tmp / model / "config.pbtxt").write_text(text)
             model_py = templates / MODEL_PY_FROM.get(template, template) / "1" / "model.py"

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_dflash.errors import ConfigError, require
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.trtllm.compat import Options, request_options, response_outputs
 
@@ -195,13 +196,14 @@ def bridge_update(state: BridgeState, text: str, output_ids: list[int], total_dr
 
 
 class LlmApiBridge:
-    def __init__(self, params: dict[str, str], pb_utils) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
 
         self.pb = pb_utils
-        self.llm_model = params["llm_model"]
-        self.max_draft_len = int(params["max_draft_len"])
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+        s = ModelSettings.of(params)
+        self.llm_model = s.llm_model
+        self.max_draft_len = s.max_draft_len
+        self.tokenizer = load_tokenizer(s.tokenizer_dir)
 
     async def execute(self, requests) -> None:
         import asyncio

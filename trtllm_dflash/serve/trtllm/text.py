@@ -35,16 +35,16 @@ from typing import Any, Callable
 import numpy as np
 
 from trtllm_dflash.errors import require
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.runtime.protocol import decode_text
 
 Inputs = Callable[[str], "np.ndarray | None"]  # an input by name, with its batch dimension, or None when absent
-TRUE = ("true", "1", "t", "y", "yes")
 
 
-def flag(params: dict[str, str], key: str, default: bool = True) -> bool:
-    """A boolean model parameter as TensorRT-LLM's models read it (anything but a known false spelling: true)."""
-    value = params.get(key, "").strip().lower()
-    return default if value not in (*TRUE, "false", "0", "f", "n", "no") else value in TRUE
+def flag(params: ModelSettings | dict[str, str], key: str) -> bool:
+    """A boolean model parameter as TensorRT-LLM's models read it (a known true or false spelling; anything else:
+    the setting's default), through ``ModelSettings``."""
+    return bool(getattr(ModelSettings.of(params), key))
 
 
 def rows_of(arr: np.ndarray, field: str, batch: int) -> list[list[str]]:
@@ -98,13 +98,14 @@ class PerRequest:
 class TextPreprocessor(PerRequest):
     """TensorRT-LLM's ``preprocessing`` (see the module docstring)."""
 
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
         from trtllm_dflash.specs import TargetSpec
 
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
-        self.vocab = TargetSpec.load(params["tokenizer_dir"]).vocab_size
-        self.add_special_tokens = flag(params, "add_special_tokens")
+        s = ModelSettings.of(params)
+        self.tokenizer = load_tokenizer(s.tokenizer_dir)
+        self.vocab = TargetSpec.load(s.tokenizer_dir).vocab_size
+        self.add_special_tokens = s.add_special_tokens
         tok = self.tokenizer
         self.end_id = tok.encode(tok.eos_token, add_special_tokens=False)[0]
         self.pad_id = tok.encode(tok.pad_token or tok.eos_token, add_special_tokens=False)[0]
@@ -168,11 +169,12 @@ class TextPreprocessor(PerRequest):
 class TextPostprocessor(PerRequest):
     """TensorRT-LLM's ``postprocessing`` (see the module docstring)."""
 
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
 
-        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
-        self.skip_special_tokens = flag(params, "skip_special_tokens")
+        s = ModelSettings.of(params)
+        self.tokenizer = load_tokenizer(s.tokenizer_dir)
+        self.skip_special_tokens = s.skip_special_tokens
 
     def __call__(self, read: Inputs) -> list[tuple[str, np.ndarray]]:
         tokens, lengths = read("TOKENS_BATCH"), read("SEQUENCE_LENGTH")

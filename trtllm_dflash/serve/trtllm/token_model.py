@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from trtllm_dflash.errors import require
+from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
 from trtllm_dflash.serve.trtllm.compat import Options, parse_options, response_outputs
 from trtllm_dflash.runtime.loop import Update
@@ -161,13 +162,14 @@ def token_sampling(pb, request, vocab: int) -> SamplingParams:
 class TokenFrontend:
     """Parses ``tensorrt_llm`` requests into the loop's rows and builds their responses."""
 
-    def __init__(self, params: dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
         from trtllm_dflash.specs import TargetSpec
 
-        self.vocab = TargetSpec.load(params["tokenizer_dir"]).vocab_size
-        self.max_seq_len = int(params["max_seq_len"])
-        self.exclude_input = params.get("exclude_input_in_output", "false") == "true"
-        self.decoupled = params.get("decoupled", "true") == "true"
+        s = ModelSettings.of(params)
+        self.vocab = TargetSpec.load(s.tokenizer_dir).vocab_size
+        self.max_seq_len = s.max_seq_len
+        self.exclude_input = s.exclude_input_in_output
+        self.decoupled = s.decoupled
 
     @staticmethod
     def is_stop(pb_utils, request) -> bool:

@@ -507,11 +507,13 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     for i, a in enumerate(aux):
         require(isinstance(a, int) and a >= 1, f"{prefix}.aux_hidden_state_layer_ids[{i}]", a,
                 "must be an integer >= 1 (id i is the output of target decoder layer i-1; 0, the embedding "
-                "output, is not a tap this runtime captures)")
+                "output, is not a tap this runtime captures)",
+                "use a drafter trained on decoder-layer outputs (speculators' default ids are >= 2)")
     vocab = _int(layer, "vocab_size", lprefix)
     draft_vocab = _int(cfg, "draft_vocab_size", prefix, default=32000)  # DFlashSpeculatorConfig's default
     require(draft_vocab <= vocab, f"{prefix}.draft_vocab_size", draft_vocab,
-            f"must be <= transformer_layer_config.vocab_size ({vocab})")
+            f"must be <= transformer_layer_config.vocab_size ({vocab})",
+            "check that transformer_layer_config.vocab_size is the verifier's vocabulary")
     # layer_types absent: speculators builds every layer as full attention; sliding layers are causal unless
     # sliding_window_non_causal (its anchor-block mask), the same rule as our layer_causal
     num_layers = _int(layer, "num_hidden_layers", lprefix)

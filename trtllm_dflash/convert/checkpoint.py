@@ -26,6 +26,7 @@ from trtllm_dflash.convert import manifest as mf
 from trtllm_dflash import staging
 from trtllm_dflash.convert import weight_map as wm
 from trtllm_dflash.errors import ArtifactError, require
+from trtllm_dflash.models import speculators
 from trtllm_dflash.models.weights import read_state_dict, write_json, write_state_dict
 from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
 
@@ -115,10 +116,16 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
                 "attention biases are not supported (the reference models have no o_proj bias; "
                 "TRT-LLM's Qwen3 has none)",
                 "use a checkpoint with attention_bias false")
+    require(drafter.draft_vocab_size is None, "drafter.draft_vocab_size", drafter.draft_vocab_size,
+            "the TensorRT-LLM drafter graph drafts through the target's LM head (lm_head_source); a drafter with "
+            "its own reduced-vocabulary head and d2t map is not converted",
+            "run it in the in-process runtime (trtllm-dflash generate), or use a full-vocabulary drafter")
     check_tp(target, drafter, cfg.tp)
 
     t0 = time.perf_counter()
     tstate, dstate = read_state_dict(cfg.target_dir), read_state_dict(cfg.drafter_dir)
+    if speculators.is_speculators_dir(cfg.drafter_dir):  # body under z-lab names; verifier copies dropped
+        dstate, _, _ = speculators.split_state(dstate, drafter, cfg.drafter_dir)
     tied_alias = target.tie_word_embeddings and "lm_head.weight" not in tstate
     t_entries = configs.target_entries(target, cfg.tp, lm_head_from_embedding=tied_alias)
     d_entries = configs.drafter_entries(drafter)

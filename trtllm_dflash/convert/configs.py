@@ -125,7 +125,7 @@ def drafter_config(spec: DrafterSpec, target: TargetSpec, dtype: str, tp: int) -
             "mask_token_id": spec.mask_token_id,
             "target_layer_ids": list(spec.target_layer_ids),
             "tap_convention": "output of target decoder layer i (HF hidden_states[i + 1])",
-            "num_target_layers": spec.num_target_layers,
+            "num_target_layers": spec.num_target_layers or target.num_hidden_layers,
             "context_proj_in_features": spec.num_taps * spec.hidden_size,
             "layer_types": [t.value for t in spec.layer_types],
             "layer_causal": list(spec.layer_causal),

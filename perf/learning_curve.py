@@ -685,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the real decoder (lossless check) instead of replaying its walk on the greedy outputs")
     q.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                    help="also the tree verify with a retrieval datastore; auto (default): the drafter directory's "
-                        "datastore.safetensors where it has one")
+                        "datastore.dflash where it has one")
     q = sub.add_parser("report", help="curve.json + curve.png from the evaluations")
     q.add_argument("--out", default="perf/results/drafter-curve")
     q.add_argument("--main", default=None, help="the main run's name, e.g. regen-140000 (default: the largest regen run)")

@@ -9,7 +9,7 @@ nothing where a verify is launch-bound (a GPU at small batch) and in proportion 
 
     python perf/tree_shapes.py --datasets humaneval,mtbench --limit 40 --out perf/results/tree/shapes-40.json
 
-With a retrieval datastore (``--datastore``; by default the drafter directory's ``datastore.safetensors``) the
+With a retrieval datastore (``--datastore``; by default the drafter directory's ``datastore.dflash``) the
 default tree with its proposals is replayed too. Greedy outputs are ``perf/learning_curve.py eval``'s cached ones
 (``--work``), made first if missing. Prints one JSON object (and writes it atomically with ``--out``; a PNG of τ
 against nodes beside it, the default trees black stars; ``--plot FILE.json`` redraws it)."""

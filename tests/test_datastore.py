@@ -78,7 +78,7 @@ def test_the_datastore_command_indexes_regen_shards(tmp_path, capsys):
         write_regen_shard(regen / f"regen-{i:05d}.safetensors", [
             Regenerated(torch.tensor(s), 1, torch.zeros(len(s), 2, dtype=torch.int32),
                         torch.zeros(len(s), 2, dtype=torch.bfloat16)) for s in seqs])
-    out = tmp_path / "datastore.safetensors"
+    out = tmp_path / "datastore.dflash"
     assert cli(["datastore", "--from", str(regen), "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert printed["num_sequences"] == 3 and printed["num_tokens"] == 11 and printed["num_shards"] == 2

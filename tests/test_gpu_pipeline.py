@@ -96,7 +96,7 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     assert status["phase"] == "done", log_tail
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= gp.OUT_MAX_FILES and all((out / f).stat().st_size <= gp.OUT_MAX_BYTES for f in files)
-    assert {"config.json", "training_config.json", "status.json", "datastore.safetensors"} <= set(files)
+    assert {"config.json", "training_config.json", "status.json", "datastore.dflash"} <= set(files)
     returned = json.loads((out / "status.json").read_text())
     assert str(gp.REPO) not in (out / "status.json").read_text()  # repository paths come back repository-relative
     assert returned["train_log"]["records"][-1]["step"] == 6 and set(returned["timings"]) >= {"regen", "taps", "train"}
@@ -114,7 +114,7 @@ def test_gpu_pipeline_rehearsal(tiny_target_with_tokenizer, tmp_path):
     _, d_merged = load_pair(tiny_target_with_tokenizer, merged)
     from trtllm_dflash.runtime.datastore import Datastore
 
-    assert Datastore.load(merged / "datastore.safetensors").num_tokens == returned["eval"]["tau"][2]["datastore_tokens"]
+    assert Datastore.load(merged / "datastore.dflash").num_tokens == returned["eval"]["tau"][2]["datastore_tokens"]
     for name in ("training_config.json", "training_log.json"):  # the GPU machine's paths, marked as its own
         text = (merged / name).read_text()
         assert '"/' not in text and '"gpu-machine:/' in text, name
@@ -238,7 +238,7 @@ def test_short_lease_command_rehearsal(tiny_target_with_tokenizer, tmp_path):
     assert lease.returncode == 0, lease.stdout[-3000:] + lease.stderr[-3000:]
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert len(files) <= gp.OUT_MAX_FILES and "session.tgz" in files, files
-    assert {"p/config.json", "p/training_config.json", "p/status.json", "p/datastore.safetensors"} <= set(files)
+    assert {"p/config.json", "p/training_config.json", "p/status.json", "p/datastore.dflash"} <= set(files)
     status = json.loads((out / "p" / "status.json").read_text())
     assert status["phase"] == "done" and status["eval"]["speed_b1"][0]["lossless"], status.get("job_log_tail")
     import tarfile

@@ -90,7 +90,7 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
     # the drafter directory's retrieval datastore, from the same regen shards: eval adds the tree verify with it
     from trtllm_dflash.cli import main as cli
 
-    assert cli(["datastore", "--from", str(work / "regen"), "--out", str(Path(last) / "datastore.safetensors")]) == 0
+    assert cli(["datastore", "--from", str(work / "regen"), "--out", str(Path(last) / "datastore.dflash")]) == 0
     evargs = ("--limit", "2", "--max-new-tokens", "8", "--batch-size", "2")
     _curve(work, tiny_smol, "eval", "--drafters", last, *evargs)
     _curve(work, tiny_smol, "eval", "--drafters", last, *evargs, "--decode")

@@ -119,7 +119,7 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     plain = SpeculativeDecoder(target, drafter, block_size).generate(reqs)
     looked = SpeculativeDecoder(target, drafter, block_size, ngram=True).generate(reqs)
     both = SpeculativeDecoder(target, drafter, block_size, tree=True).generate(reqs)  # runtime.tree
-    store = Datastore.load(Path(smollm2["drafter"]) / "datastore.safetensors")  # the shipped retrieval datastore
+    store = Datastore.load(Path(smollm2["drafter"]) / "datastore.dflash")  # the shipped retrieval datastore
     stored = SpeculativeDecoder(target, drafter, block_size, tree=True, datastore=store).generate(reqs) \
         if block_size == 16 else [None] * len(reqs)
     assert sum(r.lookup_steps for r in looked) > 0  # the code prompt repeats itself within 32 tokens

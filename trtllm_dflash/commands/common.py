@@ -122,18 +122,35 @@ def resolve_block_size(args, drafter) -> int | str:
     return "auto"
 
 
-def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
-    """The datastore a decoder proposes from: ``choice`` "auto" — the drafter directory's ``DATASTORE_FILE`` where
-    there is one and the tree verify has lookup chains; "none" or None — no datastore; else a file to load."""
+def drafter_datastore(drafter_dir):
+    """The drafter directory's retrieval datastore file (``runtime.datastore.DATASTORE_FILE``), or None if it has none.
+    A datastore under its old name (``LEGACY_DATASTORE_FILE``, a top-level *.safetensors that vLLM takes for weights and
+    refuses) is not used: a WARNING says how to rename it."""
+    import logging
     from pathlib import Path
 
-    from trtllm_dflash.runtime.datastore import DATASTORE_FILE, Datastore
+    from trtllm_dflash.runtime.datastore import DATASTORE_FILE, LEGACY_DATASTORE_FILE
+
+    if drafter_dir is None:
+        return None
+    path, legacy = Path(drafter_dir) / DATASTORE_FILE, Path(drafter_dir) / LEGACY_DATASTORE_FILE
+    if not path.is_file() and legacy.is_file():
+        logging.getLogger(__name__).warning(
+            "%s: a datastore under its old name is not used (vLLM loads every *.safetensors in a drafter directory as "
+            "weights and refuses it); rename it: mv %s %s", legacy, legacy, path)
+    return path if path.is_file() else None
+
+
+def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
+    """The datastore a decoder proposes from: ``choice`` "auto" — the drafter directory's (``drafter_datastore``)
+    where there is one and the tree verify has lookup chains; "none" or None — no datastore; else a file to load."""
+    from trtllm_dflash.runtime.datastore import Datastore
 
     if choice in (None, "none"):
         return None
     if choice == "auto":
-        path = Path(drafter_dir) / DATASTORE_FILE if drafter_dir is not None else None
-        return Datastore.load(path) if tree_lookup and path is not None and path.is_file() else None
+        path = drafter_datastore(drafter_dir) if tree_lookup else None
+        return Datastore.load(path) if path is not None else None
     return Datastore.load(choice)
 
 

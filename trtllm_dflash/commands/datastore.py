@@ -2,8 +2,8 @@
 
 The drafter's training data is the target's own greedy responses to thousands of prompts (``train-drafter``'s
 regen shards, ``regen-*.safetensors``); the same tokens, indexed, let the tree verify propose what followed the
-context's last tokens in those responses. Put the file in the drafter directory as ``datastore.safetensors`` and
-``generate --tree`` uses it by default."""
+context's last tokens in those responses. Put the file in the drafter directory as ``datastore.dflash`` (``runtime.datastore.DATASTORE_FILE``: safetensors
+inside, but named so that no peer loads it as weights) and ``generate --tree`` uses it by default."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a folder of regen shards (regen-*.safetensors, train-drafter's work dir 'regen'); "
                              "repeat to merge folders")
     parser.add_argument("--out", required=True, type=Path,
-                        help="the datastore file to write (atomically), e.g. DRAFTER_DIR/datastore.safetensors")
+                        help="the datastore file to write (atomically), e.g. DRAFTER_DIR/datastore.dflash")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="stop adding sequences once the store holds this many tokens (default: all)")
 

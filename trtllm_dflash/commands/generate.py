@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                         help="with --tree: a retrieval datastore whose proposals (continuations of the context's "
                              "last tokens in a corpus of the target's own outputs) take half of the lookup chains; "
-                             "auto (default): the drafter directory's datastore.safetensors if it has one")
+                             "auto (default): the drafter directory's datastore.dflash if it has one")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "

@@ -26,7 +26,11 @@ import numpy as np
 
 from trtllm_dflash.errors import ArtifactError
 
-DATASTORE_FILE = "datastore.safetensors"  # a drafter directory's datastore (``generate --tree`` finds it there)
+# A drafter directory's datastore (``generate --tree`` finds it there). safetensors inside, but not named *.safetensors:
+# vLLM (and SGLang, TRT-LLM) load every top-level *.safetensors of a drafter directory as weights and refuse the
+# unknown tensor ``tokens``, so only config.json + model.safetensors may look like weights there.
+DATASTORE_FILE = "datastore.dflash"
+LEGACY_DATASTORE_FILE = "datastore.safetensors"  # the name before; ``commands.common.drafter_datastore`` warns on it
 NGRAMS = (8, 6, 5, 4, 3, 2)  # n-gram lengths matched, longest first
 MAX_MATCHES = 512  # continuations a proposal is ranked over: those after the latest occurrences
 MAX_LEN = 64  # the longest proposal

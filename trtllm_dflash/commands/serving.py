@@ -42,7 +42,7 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                              "it pays")
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                         help="with --tree: a retrieval datastore for the tree's lookup chains (`trtllm-dflash "
-                             "datastore`); auto (default): the drafter directory's datastore.safetensors if it has one")
+                             "datastore`); auto (default): the drafter directory's datastore.dflash if it has one")
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
     parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
     parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
@@ -103,15 +103,13 @@ def make_repo_main(args: argparse.Namespace) -> int:
 def repo_datastore(choice: str, drafter_dir: str, tree: bool) -> str:
     """``--datastore`` as make-repo records it: a file path, or "" for none (auto without a tree with lookup chains:
     none; an explicit file there is kept, for the repository check to refuse by name)."""
-    from pathlib import Path
-
-    from trtllm_dflash.runtime.datastore import DATASTORE_FILE
+    from trtllm_dflash.commands.common import drafter_datastore
 
     if choice == "none":
         return ""
     if choice == "auto":
-        path = Path(drafter_dir) / DATASTORE_FILE
-        return str(path) if tree and path.is_file() else ""
+        path = drafter_datastore(drafter_dir) if tree else None
+        return str(path) if path is not None else ""
     return choice
 
 

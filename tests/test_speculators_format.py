@@ -101,6 +101,17 @@ def test_full_vocab_speculators_drafts_like_zlab(tiny_dirs, tmp_path):
     assert torch.equal(_drafts(target, spec_drafter, taps, 9, 6), _drafts(target, zlab, taps, 9, 6))
 
 
+def test_zlab_copy_of_full_vocab_drafter(tiny_dirs, tmp_path):
+    tdir, zdir = tiny_dirs["llama"]
+    target, zlab = load_pair(tdir, zdir, dtype=torch.float64)
+    spec_dir = speculators.write_speculators_drafter(tmp_path / "spec", zlab, target.spec, tdir, dtype=torch.float64)
+    copy = speculators.write_zlab_copy(spec_dir, tmp_path / "zlab", target.spec, dtype=torch.float64)
+    assert not speculators.is_speculators_dir(copy)
+    _, back = load_pair(tdir, copy, dtype=torch.float64)
+    assert back.spec == replace(zlab.spec, num_target_layers=target.spec.num_hidden_layers)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), zlab.state_dict().values()))
+
+
 def test_target_head_on_reduced_vocab_drafter_is_refused(tiny_dirs):
     target_spec = TargetSpec.load(tiny_dirs["llama"][0])
     model = _random_drafter(target_spec, DRAFT_VOCAB)
@@ -110,6 +121,30 @@ def test_target_head_on_reduced_vocab_drafter_is_refused(tiny_dirs):
         model.draft(embeds, cache)  # what an unchanged caller does before applying the target's head
     assert e.value.field == "drafter.draft_vocab_size" and e.value.value == DRAFT_VOCAB
     assert "own_head=drafter.draft_head" in e.value.fix
+
+
+def test_decoder_drafts_through_own_head(tiny_dirs, tmp_path, monkeypatch):
+    """The in-process decoder with a reduced-vocabulary drafter: refused while its ``propose`` calls draft_block
+    without ``own_head`` (today's runtime/decoder.py), lossless once it passes ``own_head=drafter.draft_head`` (the
+    one-argument caller change, emulated here by binding it)."""
+    from functools import partial
+
+    from trtllm_dflash.runtime import decoder as decoder_module
+    from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+
+    tdir = tiny_dirs["llama"][0]
+    target_spec = TargetSpec.load(tdir)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", _random_drafter(target_spec, DRAFT_VOCAB),
+                                                target_spec, tdir, dtype=torch.float64)
+    target, drafter = load_pair(tdir, out, dtype=torch.float64)
+    requests = [Request((1, 17, 33, 4, 99), 24), Request((7, 8), 24)]
+    want = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(requests)]
+    with pytest.raises(ConfigError, match="drafter.draft_vocab_size=64"):
+        SpeculativeDecoder(target, drafter, 6).generate(requests)
+    monkeypatch.setattr(decoder_module, "draft_block", partial(draft_block, own_head=drafter.draft_head))
+    got = SpeculativeDecoder(target, drafter, 6).generate(requests)
+    assert [r.token_ids for r in got] == want
+    assert all(1 <= t <= 6 for r in got for t in r.acceptance_lengths)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -190,3 +190,16 @@ def write_speculators_drafter(out_dir: str | Path, model, target: TargetSpec, ve
         write_json(speculators_config(spec, target, str(verifier), archs, dtype), tmp / "config.json")
         write_state_dict(state, tmp / "model.safetensors")
     return out_dir
+
+
+def write_zlab_copy(model_dir: str | Path, out_dir: str | Path, target: TargetSpec,
+                    dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A full-vocabulary speculators drafter rewritten in the z-lab layout (``DFlashDraftModel`` config with
+    ``dflash_config``), for consumers that read only that layout (TensorRT-LLM's DFlash loader). A reduced
+    vocabulary is refused by ``DrafterSpec.to_hf_config``: the z-lab layout has no head to carry it."""
+    from trtllm_dflash.checkpoints import write_drafter
+
+    spec = DrafterSpec.load(model_dir)
+    body, _, _ = split_state(read_state_dict(model_dir), spec, model_dir)
+    spec.to_hf_config(target=target)  # refuses a reduced vocabulary before anything is written
+    return write_drafter(out_dir, spec, target, body, dtype=dtype)

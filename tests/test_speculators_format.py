@@ -190,6 +190,7 @@ def test_config_translation_fills_class_defaults():
     (dict(target_hidden_size=2048), "drafter.target_hidden_size", 2048, "hidden size equals its target's"),
     (dict(layer={"attention_bias": True}), "drafter.transformer_layer_config.attention_bias", True,
      "attention_bias false"),
+    (dict(layer={"hidden_act": "gelu"}), "drafter.transformer_layer_config.hidden_act", "gelu", "silu"),
     (dict(layer={"model_type": "gemma3"}), "drafter.transformer_layer_config.model_type", "gemma3",
      "_LAYER_CONFIG_DEFAULTS"),
     (dict(draft_vocab_size=200000), "drafter.draft_vocab_size", 200000, "verifier's vocabulary"),

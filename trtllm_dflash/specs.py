@@ -229,7 +229,8 @@ _UNSUPPORTED_DFLASH_KEYS = (
 
 @dataclass(frozen=True, slots=True)
 class DrafterSpec:
-    """A z-lab DFlash drafter (``architectures: ["DFlashDraftModel"]``): Qwen3-style layers, no embedding, no head."""
+    """A DFlash drafter: Qwen3-style layers, no embedding, and no head unless ``draft_vocab_size`` is set. Read from
+    a z-lab config (``architectures: ["DFlashDraftModel"]``) or a speculators one (``_from_speculators``)."""
 
     hidden_size: int
     intermediate_size: int
@@ -485,6 +486,12 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     if filled:
         log.info("%s: filled %s defaults absent from the config (to_diff_dict omits them): %s", lprefix,
                  layer_type, filled)
+    require(layer.get("hidden_act", "silu") == "silu", f"{lprefix}.hidden_act", layer.get("hidden_act"),
+            "the drafter's MLP is SwiGLU (silu)", "use a drafter with hidden_act silu")
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and "sliding_attention" in rope:
+        # per-layer-type rope (Laguna-style verifiers): speculators' flatten_rope_parameters uses the sliding one
+        layer["rope_parameters"] = rope["sliding_attention"]
     require(not layer.get("attention_bias", False), f"{lprefix}.attention_bias", layer.get("attention_bias"),
             "speculators gives o_proj a bias too when set; this runtime's drafter has none",
             "use a drafter trained with attention_bias false")

@@ -181,6 +181,8 @@ def test_config_translation_fills_class_defaults():
 @pytest.mark.parametrize("over, field, value, fix", [
     (dict(speculators_model_type="dspark", markov_rank=256), "drafter.speculators_model_type", "dspark",
      'use a plain DFlash drafter (speculators_model_type "dflash")'),
+    (dict(markov_rank=256), "drafter.markov_rank", 256, "plain DFlash"),
+    (dict(architectures=["DSparkDraftModel"]), "drafter.architectures", ["DSparkDraftModel"], "plain DFlash"),
     (dict(speculators_model_type="dflash2"), "drafter.speculators_model_type", "dflash2", "plain DFlash"),
     (dict(speculators_model_type="eagle3"), "drafter.speculators_model_type", "eagle3", "plain DFlash"),
     (dict(speculators_model_type="medusa"), "drafter.speculators_model_type", "medusa", "z-lab DFlashDraftModel"),

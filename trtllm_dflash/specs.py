@@ -465,6 +465,14 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
         'is not a speculators model type this runtime knows; only "dflash" is supported',
         "use a speculators DFlash drafter or a z-lab DFlashDraftModel",
     )
+    # a DSpark/DFlash2 checkpoint mislabelled "dflash" (or hand-edited) still carries its heads' fields or names
+    for key in ("markov_rank", "enable_confidence_head", "conv_kernel_size", "selector_rank"):
+        require(cfg.get(key) in (None, 0, False), f"{prefix}.{key}", cfg.get(key),
+                "belongs to DSpark / DFlash2 heads this runtime does not implement",
+                "use a plain DFlash drafter (speculators_model_type \"dflash\")")
+    archs = [a for a in cfg.get("architectures") or [] if "DSpark" in a or "DFlash2" in a]
+    require(not archs, f"{prefix}.architectures", archs, "names a DSpark / DFlash2 model class",
+            "use a plain DFlash drafter (speculators_model_type \"dflash\")")
     layer = cfg.get("transformer_layer_config")
     require(isinstance(layer, dict), f"{prefix}.transformer_layer_config", layer, "must be a JSON object",
             "re-save the drafter with speculators' save_pretrained")

@@ -123,14 +123,17 @@ def test_target_head_on_reduced_vocab_drafter_is_refused(tiny_dirs):
     assert "own_head=drafter.draft_head" in e.value.fix
 
 
-def test_decoder_drafts_through_own_head(tiny_dirs, tmp_path, monkeypatch):
-    """The in-process decoder with a reduced-vocabulary drafter: refused while its ``propose`` calls draft_block
-    without ``own_head`` (today's runtime/decoder.py), lossless once it passes ``own_head=drafter.draft_head`` (the
-    one-argument caller change, emulated here by binding it)."""
-    from functools import partial
+def test_decoder_and_served_drafter_draft_through_own_head(tiny_dirs, tmp_path):
+    """A reduced-vocabulary drafter in the in-process decoder and in the served step engines (``runtime.steps``):
+    both draft through its own head and map to target ids (``draft_block(own_head=drafter.draft_head)``), lossless,
+    with the same acceptance lengths."""
+    import asyncio
 
-    from trtllm_dflash.runtime import decoder as decoder_module
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation
+    from trtllm_dflash.runtime.protocol import GenerateRequest
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
     tdir = tiny_dirs["llama"][0]
     target_spec = TargetSpec.load(tdir)
@@ -139,12 +142,26 @@ def test_decoder_drafts_through_own_head(tiny_dirs, tmp_path, monkeypatch):
     target, drafter = load_pair(tdir, out, dtype=torch.float64)
     requests = [Request((1, 17, 33, 4, 99), 24), Request((7, 8), 24)]
     want = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(requests)]
-    with pytest.raises(ConfigError, match="drafter.draft_vocab_size=64"):
-        SpeculativeDecoder(target, drafter, 6).generate(requests)
-    monkeypatch.setattr(decoder_module, "draft_block", partial(draft_block, own_head=drafter.draft_head))
     got = SpeculativeDecoder(target, drafter, 6).generate(requests)
     assert [r.token_ids for r in got] == want
     assert all(1 <= t <= 6 for r in got for t in r.acceptance_lengths)
+
+    steps = BatchedLocalSteps(TargetVerifier(target, drafter.spec.target_layer_ids, 2, 64, 6), KVInjector(drafter),
+                              BlockDrafter(drafter, TargetHead(tdir, torch.float64), 2, 64))
+    served = {}
+
+    async def one(i, r):
+        async def on_update(u):
+            served[i] = (tuple(u.tokens), served.get(i, ((), []))[1] + u.acceptance_lengths)
+
+        await run_generation(steps, GenerateRequest(r.prompt_ids, 24, SamplingParams(), (), False), 6, i, on_update)
+
+    async def both():
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+
+    asyncio.run(both())
+    assert [served[i][0] for i in range(2)] == want
+    assert [served[i][1] for i in range(2)] == [list(r.acceptance_lengths) for r in got]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -316,3 +333,22 @@ def test_against_speculators(smollm2, tmp_path):
     _peer("run", tmp_path / "ours", tmp_path / "back")
     worst_back, equal_back = _compare(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
     assert worst_back < 1e-3 and equal_back, (worst_back, equal_back)
+
+
+def test_repositories_refuse_what_their_backend_cannot_serve(tiny_dirs, tmp_path):
+    """make-repo: the torch step models serve a reduced-vocabulary drafter; TensorRT-LLM's backends are refused it by
+    name (their drafter has no head of its own), and its LLM-API loader a speculators directory (it reads z-lab's)."""
+    from trtllm_dflash.serve.triton.render import RepoConfig
+
+    tdir, zdir = tiny_dirs["llama"]
+    target, zlab = load_pair(tdir, zdir, dtype=torch.float64)
+    reduced = speculators.write_speculators_drafter(tmp_path / "reduced", _random_drafter(target.spec, DRAFT_VOCAB),
+                                                    target.spec, tdir, dtype=torch.float64)
+    full = speculators.write_speculators_drafter(tmp_path / "full", zlab, target.spec, tdir, dtype=torch.float64)
+    RepoConfig(tdir, str(reduced), "torch", block_size="auto", max_seq_len=64).validate()
+    with pytest.raises(ConfigError) as e:
+        RepoConfig(tdir, str(reduced), "trtllm-pytorch", block_size=4, checkpoint_dir=tdir, max_seq_len=64).validate()
+    assert e.value.field == "drafter.draft_vocab_size" and e.value.value == DRAFT_VOCAB and "--backend torch" in e.value.fix
+    with pytest.raises(ConfigError, match="write_zlab_copy") as e:
+        RepoConfig(tdir, str(full), "trtllm-pytorch", block_size=4, checkpoint_dir=tdir, max_seq_len=64).validate()
+    assert e.value.field == "--drafter"

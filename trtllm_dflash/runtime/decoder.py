@@ -559,7 +559,8 @@ class SpeculativeDecoder:
         def block(first: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
             return draft_block(first, k + 1, self.mask_token_id, self.target.embed,
                                lambda e: self._draft(e, dcache, r, static),
-                               lambda h: self.target.logits(h.to(self.target.dtype)), top)
+                               lambda h: self.target.logits(h.to(self.target.dtype)), top,
+                               own_head=self.drafter.draft_head)
 
         out = self._graphed("draft", dcache, block, bonus, rows, k, top)
         return out[0] if static else out

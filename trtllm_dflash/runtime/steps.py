@@ -459,7 +459,8 @@ class BlockDrafter:
 
         def block(ids: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
             return draft_block(ids, block_size, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
-                               lambda e: self._forward(e, r, static), self.logits, top)
+                               lambda e: self._forward(e, r, static), self.logits, top,
+                               own_head=self.drafter.draft_head)
 
         with torch.inference_mode():
             if not static:

@@ -169,6 +169,16 @@ class RepoConfig:
                                     "Hugging Face model directory)", "pass the modelopt unified-HF export or HF target")
         target, drafter = TargetSpec.load(self.target_dir), DrafterSpec.load(self.drafter_dir)
         check_pair(target, drafter)
+        require(drafter.draft_vocab_size is None or self.backend == "torch", "drafter.draft_vocab_size",
+                drafter.draft_vocab_size, f"is a reduced draft vocabulary, which --backend {self.backend} cannot map to "
+                "the target's ids (its drafter has no head of its own)", "use --backend torch, or a full-vocabulary "
+                "drafter")
+        if self.backend == "trtllm-pytorch":
+            from trtllm_dflash.models.speculators import is_speculators_dir
+
+            require(not is_speculators_dir(self.drafter_dir), "--drafter", self.drafter_dir,
+                    "is in the speculators format; TensorRT-LLM's DFlash loader reads z-lab's (dflash_config)",
+                    "write a z-lab copy first: trtllm_dflash.models.speculators.write_zlab_copy(DIR, OUT, target_spec)")
         require(self.max_block_size is None or self.adaptive, "--max-block-size", self.max_block_size,
                 "only applies to --block-size auto", "add --block-size auto or drop --max-block-size")
         require(not self.adaptive or self.backend == "torch", "--block-size", self.block_size,

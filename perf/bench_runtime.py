@@ -36,27 +36,7 @@ import os
 import platform
 import sys
 import time
-
-# this checkout's package, not the one the virtual environment installed (editable: another checkout's), so that
-# running an older copy's script (``git archive <commit>``) times that commit's runtime
-
-
-# adaptive k with drafter blocks only / also with prompt-lookup continuations / also with tree steps where they pay
-AUTOS = ("auto", "auto+ngram", "auto+tree")
-NGRAM = "+ngram"  # suffix: also verify prompt-lookup continuations (runtime.decoder's ``ngram``)
-TREE = "+tree"  # suffix: tree verify, the drafter's block, alternates and lookup together (runtime.tree)
-
-
-def block_label(text: str) -> int | str:
-    """One --block-size item: "auto", "auto+ngram", "auto+tree", an integer >= 2 (as int), "N+ngram" or "N+tree";
-    ValueError otherwise."""
-    if text in AUTOS:
-        return text
-    base = text.removesuffix(NGRAM)
-    base = base.removesuffix(TREE)
-    if int(base) < 2:
-        raise ValueError(text)
-    return text if text.endswith((NGRAM, TREE)) else int(base)
+from dataclasses import replace
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,11 +84,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the JSON summary only (no progress text)")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file (atomically)")
     args = p.parse_args(argv)
+    from trtllm_dflash.runtime.mode import DecodeMode
+
     try:
-        blocks = [block_label(b.strip()) for b in args.block_size.split(",")] if args.block_size else []
-        if len(set(blocks)) < len(blocks):
+        modes = [DecodeMode.parse(b, min_block=2) for b in args.block_size.split(",")] if args.block_size else []
+        if len({m.label for m in modes}) < len(modes):
             raise ValueError
-        args.block_sizes = blocks
+        args.modes = modes
     except ValueError:
         p.error(f"--block-size {args.block_size!r} must be 'auto' or an integer >= 2, each optionally with "
                 "'+ngram' or '+tree', or a comma list of distinct ones, e.g. auto,16,16+ngram")
@@ -128,6 +110,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
@@ -139,14 +122,12 @@ def main(argv=None) -> int:
     target, drafter = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device)
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
-    blocks = args.block_sizes or [drafter.spec.block_size]
+    modes = [replace(m, max_block_size=args.max_block_size) if m.auto else m
+             for m in args.modes or [DecodeMode(drafter.spec.block_size)]]
+    blocks = [m.label for m in modes]
     decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=args.cuda_graphs)}
-    decoders.update({b: make_decoder(target, drafter,
-                                     "auto" if b in AUTOS else int(str(b).removesuffix(NGRAM).removesuffix(TREE)),
-                                     args.drafter, args.max_block_size if b in AUTOS else None,
-                                     ngram=str(b).endswith((NGRAM, TREE)), tree=str(b).endswith(TREE),
-                                     datastore=args.datastore, cuda_graphs=args.cuda_graphs)
-                     for b in blocks})
+    decoders.update({m.label: make_decoder(target, drafter, drafter_dir=args.drafter, datastore=args.datastore,
+                                           cuda_graphs=args.cuda_graphs, **m.decoder_options()) for m in modes})
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

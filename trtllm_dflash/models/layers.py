@@ -44,7 +44,7 @@ def stack_padded(xs: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 # A float32 product of a few rows with a weight on a CPU runs weight-major, W · xᵀ: PyTorch's x · Wᵀ (``F.linear``, MKL
 # on x86) takes about as long per row as a whole matrix-vector product for 2 or 3 rows (and for 7), and gains nothing
-# from a second thread. On the 2-core AMD EPYC VM (``perf/bench_cpu_gemm.py``, ``perf/results/cpu-gemm/``), 2 threads:
+# from a second thread. On the 2-core AMD EPYC VM (``git show ede48fc:perf/bench_cpu_gemm.py``, ``perf/results/cpu-gemm/``), 2 threads:
 # the 49,152 × 576 LM head over 1 / 2 / 3 / 8 / 16 rows 7.1 / 14.7 / 21.9 / 11.3 / 14.0 ms -> 2.9 / 3.1 / 3.7 / 6.3 /
 # 11.7; a SmolLM2 verify forward of 1 / 4 tokens 43.3 / 56.1 -> 25.6 / 27.0 ms, of 16 rows × 1 token 78.8 -> 77.6; a
 # one-row draft pass of 4 slots 28.2 -> 6.9 ms. One thread: verify of 1 / 4 tokens 41.0 / 53.6 -> 32.9 / 36.8 ms, but
@@ -61,7 +61,7 @@ def weight_major_rows(rows: int, threads: int) -> int:
     a multiple of 8 (the weight-major time climbs from 9 to 15 rows and drops back at 16); up to 96 rows with two or
     more threads, up to 4 with one — but not 17 to 20 rows, where ``F.linear`` is the faster (a packed verify of 16
     rows and a few more tokens, session 33: the target's projections over 17 / 20 rows, all 30 layers, 41.2 / 39.8 ms
-    weight-major against 34.3 / 34.2 ms, and 29.8 against 44.6 at 16, ``perf/bench_cpu_gemm.py --threads 2 --parts
+    weight-major against 34.3 / 34.2 ms, and 29.8 against 44.6 at 16, ``perf/bench_cpu_gemm.py`` of ede48fc ``--threads 2 --parts
     products --rows 16,17,20,24,28``; the whole verify of 16 rows over 300 cached tokens with 1 / 4 rows 2 wide
     83.8, 78.8 / 82.6, 78.7 -> 76.2, 74.5 / 77.5, 75.6 ms, two interleaved runs; at 24 rows no gain)."""
     if rows <= 0 or rows > (4 if threads <= 1 else 96) or 16 < rows <= 20:

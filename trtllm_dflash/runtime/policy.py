@@ -113,7 +113,7 @@ class AdaptivePolicy:
         best_rate, best = sum(w) / self.cost.step(b, 0, 0, context=self.context), (0, [], [0.0] * b)
         # host work every step, which a CUDA-graphed step may not hide: the rows verifying a lookup are counted per
         # plan and listed for the best plan only (listed per plan, O(K · b³)), the verify's price is taken once per k,
-        # and a row's expectations are remembered until its counts or the prior change (perf/bench_policy.py,
+        # and a row's expectations are remembered until its counts or the prior change (``git show ede48fc:perf/bench_policy.py``,
         # perf/results/policy/: 0.58-0.59 -> 0.24-0.25 ms a step at b = 16, 66 -> 59-60 µs at b = 1)
         for k in range(1, self.max_k + 1):
             free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]

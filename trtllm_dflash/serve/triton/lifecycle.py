@@ -196,7 +196,7 @@ def yield_to_compute(io_nice: int | str, pid: int | None = None) -> bool:
     """On a CPU server, run the processes that only move requests (the server's own threads, the loop, entry and
     tokenizer models) at niceness ``io_nice`` (the rendered parameter; 0 = off), so the step models' forwards, whose
     OpenMP teams stall whenever the scheduler lends one of their cores to a gRPC or IPC thread, get the cores first.
-    Measured on the 2-core machine (`perf/throughput_c16.py --models baseline --rounds 3 --io-nice N`): Triton /
+    Measured on the 2-core machine (`perf/throughput_c16.py --models baseline --rounds 3 --io-nice N` of ede48fc): Triton /
     in-process tokens/s at c=16 0.77 at N=0, 0.80 at 5, 0.87 at 10, 0.82 at 15, 0.90 at 19 (medians; rounds vary by
     ±0.1), so the default is 19 (perf/results/reliability). A step model reloaded later inherits the server's niceness (equal
     priority again until the server restarts). On a GPU the forwards do not share the cores: nothing is changed."""

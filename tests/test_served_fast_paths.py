@@ -126,3 +126,27 @@ def test_kernel_injection_equals_the_drafters_own(tiny_models):
     one_k, one_v = KVInjector(drafter, Impl.TRITON)(taps[1], 7)
     torch.testing.assert_close(one_k, k_ref[1], **TOL)
     torch.testing.assert_close(one_v, v_ref[1], **TOL)
+
+
+def test_make_repo_renders_the_graphs_into_the_step_models_that_build_them(tiny_dirs, tmp_path):
+    """``make-repo --cuda-graphs``: target_verify and drafter read it back (``ModelSettings``) and build their engines
+    with graphs; a backend whose engines bring their own is refused by name."""
+    from trtllm_dflash.errors import ConfigError
+    from trtllm_dflash.serve.settings import ModelSettings
+    from trtllm_dflash.serve.triton.handlers import DrafterStepModel, TargetVerifyModel
+    from trtllm_dflash.serve.triton.render import RepoConfig, config_parameters, make_repo
+
+    tdir, ddir = map(str, tiny_dirs["qwen3"])
+    repo = make_repo(RepoConfig(tdir, ddir, block_size=4, max_seq_len=64, max_sequences=2, cuda_graphs="rehearse"),
+                     tmp_path / "repo")
+    settings = {m: ModelSettings.from_parameters(config_parameters((repo / m / "config.pbtxt").read_text()))
+                for m in ("target_verify", "drafter", "kv_inject")}
+    assert settings["target_verify"].cuda_graphs == settings["drafter"].cuda_graphs == "rehearse"
+    assert TargetVerifyModel(settings["target_verify"]).verifier.graphs.mode == "rehearse"
+    assert DrafterStepModel(settings["drafter"]).drafter.graphs.mode == "rehearse"
+    plain = make_repo(RepoConfig(tdir, ddir, block_size=4, max_seq_len=64, max_sequences=2), tmp_path / "plain")
+    assert TargetVerifyModel(config_parameters((plain / "target_verify" / "config.pbtxt").read_text())) \
+        .verifier.graphs is None
+    with pytest.raises(ConfigError, match="--cuda-graphs"):
+        RepoConfig(tdir, ddir, "trtllm-pytorch", block_size=4, max_seq_len=64, checkpoint_dir=tdir,
+                   cuda_graphs="on").validate()

@@ -73,6 +73,10 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not render dflash again as ensemble and tensorrt_llm_bls, the names TensorRT-LLM's "
                              "deployments give their text-level models (its example client's --model-name choices, "
                              "its quick start's /v2/models/ensemble/generate); saves their two processes")
+    parser.add_argument("--cuda-graphs", default=d.cuda_graphs, choices=["off", "on", "rehearse"],
+                        help="the torch step models replay their verify and draft forwards as CUDA graphs (on: CUDA; "
+                             "rehearse: the same static forwards on any device, without the capture); the drafting "
+                             "plugin's kernels run on CUDA whatever this says")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
@@ -94,6 +98,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      engines_dir=args.engines, checkpoint_dir=args.checkpoint, max_block_size=args.max_block_size,
                      io_nice=args.io_nice, ngram=ngram, tree=args.tree,
                      tensorrt_llm_decoupled=args.tensorrt_llm_decoupled, trtllm_names=args.trtllm_names,
+                     cuda_graphs=args.cuda_graphs,
                      datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))

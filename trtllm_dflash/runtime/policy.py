@@ -7,19 +7,10 @@ emitted tokens per second of the next step:
     seconds          = verify(b · (K + 1)) + context + draft(m · (K + 1)) + overhead  (K = max k_i, m rows draft)
     context          = C · (α + β · (K + 1))                                          (C = Σ_i context tokens of row i)
 
-- **Cost model** (``CostModel``): seconds of one verify forward and of one draft pass as piecewise-linear functions
-  of the tokens they process (all rows together, so a batch pays the verify once per step), measured on the device
-  by a short calibration, cached on disk keyed by device, dtype, threads and model, and pulled toward the step times
-  actually observed. The verify curve is timed without context; attending over the rows' cached tokens adds α per
-  row and β per verified token for each context token (``CostModel.context``, calibrated by timing the same shapes
-  over an empty and a filled cache): without it a batch's K = 0 step, which reads all its rows' K/V, looked as cheap
-  as one row's, and once observed at its true price the curve's flat segment above it made K = 1 look free.
-- **Acceptance model** (``AcceptanceModel``, one per sequence): p_j = P(draft j accepted | drafts 1..j−1 were), from
-  decayed success/failure counts plus a prior: the drafter's held-out per-slot accuracy from its training log,
-  lowered to the workload's (``AdaptivePolicy.workload``: every sequence's drafter outcomes pooled) where that is
-  less. The training log's accuracy (0.63 at slot 1 for the shipped drafter, on text like its training data) made
-  every row of a batch draft its first steps on MT-Bench, where 16 rows' first outcomes say at once that it accepts
-  far less; a new request to a server starts from what the drafter has been achieving on its traffic.
+- **Cost model** (``CostModel``, ``runtime.cost``): the seconds of a verify and of a draft pass by the tokens they
+  process, calibrated on the device and pulled toward the step times observed.
+- **Acceptance model** (``AcceptanceModel``, ``runtime.acceptance``, one per sequence): p_j from decayed counts
+  plus a prior (the drafter's training log, lowered to the workload's acceptance where that is less).
 - **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
   padded), so a row either drafts K tokens or none; for each K the best set of drafting rows is a prefix of the rows
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is

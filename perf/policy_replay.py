@@ -10,7 +10,7 @@ variant, and the same for autoregressive decoding (one token per row and step).
 
     python perf/policy_replay.py artifacts/lookup/greedy-mtbench.json --batch-size 16 --max-new-tokens 48
     python perf/policy_replay.py artifacts/lookup/greedy-humaneval.json --extra-context 1000 \
-        --policy-cost perf/results/adaptive/s30/cost-cache-2threads-amd-v2.json   # the decoder's own starting belief
+        --policy-cost perf/results/adaptive/2026-11-27-verify-cost/cost-cache-2threads-amd-v2.json   # the decoder's own starting belief
 
 The policy's cost model is pulled toward each step's true cost as the decoder pulls it toward the step it timed.
 Steps cost more as the rows' contexts grow (``CostModel.context``: each row's prompt and the tokens it has so far).

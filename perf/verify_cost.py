@@ -16,7 +16,7 @@ tokens of context (``perf/policy_replay.py``'s DEFAULT_COST and DEFAULT_CONTEXT_
 interleaved, as the sizes are: on a shared machine separate runs drift by more than the context's share):
 
     python perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head first \
-        --context 0,300 --repeats 12 --out perf/results/adaptive/s30/verify-cost-context.json
+        --context 0,300 --repeats 12 --out perf/results/adaptive/2026-11-27-verify-cost/verify-cost-context.json
 
     python perf/verify_cost.py --dtype float32,bfloat16 --threads 1 --out perf/results/adaptive/verify-cost.json
     python perf/verify_cost.py --device cuda --dtype bfloat16 --sizes 1,16,32,64,128,256 --trees 15,7 --batch 1,8

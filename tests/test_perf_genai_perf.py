@@ -16,7 +16,7 @@ from conftest import perf_script
 
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "perf" / "genai_perf.py"
-RUN = ROOT / "perf" / "results" / "genai-perf" / "s40-auto-ngram"
+RUN = ROOT / "perf" / "results" / "genai-perf" / "2026-11-28-auto-ngram"
 
 
 @pytest.fixture(scope="module")

@@ -157,7 +157,7 @@ def test_demo_drafter_runs_lossless(real):
 def test_a_ragged_batch_computes_only_each_rows_tokens(real):
     """Rows of different lengths right-padded to the longest (a batched prefill): with ``widths`` the layers compute
     the real tokens only, and hidden states, taps, the next-token argmax and the cache's K/V at the real slots are the
-    padded forward's. ``perf/results/adaptive/s28``: 16 MT-Bench prompts (1,319 real tokens of 2,208 slots) prefill
+    padded forward's. ``perf/results/adaptive/2026-11-27-prefill``: 16 MT-Bench prompts (1,319 real tokens of 2,208 slots) prefill
     in 1.76 s instead of 3.27 s on this 2-core CPU."""
     target, _, _, prompts = real
     widths = torch.tensor([len(p) for p in prompts] + [1, 3])  # the chat prompts, a one-token row, a short one

@@ -46,7 +46,7 @@ from trtllm_dflash.runtime.telemetry import Telemetry
 
 # A row's tree estimate before its first tree step: this many times the tokens its chain plan expects. The tree's
 # replayed τ over ``--ngram``'s with the shipped drafter and datastore (B = 16, all 164 HumanEval / 80 MT-Bench
-# prompts; perf/results/tree/s25/): 4.32 / 2.64 = 1.64 and 2.52 / 1.82 = 1.38.
+# prompts; perf/results/tree/2026-11-26-datastore/): 4.32 / 2.64 = 1.64 and 2.52 / 1.82 = 1.38.
 TREE_PRIOR_GAIN = 1.5
 TREE_EMA = 0.3  # weight of a row's latest tree step in its estimate
 # The workload's acceptance (``AdaptivePolicy.workload``): the training log's prior held as two observations, each

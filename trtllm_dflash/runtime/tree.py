@@ -51,7 +51,7 @@ DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2,
 DEFAULT_ALTERNATE_LEN = 4
 # Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest
 # earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``lookup.ngram_candidates``). Picked
-# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/s24/shapes-*):
+# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/2026-11-26-shapes/shapes-*):
 # with the alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to
 # 1-grams and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36
 # (86 nodes); three 3.79 / 2.37 (101 nodes), eight 3.80 / 2.37 (176 nodes).
@@ -66,7 +66,7 @@ DATASTORE_LOOKUP_CHAINS = 3
 # chains again, proposed from the context extended by that draft (where prompt lookup and the datastore find nothing
 # for the context, a guessed next token often gives them a match; when the draft is right they propose what the next
 # step's lookup would). Picked by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter and datastore,
-# B = 16; perf/results/tree/s25/shapes-*): 3.77 / 2.36 -> 3.95 / 2.41 (86 -> 114 nodes); with the datastore
+# B = 16; perf/results/tree/2026-11-26-datastore/shapes-*): 3.77 / 2.36 -> 3.95 / 2.41 (86 -> 114 nodes); with the datastore
 # 4.07 / 2.45 -> 4.32 / 2.52 (101 -> 143 nodes); grafts at depths 1 and 2 4.37 / 2.53 (182 nodes). A proposal that a
 # chain from x already holds after the same draft is skipped (+0.03 / +0.01 in scratch replays).
 DEFAULT_GRAFTS: tuple[int, ...] = (1,)

@@ -6,8 +6,8 @@ The ``dflash_bls`` model runs ``runtime.loop.run_generation`` over the step mode
 (``LocalSteps``), with the ``--block-size auto`` settings make-repo writes (``serve.triton.render.adaptive_settings``), next
 to ``runtime.decoder`` with the settings ``trtllm-dflash generate`` uses; the two answer every prompt in turns (which
 goes first alternates). Where their tokens/s or the drafts they choose to verify (k) differ, the cause is the loop or
-its engines, not gRPC or the python backend. Session 38 found this way that the served drafter's LM head ran 2–4×
-slower than the decoder's, so ``auto`` verified k = 0 on 76 % of the served demo's steps against 38 % in-process.
+its engines, not gRPC or the python backend. This comparison is how a served drafter LM head 2–4× slower than the
+decoder's showed up: ``auto`` verified k = 0 on 76 % of the served demo's steps against 38 % in-process.
 
     python perf/bench_served_loop.py --max-new-tokens 128 --repeats 3
     python perf/bench_served_loop.py --dataset humaneval --limit 4 --max-new-tokens 64 --repeats 2 --out res.json

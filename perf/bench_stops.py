@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What checking a request's stop sequences costs per new token: ``runtime.protocol.StopMatcher`` (stops indexed by
-their last token, session 39) against comparing every stop at every new token (before), same cuts.
+their last token) against comparing every stop at every new token (what an earlier version did), same cuts.
 
     python perf/bench_stops.py --stops 1024 --out perf/results/reliability/stops.json
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def every_stop(tokens, stops, checked):
-    """The cut before session 39: every stop compared at every position since ``checked``."""
+    """The naive cut StopMatcher replaces: every stop compared at every position since ``checked``."""
     for end in range(max(checked, 0) + 1, len(tokens) + 1):
         for stop in stops:
             if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:

@@ -259,8 +259,8 @@ GRAPH_BLOCK_SIZES = "16,16+ngram,16+tree,auto+ngram"
 
 def step_graphs(args, log) -> dict:
     """bench_runtime at batch 1 on HumanEval, float32, graphed (``runtime.graphs``) and then eager (a lease that ends
-    in between keeps the graphed run, the one never seen; session 22 has eager numbers): both runs must be lossless,
-    and each speed-up is against the baseline run the same way."""
+    in between keeps the graphed run, the one never seen; the first GPU lease, perf/results/gpu/2026-11-26-h200, has
+    eager numbers): both runs must be lossless, and each speed-up is against the baseline run the same way."""
     if not (args.target and args.drafter and args.prompts):
         return {"skipped": "needs --target, --drafter and --prompts"}
     runs = []

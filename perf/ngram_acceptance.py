@@ -14,7 +14,8 @@ script's output on regenerated training data (pool prompts, never the evaluation
 bin and whether the n-gram's two latest occurrences were followed by different tokens, and the later slots'
 conditional acceptance by bin (``LOOKUP_FIRST``, ``LOOKUP_NEXT``); and how well each way of predicting a step's
 lookup forecasts it along the decoder's own walk (every step proposes; log-loss per verified slot): the sequence's
-history with ``NGRAM_PRIOR`` (before session 29) against the match's features held at several strengths.
+history with ``NGRAM_PRIOR`` (the decoder's forecast before ``Lookup.prior`` replaced it) against the match's
+features held at several strengths.
 Greedy outputs of the training pool (the fit's source, never the evaluation sets):
 
     python perf/ngram_acceptance.py --generate trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash/\

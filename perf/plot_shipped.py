@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""PNG of the shipped drafter's τ, session by session, against the regenerated data it has been trained on so far.
+"""PNG of the shipped drafter's τ, drafter by drafter, against the regenerated data it has been trained on so far.
 
     python perf/plot_shipped.py perf/results/drafter-curve/full-sets/shipped.json \\
         --out perf/results/drafter-curve/full-sets/shipped.png
 
-The manifest lists every shipped drafter in order: ``{"shipped_in": "session 11", "new_tokens": 419304,
-"evals": ["replay-....json", ...]}``, where ``new_tokens`` counts the regenerated response tokens its training added
-to the data of the drafters before it (0 for a resumed run) and ``evals`` names ``learning_curve.py eval`` outputs next
-to the manifest. τ and prompt lookup's τ are read from those files, never typed in; the x axis is the cumulative sum
-of ``new_tokens``. Prints the plotted points as JSON.
+The manifest lists every shipped drafter in order: ``{"shipped_in": "<label>", "new_tokens": 419304,
+"evals": ["replay-....json", ...]}``, where ``shipped_in`` is a label of when it shipped (each point's annotation),
+``new_tokens`` counts the regenerated response tokens its training added to the data of the drafters before it (0 for a
+resumed run) and ``evals`` names ``learning_curve.py eval`` outputs next to the manifest. τ and prompt lookup's τ are
+read from those files, never typed in; the x axis is the cumulative sum of ``new_tokens``. Prints the plotted points
+as JSON.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ variant, and the same for autoregressive decoding (one token per row and step).
 
 The policy's cost model is pulled toward each step's true cost as the decoder pulls it toward the step it timed.
 Steps cost more as the rows' contexts grow (``CostModel.context``: each row's prompt and the tokens it has so far).
-Variants: the lookup's acceptance from the sequence's history (``NGRAM_PRIOR``, before session 29) or from the
-match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``); and
-"match+weights" with a belief blind to the context (α = β = 0: before session 30).
+Variants: the lookup's acceptance from the sequence's history (``NGRAM_PRIOR``, the decoder's earlier forecast) or
+from the match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``);
+and "match+weights" with a belief blind to the context (α = β = 0, as the cost model was before it counted context).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 # cache, each row's first slot through the LM head: 16 rows × (K + 1) tokens from 16 tokens up; below, the rows left
 # in a finishing batch, one token each (1, 4 and 8 rows measured, 2 interpolated); and what attending over the rows'
 # contexts adds, per context token, α per row and β per verified token (least squares over the same runs over 300
-# tokens of context, 1 to 16 rows × 1 to 16 tokens). Since session 31 (small products weight-major on a CPU,
-# models.layers.Linear): perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head
+# tokens of context, 1 to 16 rows × 1 to 16 tokens), with small products weight-major on a CPU
+# (models.layers.Linear): perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head
 # first --context 0,300 --repeats 12 (perf/results/cpu-gemm/verify-cost-context.json; medians, sizes and contexts
-# interleaved). Session 30's table, before that change: {1: 39.7, 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8,
-# 64: 128.8, 128: 209.6, 256: 341.5}, α 2.7 µs, β 0.31 µs.
+# interleaved). With ``F.linear`` for every product (perf/results/adaptive/2026-11-27-verify-cost/): {1: 39.7,
+# 2: 50.0, 4: 58.1, 8: 58.1, 16: 74.1, 32: 92.8, 64: 128.8, 128: 209.6, 256: 341.5}, α 2.7 µs, β 0.31 µs.
 DEFAULT_COST = {1: 22.4, 2: 22.7, 4: 23.3, 8: 41.3, 16: 60.9, 32: 81.2, 64: 123.1, 128: 211.9, 256: 357.0}
 DEFAULT_CONTEXT_S = (2.55e-6, 0.55e-6)
 

@@ -11,8 +11,8 @@ without the datastore's chain: their node count under the tree mask), and ``--ba
 that many sequences verified together (a GPU lease reads how wide a verify may be before it costs more than a step).
 ``--head first`` takes the LM head over each row's first slot only: what a verify whose first draft is rejected
 pays on a CPU, where the decoder's head runs lazily (``runtime.sampling.verify_samples``); the calibration of
-``--block-size auto`` times verifies the same way. Session 30's batch-16 costs, over an empty cache and over 300
-tokens of context (``perf/policy_replay.py``'s DEFAULT_COST and DEFAULT_CONTEXT_S; several contexts are timed
+``--block-size auto`` times verifies the same way. How ``perf/policy_replay.py``'s DEFAULT_COST and DEFAULT_CONTEXT_S
+are measured, batch-16 costs over an empty cache and over 300 tokens of context (several contexts are timed
 interleaved, as the sizes are: on a shared machine separate runs drift by more than the context's share):
 
     python perf/verify_cost.py --dtype float32 --threads 2 --batch 16,8,4,1 --sizes 1,2,4,8,16 --head first \

@@ -364,11 +364,11 @@ EXAMPLE_CLIENT_OUTPUTS = ["text_output", "cum_log_probs", "output_log_probs", "k
 def test_tensorrt_llm_example_client_works_unchanged(server, oracle, raw_runtime):
     """What end_to_end_grpc_client.py sends (beam_width, temperature, exclude_input_in_output, stream; each [1, 1]) to
     its default --model-name, ensemble, with --return-log-probs --return-perf-metrics: the outputs it asks for by
-    name, read as it reads them (as_numpy("text_output")[0].decode(), each metric as_numpy(name)[0][0]). Until
-    session 40 Triton refused it: unexpected input 'exclude_input_in_output'; and text_output was [1, 1], so [0] was
-    an array without decode(). Until session 48 there was no model named ensemble (its --model-name accepts only
-    ensemble and tensorrt_llm_bls), the three KV-cache metrics were not declared (Triton refused the request naming
-    the first) and the metrics were [1], so [0][0] raised IndexError."""
+    name, read as it reads them (as_numpy("text_output")[0].decode(), each metric as_numpy(name)[0][0]). Each of
+    these once broke it: Triton refused the unexpected input 'exclude_input_in_output'; text_output was [1, 1], so
+    [0] was an array without decode(); there was no model named ensemble (its --model-name accepts only ensemble and
+    tensorrt_llm_bls); the three KV-cache metrics were not declared (Triton refused the request naming the first);
+    and the metrics were [1], so [0][0] raised IndexError."""
     from trtllm_dflash.runtime.sampling import SamplingParams
 
     _, tok = oracle

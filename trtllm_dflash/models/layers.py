@@ -60,10 +60,11 @@ def weight_major_rows(rows: int, threads: int) -> int:
     ``F.linear``): rows as they are up to 8 (at least 2: one row alone is a slow matrix-vector product), above that
     a multiple of 8 (the weight-major time climbs from 9 to 15 rows and drops back at 16); up to 96 rows with two or
     more threads, up to 4 with one — but not 17 to 20 rows, where ``F.linear`` is the faster (a packed verify of 16
-    rows and a few more tokens, session 33: the target's projections over 17 / 20 rows, all 30 layers, 41.2 / 39.8 ms
-    weight-major against 34.3 / 34.2 ms, and 29.8 against 44.6 at 16, ``perf/bench_cpu_gemm.py`` of ede48fc ``--threads 2 --parts
-    products --rows 16,17,20,24,28``; the whole verify of 16 rows over 300 cached tokens with 1 / 4 rows 2 wide
-    83.8, 78.8 / 82.6, 78.7 -> 76.2, 74.5 / 77.5, 75.6 ms, two interleaved runs; at 24 rows no gain)."""
+    rows and a few more tokens; on the 2-core CPU, the target's projections over 17 / 20 rows, all 30 layers, 41.2 /
+    39.8 ms weight-major against 34.3 / 34.2 ms, and 29.8 against 44.6 at 16, ``perf/bench_cpu_gemm.py`` of ede48fc
+    ``--threads 2 --parts products --rows 16,17,20,24,28``; the whole verify of 16 rows over 300 cached tokens with
+    1 / 4 rows 2 wide 83.8, 78.8 / 82.6, 78.7 -> 76.2, 74.5 / 77.5, 75.6 ms, two interleaved runs; at 24 rows no
+    gain)."""
     if rows <= 0 or rows > (4 if threads <= 1 else 96) or 16 < rows <= 20:
         return 0
     return max(rows, 2) if rows <= 8 else -(-rows // 8) * 8

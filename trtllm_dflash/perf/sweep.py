@@ -330,7 +330,7 @@ def run_sweep(cfg: SweepConfig) -> list[PerfRecord]:
         from trtllm_dflash.serve.triton.server import TritonServer
 
         assets = prepare_demo_assets()
-        block_sizes = cfg.block_sizes or ("auto",)  # make-repo's defaults (the sweep rendered block 16 until s40)
+        block_sizes = cfg.block_sizes or ("auto",)  # make-repo's default, not a fixed block 16
         records = []
         for b in block_sizes:
             repo = render_demo_repo(out / "repos" / f"b{b}", assets, b, cfg.ngram, max_seq_len=cfg.max_seq_len,

@@ -8,8 +8,8 @@ instance waits on a step call and no batched call is in flight (the sequences th
 in-process batch do). It then sends the calls of the EARLIEST phase of a step any sequence waits on (``KINDS``: a
 sequence in another phase, e.g. one that just started, catches up, and the phases merge into one; within a step the
 sequences that draft inject and draft while the others' verify waits, so the step's verifies stay one call), as one
-request per shape group, and hands each sequence its own row of the results. (Until session 27 the kind the fewest
-sequences waited on went first: when one sequence of a step verified prompt lookup's proposal while fifteen drafted,
+request per shape group, and hands each sequence its own row of the results. (An earlier version sent first the kind
+the fewest sequences waited on: when one sequence of a step verified prompt lookup's proposal while fifteen drafted,
 its verify went alone, and the step split in two from then on.) A live sequence that does not reach a step call
 within ``max_wait_s`` does not hold the others longer than that. ``enabled=False`` sends every call at once on its
 own (the former behaviour).

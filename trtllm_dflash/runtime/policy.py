@@ -152,8 +152,8 @@ class AdaptivePolicy:
 
     def row_share(self, rows: int, context: float = 0.0) -> float:
         """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on
-        the 2-core CPU ~0.03 at batch 16 (a row adds ~1.5 ms to a ~75 ms step; session 29 guessed 0.25, and
-        ``perf/policy_replay.py`` replays HumanEval at batch 16 1.064 -> 1.076 x autoregressive with this), on a
+        the 2-core CPU ~0.03 at batch 16 (a row adds ~1.5 ms to a ~75 ms step; ``perf/policy_replay.py`` replays
+        HumanEval at batch 16 at 1.076 x autoregressive with this against 1.064 x with a guessed 0.25), on a
         GPU, where a batch's plain step costs about one row's, about 0."""
         if rows <= 1:
             return 1.0

@@ -117,9 +117,9 @@ def real_width(block: list[int]) -> int:
 
 def out_of_vocab(ids: torch.Tensor, vocab: int, pad: int | None = None) -> int | None:
     """The first of a client's token ids outside [0, ``vocab``) (``pad``: a padding id allowed besides), or None. The
-    step engines check them before any state changes: out of the vocabulary, the embedding lookup failed with torch's
-    "index out of range in self" after ``start`` had taken a slot, which stayed taken until the idle time-out (until
-    session 39: three such requests held three of a demo server's four slots)."""
+    step engines check them before any state changes: out of the vocabulary, the embedding lookup fails with torch's
+    "index out of range in self" after ``start`` has taken a slot, which then stays taken until the idle time-out
+    (unchecked, three such requests held three of a demo server's four slots)."""
     bad = (ids < 0) | (ids >= vocab)
     if pad is not None:
         bad &= ids != pad

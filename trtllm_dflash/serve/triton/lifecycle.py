@@ -62,8 +62,8 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
 def watchdog_argv(server: int, stub: int, shell: str | None = None) -> list[str]:
     """The shell watchdog of ``stub``, at niceness 19 where ``nice`` exists: it only polls, beside step models whose
     OpenMP teams stall whenever a core is taken. Under bash (the default where /bin/bash exists) it waits with the
-    ``read -t`` builtin instead of forking ``sleep`` every second (until session 39: nine watchdogs of an idle demo
-    server took 47 CPU ticks in 30 s at niceness 0, 1.6 % of a core)."""
+    ``read -t`` builtin instead of forking ``sleep`` every second (forking, nine watchdogs of an idle demo server
+    took 47 CPU ticks in 30 s at niceness 0, 1.6 % of a core)."""
     shell = shell or ("/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh")
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     return [*nice, shell, "-c", _WATCHDOG, "dflash-stub-watchdog", str(server), str(stub)]
@@ -127,9 +127,9 @@ class StubWatch:
     loaded yet, being reloaded, or not a python model). A BLS call remembers the stubs serving it when it starts and
     is failed when all of them have exited (``died``); ``serve`` reports a model whose stubs all exited.
 
-    Until session 39 each model was scanned for on its own: `serve` read every process's /proc entry once per python
-    model every second (~2.7 % of a core at niceness 0 on a machine with ~90 processes, growing with the process
-    count)."""
+    One scan serves every model because a scan per model (what an earlier version did: `serve` read every process's
+    /proc entry once per python model every second) cost ~2.7 % of a core at niceness 0 on a machine with ~90
+    processes, growing with the process count."""
 
     EMPTY_PERIOD_S = 1.0
 

@@ -4,18 +4,17 @@ Those clients send more than ``text_input`` and ``max_tokens``: TensorRT-LLM's `
 sends ``beam_width``, ``temperature`` and ``exclude_input_in_output``; GenAI-Perf 0.0.16 (``--backend tensorrtllm``)
 always sends ``exclude_input_in_output: true`` and, with ``--output-tokens-mean-deterministic``, ``min_length``
 (``genai_perf/inputs/converters/tensorrtllm_converter.py``). Triton refuses an input a model does not declare, and
-perf_analyzer refuses it on the client side, so until session 40 both failed against ``dflash`` before generating a
-token; and both read ``text_output`` as ``as_numpy("text_output")[0].decode()``, which needs a 1-D tensor.
+perf_analyzer refuses it on the client side, so without these declarations both fail against ``dflash`` before
+generating a token; and both read ``text_output`` as ``as_numpy("text_output")[0].decode()``, which needs a 1-D tensor.
 
 The entry models (and the trtllm-pytorch bridge) declare the ensemble's text-level inputs below with its names, dtypes
 and dims (``triton_backend/all_models/inflight_batcher_llm/ensemble/config.pbtxt``; ``design/trtllm_triton.md`` §4.3)
 and ``min_length`` (TensorRT-LLM's name for ``min_tokens`` before 2025-05, still GenAI-Perf's). They honour what this
-server can do exactly (the penalties since session 41, read with the other sampling inputs: ``handlers.sampling_from``;
-the log-probabilities and the bad words since session 42, ``num_return_sequences`` since session 43: ``bls.LoopModel``,
-the embedding bias since session 44: ``runtime.sampling.add_bias``; batches of texts since session 45, each row a
-request of its own with ``batch_index`` on its responses) and accept only the neutral value of what it does
-not do, refusing any other by name. The ensemble's prompt-table, LoRA, guided-decoding and multimodal inputs are not
-declared: Triton refuses them naming the input.
+server can do exactly (the penalties, read with the other sampling inputs: ``handlers.sampling_from``; the
+log-probabilities, the bad words and ``num_return_sequences``: ``bls.LoopModel``; the embedding bias:
+``runtime.sampling.add_bias``; batches of texts, each row a request of its own with ``batch_index`` on its
+responses) and accept only the neutral value of what it does not do, refusing any other by name. The ensemble's
+prompt-table, LoRA, guided-decoding and multimodal inputs are not declared: Triton refuses them naming the input.
 """
 
 from __future__ import annotations

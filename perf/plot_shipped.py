@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         ax.axhline(points[-1][ds]["prompt_lookup_tau"], color=color, ls="--", lw=1,
                    label=f"{DATASETS[ds]}: prompt lookup, no training")
     for x, pt in zip(xs, points):
-        ax.annotate(pt["shipped_in"].split(" (")[0].replace("session ", "s"), (x, pt["humaneval"]["tau"]),
+        ax.annotate(pt["shipped_in"].split(" (")[0], (x, pt["humaneval"]["tau"]),
                     textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     ax.set_xlabel("regenerated response tokens in the shipped drafter's training data (millions, cumulative)")
     ax.set_ylabel("τ at B = 16, 128 tokens")

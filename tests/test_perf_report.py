@@ -109,7 +109,7 @@ def test_shipped_plot_reads_every_recorded_drafter_and_refuses_a_missing_eval(tm
     assert (last["humaneval"]["prompts"], last["mtbench"]["prompts"]) == (164, 80)
     assert 1.0 < last["mtbench"]["tau"] < last["humaneval"]["tau"]
     bad = tmp_path / "shipped.json"
-    bad.write_text(json.dumps([{"shipped_in": "session 99", "new_tokens": 1, "evals": ["replay-nowhere.json"]}]))
+    bad.write_text(json.dumps([{"shipped_in": "2026-01-01", "new_tokens": 1, "evals": ["replay-nowhere.json"]}]))
     run = subprocess.run([sys.executable, str(root / "perf" / "plot_shipped.py"), str(bad), "--out", str(png)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "'replay-nowhere.json', which is not a file" in run.stderr

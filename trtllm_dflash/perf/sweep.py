@@ -34,6 +34,8 @@ from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.hardware import cpu_model
 from trtllm_dflash.perf.metrics import LoopCounters
 from trtllm_dflash.perf.record import PerfRecord, append_record
+from trtllm_dflash.runtime.mode import DecodeMode
+from trtllm_dflash.serve.settings import ModelSettings
 
 PROJECT = Path(__file__).resolve().parents[2]
 BLS = {"dflash": "dflash", "baseline": "baseline"}  # entry model -> the model labelling its loop counters (itself)
@@ -239,17 +241,14 @@ def server_info(url: str) -> dict:
     c = grpcclient.InferenceServerClient(url)
     meta = c.get_server_metadata(as_json=True)
 
-    def params(model):
+    def params(model) -> ModelSettings:
         cfg = c.get_model_config(model, as_json=True)["config"]
-        return {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+        return ModelSettings.from_parameters({k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()})
 
     bls, drafter = params("dflash_bls"), params("drafter")
-    block = bls.get("block_size", "") or "0"
-    block = int(block) if block.isdigit() else block
-    if bls.get("ngram") == "on":  # bench_runtime's notation: "auto+ngram", "16+ngram"
-        block = f"{block}+ngram"
-    return {"server_version": meta.get("version", ""), "block_size": block,
-            "drafter_dir": drafter.get("drafter_dir", "")}
+    # bench_runtime's notation: "auto+ngram", "16+ngram", "16+tree" (runtime.mode.DecodeMode.label)
+    mode = DecodeMode.from_flags(bls.block_size, bls.ngram and bls.block_size != 1, bls.tree)
+    return {"server_version": meta.get("version", ""), "block_size": mode.label, "drafter_dir": drafter.drafter_dir}
 
 
 # ---- the sweep -----------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -356,7 +357,8 @@ def assemble(home: Path) -> Path:
 
 
 def _ensure_gguf(home: Path) -> None:
-    """transformers' GGUF loader needs the ``gguf`` package; install the carried wheel into home/site if absent."""
+    """transformers' GGUF loader needs the ``gguf`` package; install the carried wheel into this interpreter's
+    environment if absent (its site-packages is already on the import path: no path to add)."""
     try:
         import gguf  # noqa: F401
         return
@@ -365,11 +367,9 @@ def _ensure_gguf(home: Path) -> None:
     wheels = sorted((home / "wheels").glob("gguf-*.whl"))
     if not wheels:
         raise ArtifactError(home / "wheels", "no gguf wheel", "pack with --wheel gguf-*.whl")
-    site = home / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-                    *map(str, wheels)], check=True)
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *map(str, wheels)],
+                   check=True)
+    importlib.invalidate_caches()
 
 
 def stash_resume(src: Path, home: Path) -> list[str]:

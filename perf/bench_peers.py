@@ -71,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine (default 1)")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where peers.jsonl, peers.png and the logs go (default perf/results/peers/<UTC date>)")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.jsonl",
+                   help="only redraw the PNG beside FILE.jsonl from its records (runs nothing)")
     args = p.parse_args(argv)
     args.dataset_list = [d for d in args.datasets.split(",") if d]
     args.concurrencies = sorted({int(c) for c in args.concurrency.split(",")})
@@ -122,7 +124,11 @@ class VllmSide:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=REPO)
-        ready = self._read()
+        try:
+            ready = self._read()
+        except BaseException:
+            self.close()  # not yet in the caller's list of things to close
+            raise
         self.startup_s = round(time.perf_counter() - t0, 2)
         self.version, self.threads = ready["version"], ready["torch_threads"]
 
@@ -148,7 +154,10 @@ class VllmSide:
         tally.num_draft_tokens += out["num_draft_tokens"]
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()  # EOF: the worker shuts its engine down and exits
+        except OSError:  # it has already ended
+            pass
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -194,7 +203,8 @@ class TritonServerProcess:
                                      stdout=subprocess.PIPE, stderr=self.err, text=True)
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"trtllm-dflash serve --repo {repo} ended (exit {self.proc.wait()}); see {self.err.name}")
+            self.close()
+            raise RuntimeError(f"trtllm-dflash serve --repo {repo} ended; see {self.err.name}")
         self.url = json.loads(line)["grpc"]
         self.startup_s = round(time.perf_counter() - t0, 2)
 
@@ -273,7 +283,7 @@ def plot(records: list[dict], png: Path) -> None:
 
     groups = sorted({(r["dataset"], r["concurrency"]) for r in records})
     configs = list(dict.fromkeys((r["system"], r["path"], r["mode"]) for r in records))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 5.0), squeeze=False)
     colors = {OURS: "tab:green", VLLM: "tab:blue"}
     for ax, (dataset, c) in zip(axes[0], groups):
         by = {(r["system"], r["path"], r["mode"]): r for r in records if (r["dataset"], r["concurrency"]) == (dataset, c)}
@@ -283,7 +293,8 @@ def plot(records: list[dict], png: Path) -> None:
             if k in by and by[k]["tau"] is not None:
                 ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"τ {by[k]['tau']:.2f}", ha="center",
                         va="bottom", fontsize=7)
-        ax.set_xticks(range(len(configs)), [f"{s}\n{p}\n{m}" for s, p, m in configs], fontsize=6)
+        ax.set_xticks(range(len(configs)), [f"{'vLLM' if s == VLLM else 'ours'} {p}\n{m}" for s, p, m in configs],
+                      fontsize=7, rotation=60, ha="right", rotation_mode="anchor")
         ax.set_title(f"{dataset}, concurrency {c}", fontsize=9)
         ax.set_ylabel("new tokens / s")
     first = records[0]
@@ -296,6 +307,9 @@ def plot(records: list[dict], png: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot is not None:
+        plot([json.loads(line) for line in args.plot.read_text().splitlines()], args.plot.with_suffix(".png"))
+        return 0
     problem = peer_problem(args.peer_venv) if "offline" in args.path_list else None
     if problem:
         print(f"bench_peers: {problem}", file=sys.stderr)
@@ -325,7 +339,8 @@ def main(argv=None) -> int:
     texts = {p.id: p.text for ps in prompts.values() for p in ps}
     import trtllm_dflash
 
-    ours_version = getattr(trtllm_dflash, "__version__", None) or "0+" + git_commit()[:10]
+    commit = git_commit()  # at the start: the code this run loaded
+    ours_version = getattr(trtllm_dflash, "__version__", None) or "0+" + commit[:10]
 
     sides: dict[tuple[str, str, str], object] = {}
     closers = []
@@ -388,7 +403,7 @@ def main(argv=None) -> int:
     versions = {VLLM: next((s.version for s in sides.values() if isinstance(s, VllmSide)), None), OURS: ours_version}
     vllm_threads = next((s.threads for s in sides.values() if isinstance(s, VllmSide)), None)
     machine = f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}"
-    commit, stamp = git_commit(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     records = []
     for (d, c, key), t in tallies.items():
         system, path, mode = key

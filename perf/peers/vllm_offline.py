@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -37,9 +38,18 @@ def spec_counters(llm) -> dict[str, int]:
     return totals
 
 
-def emit(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+def protocol_stream():
+    """The real stdout for the JSON lines, with file descriptor 1 pointed at stderr from here on: vLLM, its engine
+    processes (which inherit fd 1) and the libraries they load print to stdout too, which would break the protocol."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def emit(out, obj: dict) -> None:
+    out.write(json.dumps(obj) + "\n")
+    out.flush()
 
 
 def main(argv=None) -> int:
@@ -51,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences the engine batches (default 8)")
     p.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     args = p.parse_args(argv)
+    out = protocol_stream()
 
     t0 = time.perf_counter()
     import torch
@@ -63,7 +74,7 @@ def main(argv=None) -> int:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, seed=0, disable_log_stats=False)
-    emit({"ready": True, "version": vllm.__version__, "torch": torch.__version__,
+    emit(out, {"ready": True, "version": vllm.__version__, "torch": torch.__version__,
           "startup_s": round(time.perf_counter() - t0, 2), "torch_threads": torch.get_num_threads()})
 
     for line in sys.stdin:
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
             outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         after = spec_counters(llm)
-        emit({"token_ids": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(seconds, 4),
+        emit(out, {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(seconds, 4),
               **{k: after[k] - before[k] for k in after}})
     return 0
 

@@ -119,12 +119,20 @@ class TritonSteps(CoalescedSteps):
         ``keep``: siblings that will fork from this sequence (``Siblings``); ``attempts``: each start's send time is
         appended (time.monotonic_ns), so its last is when the sequence was scheduled."""
         attempts = [] if attempts is None else attempts
-        try:
+
+        async def attempt() -> tuple[bool, object]:
+            """One start: (True, its result), or (False, None) when every slot is taken."""
             attempts.append(time.monotonic_ns())
-            return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
-        except StepError as exc:
-            if SLOTS_EXHAUSTED not in str(exc):
-                raise
+            try:
+                return True, await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
+            except StepError as exc:
+                if SLOTS_EXHAUSTED not in str(exc):
+                    raise
+                return False, None
+
+        started, result = await attempt()
+        if started:
+            return result
         limit = f"--max-sequences {self.max_sequences}" if self.max_sequences else "--max-sequences"
         if self.waiting >= self.max_queue:
             raise Overloaded(f"RESOURCE_EXHAUSTED: all sequence slots are in use ({limit}) and {self.waiting} "
@@ -139,12 +147,9 @@ class TritonSteps(CoalescedSteps):
                 delay = min(0.5, delay * 1.5)  # many waiters must not flood target_verify with refused starts
                 if is_cancelled():
                     raise Cancelled()
-                try:
-                    attempts.append(time.monotonic_ns())
-                    return await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
-                except StepError as exc:
-                    if SLOTS_EXHAUSTED not in str(exc):
-                        raise
+                started, result = await attempt()
+                if started:
+                    return result
                 if asyncio.get_running_loop().time() > deadline:
                     raise Overloaded(f"RESOURCE_EXHAUSTED: no sequence slot freed within {self.queue_timeout_s:g} s "
                                      f"(--queue-timeout-s; all {limit} slots in use); retry later, or render the "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .peers/speculators: a separate venv holding vLLM's `speculators` 0.9.0 (CPU torch), the peer that
-# tests/test_speculators_format.py checks our speculators-format loader and writer against. Idempotent; optional
+# tests/models/test_speculators_format.py checks our speculators-format loader and writer against. Idempotent; optional
 # (those tests skip without it). Never installed into .venv: speculators pins transformers/datasets ranges of its own.
 #
 # speculators' metadata also asks for torchaudio and torchvision (unused by its model classes) and would pull a CUDA

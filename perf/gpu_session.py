@@ -5,7 +5,7 @@
     python perf/gpu_session.py --export-prompts .gpu/prompts
     # on the GPU machine (device tool, with .gpu in `carry`), from the repository root:
     python3 perf/gpu_session.py --out "$OUT" --prompts .gpu/prompts [--target DIR --drafter DIR] --budget-s 540
-    # CPU rehearsal (CI, tests/test_gpu_session.py): the same steps on the CPU, kernels through the interpreter
+    # CPU rehearsal (CI, tests/perf/test_gpu_session.py): the same steps on the CPU, kernels through the interpreter
     python perf/gpu_session.py --out DIR --device cpu --prompts DIR --target DIR --drafter DIR --limit 2
 
 Steps, in this order; each runs isolated (an exception or a failing subprocess is recorded and the next step runs),
@@ -13,7 +13,7 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 
 - ``env``: device name (``torch.cuda.get_device_name()``), capability, driver, torch / triton / transformers versions,
   the commit (``--commit`` or ``git rev-parse``).
-- ``kernel_tests``: ``tests/test_plugin_kernels.py`` on the device, natively compiled (``TRITON_INTERPRET=0``,
+- ``kernel_tests``: ``tests/plugin/test_plugin_kernels.py`` on the device, natively compiled (``TRITON_INTERPRET=0``,
   ``TRTLLM_DFLASH_TEST_DEVICE=cuda``); on the CPU, through Triton's interpreter.
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
@@ -138,7 +138,7 @@ def step_env(args, log) -> dict:
 
 def step_kernel_tests(args, log) -> dict:
     env = {"TRITON_INTERPRET": "0" if args.device == "cuda" else "1", "TRTLLM_DFLASH_TEST_DEVICE": args.device}
-    out = run([sys.executable, "-m", "pytest", "tests/test_plugin_kernels.py", "-q", "-p", "no:cacheprovider"],
+    out = run([sys.executable, "-m", "pytest", "tests/plugin/test_plugin_kernels.py", "-q", "-p", "no:cacheprovider"],
               log, 420, env)
     summary = [line for line in out.stdout.splitlines() if " passed" in line or " failed" in line or "error" in line]
     return {"exit": out.returncode, "summary": summary[-1] if summary else out.stdout[-300:], **env}

@@ -2,7 +2,7 @@
 """τ of tree-verify shapes (``runtime.tree.TreeShape``) replayed on the target's greedy outputs, with their size.
 
 A tree verify's τ depends only on which proposals it checks, so it can be replayed exactly (``train.audit``: the same
-walk the decoder takes, proved equal to decoding on the real pair in tests/test_train_audit.py) from the drafter's
+walk the decoder takes, proved equal to decoding on the real pair in tests/train/test_train_audit.py) from the drafter's
 top choices at every anchor, computed once per output, for any number of shapes. This is how the decoder's default
 tree (``TreeShape.for_block``) was picked; what a shape costs is its node count (the verify's width), which costs about
 nothing where a verify is launch-bound (a GPU at small batch) and in proportion on a CPU.

@@ -12,7 +12,7 @@ Two commands, both with speculators 0.9.0's own classes and forward:
                           the inference arrangement); writes OUT/peer_io.safetensors: the inputs (taps, input_ids,
                           anchors) and per anchor the draft logits [B, draft_vocab] and drafted target ids [B].
 
-The tests (tests/test_speculators_format.py) run this with the peer interpreter and compare against our loader.
+The tests (tests/models/test_speculators_format.py) run this with the peer interpreter and compare against our loader.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FP8 and NVFP4 weight numerics in plain torch (CPU is fine): quantize to the tensors a TensorRT-LLM checkpoint stores,
 and dequantize them back. Formulas: trtllm_triton.md §1.4 / §1.5; tensor layouts checked against what
 nvidia-modelopt 0.47.0's ``export_tensorrt_llm_checkpoint`` writes (tests/data/trtllm_1_2_1/quantized_checkpoint.json)
-and the NVFP4 packing bit-exactly against modelopt's ``NVFP4QTensor.quantize`` (tests/test_convert_quantize.py).
+and the NVFP4 packing bit-exactly against modelopt's ``NVFP4QTensor.quantize`` (tests/convert/test_convert_quantize.py).
 
 FP8 (per tensor):  scale = amax / 448;  q = e4m3(w / scale) (division in w's dtype, as modelopt);  w ≈ q * scale.
 NVFP4 (16-element blocks along the input dim, two levels of scale):

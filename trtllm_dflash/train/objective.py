@@ -18,7 +18,7 @@ Glossary, for one training sequence of S tokens (prompt of P tokens + target-reg
                LM head.
 
 This is exactly ``DrafterModel.inject`` + ``DrafterModel.draft`` run for every anchor at once: a block anchored at p
-equals an inference draft step with p committed tokens (tests/test_train_objective.py checks the equality).
+equals an inference draft step with p committed tokens (tests/train/test_train_objective.py checks the equality).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def packed_block_attention(
     """``layers.attention`` over [context ; own block] keys without copying the context K/V once per block: the A
     blocks of a sequence attend to its one context K/V in a single matmul, their own B keys in a batched one, and the
     two score sets share one softmax. Same result as ``attention(q, cat(ck[owner], k), cat(cv[owner], v), allowed)``
-    (tests/test_train_objective.py)."""
+    (tests/train/test_train_objective.py)."""
     n, t, kv, d = ck.shape
     b, bs, h, _ = q.shape
     a, g = b // n, h // kv

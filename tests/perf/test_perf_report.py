@@ -1,0 +1,115 @@
+"""The report renders from a recorded sweep (tests/data/sweep_sample: a real smoke sweep of perf/sweep.py) without
+re-running anything: PNGs exist and are non-empty, the markdown table has one row per record with its numbers, and
+the recorded numbers are what the recorded profile exports say."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trtllm_dflash.perf.record import load_records
+from trtllm_dflash.perf.report import COLUMNS, PLOTS, speedups, write_report
+from trtllm_dflash.perf.sweep import summarize_profile
+
+SAMPLE = Path(__file__).parents[1] / "data" / "sweep_sample"
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    out = tmp_path / "sweep"
+    shutil.copytree(SAMPLE, out, ignore=shutil.ignore_patterns("*.png", "report.md"))
+    return out
+
+
+def table(md: str) -> list[dict[str, str]]:
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]]
+
+
+def test_report_renders_from_recorded_sweep(sweep):
+    records = load_records(sweep / "records.jsonl")
+    assert {r.model for r in records} == {"dflash", "baseline"} and len(records) >= 4
+    md_path = write_report(sweep, "sample")
+    for name in PLOTS:
+        png = sweep / name
+        assert png.is_file() and png.stat().st_size > 1000, name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = md_path.read_text()
+    rows = table(md)
+    assert list(rows[0]) == COLUMNS and len(rows) == len(records)
+    sp = speedups(records)
+    for row, r in zip(rows, records):
+        point = (row["model"], row["dataset"], int(row["B"]), int(row["C"]))
+        assert point == (r.model, r.dataset, r.block_size, r.concurrency)
+        assert int(row["tokens"]) == r.output_tokens and int(row["requests"]) == r.requests
+        assert float(row["tok/s"]) == pytest.approx(r.output_tokens_per_s, abs=0.006)
+        assert float(row["τ"]) == pytest.approx(r.tau_mean, abs=0.006)
+        if r.model == "dflash":
+            assert float(row["speed-up"]) == pytest.approx(sp[(r.dataset, r.block_size, r.concurrency)], abs=0.006)
+    assert "drafter:" in md and "perf_analyzer" in md and records[0].env["git_commit"] in md
+
+
+def test_recorded_numbers_come_from_the_recorded_exports(sweep):
+    for r in load_records(sweep / "records.jsonl"):
+        s = summarize_profile(json.loads((sweep / r.profile_export).read_text()))
+        assert s["output_tokens"] == r.output_tokens and s["responses"] == r.responses
+        assert s["output_tokens_per_s"] == pytest.approx(r.output_tokens_per_s)
+        assert s["client_tau_mean"] == pytest.approx(r.client_tau_mean, nan_ok=True)
+
+
+def test_report_without_a_baseline(sweep):
+    lines = (sweep / "records.jsonl").read_text().splitlines()
+    (sweep / "records.jsonl").write_text("\n".join(line for line in lines if '"model": "dflash"' in line) + "\n")
+    rows = table(write_report(sweep).read_text())
+    assert [row["model"] for row in rows] == ["dflash"] * len(rows) and all(row["speed-up"] == "" for row in rows)
+    assert all((sweep / name).stat().st_size > 1000 for name in PLOTS)
+
+
+def test_acceptance_plot_renders_recorded_bench_runtime_files(tmp_path):
+    """perf/plot_acceptance.py draws the recorded in-process evaluations; a file that is not bench_runtime output
+    is refused with exit 2 and a message naming it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    files = sorted(str(p) for p in (root / "perf" / "results" / "drafter-cpu").glob("step800-*.json"))
+    assert files
+    png = tmp_path / "tau.png"
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_acceptance.py"), *files, "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"dataset": "humaneval"}\n')
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_acceptance.py"), str(bad), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "bad.json:1 has no acceptance_histogram" in run.stderr
+
+
+def test_shipped_plot_reads_every_recorded_drafter_and_refuses_a_missing_eval(tmp_path):
+    """perf/plot_shipped.py draws every shipped drafter of the recorded manifest from its eval files (τ read, never
+    typed in); a manifest row naming a file that is not there is refused with exit 2 and a message naming it."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    manifest = root / "perf" / "results" / "drafter-curve" / "full-sets" / "shipped.json"
+    png = tmp_path / "shipped.png"
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_shipped.py"), str(manifest), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    points = json.loads(run.stdout)["points"]
+    assert len(points) == len(json.loads(manifest.read_text())) >= 7
+    assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
+    last = points[-1]
+    assert (last["humaneval"]["prompts"], last["mtbench"]["prompts"]) == (164, 80)
+    assert 1.0 < last["mtbench"]["tau"] < last["humaneval"]["tau"]
+    bad = tmp_path / "shipped.json"
+    bad.write_text(json.dumps([{"shipped_in": "2026-01-01", "new_tokens": 1, "evals": ["replay-nowhere.json"]}]))
+    run = subprocess.run([sys.executable, str(root / "perf" / "plot_shipped.py"), str(bad), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "'replay-nowhere.json', which is not a file" in run.stderr

@@ -81,3 +81,18 @@ def draft(
         x = x + attn.o_proj(o.reshape(b, bs, attn.num_heads * attn.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x)
+
+
+def draft_pass(
+    drafter: DrafterModel,
+    block_embeds: torch.Tensor,  # [b, B, hidden]
+    cache: KVCache,
+    rows: torch.Tensor | None,
+    impl: Impl,  # a resolved choice (``dispatch.resolve``): TRITON or TORCH
+    static: bool = False,
+) -> torch.Tensor:  # [b, B, hidden] final-normed
+    """The draft forward on the path ``impl`` chose: ``draft`` above (the plugin's kernels) or the drafter's own torch
+    code. The in-process decoder and the served ``BlockDrafter`` both draft through here."""
+    if impl is Impl.TRITON:
+        return draft(drafter, block_embeds, cache, rows, impl, static=static)
+    return drafter.draft(block_embeds, cache, rows, static=static)

@@ -238,11 +238,9 @@ class SpeculativeDecoder:
             drafter_ops.inject(self.drafter, self.inject_weights, taps, num_tokens, dcache, rows, self.kernels)
 
     def _draft(self, block_embeds, dcache, rows, static: bool = False):
-        if self.inject_weights is None:
-            return self.drafter.draft(block_embeds, dcache, rows, static=static)
         from trtllm_dflash.plugin import drafter_ops
 
-        return drafter_ops.draft(self.drafter, block_embeds, dcache, rows, self.kernels, static=static)
+        return drafter_ops.draft_pass(self.drafter, block_embeds, dcache, rows, self.kernels, static)
 
     def _new_cache(self, model, rows: int, max_len: int):
         """A cache for a batch: the graphs' pooled one (``StepGraphs.cache``) when graphs are on, else a new one."""

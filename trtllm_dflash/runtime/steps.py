@@ -32,6 +32,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import linear
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
+from trtllm_dflash.plugin import drafter_ops
 from trtllm_dflash.plugin.dispatch import Impl, resolve
 from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, tail, target_samples,
@@ -459,21 +460,13 @@ class BlockDrafter:
 
         def block(ids: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
             return draft_block(ids, block_size, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
-                               lambda e: self._forward(e, r, static), self.logits, top,
-                               own_head=self.drafter.draft_head)
+                               lambda e: drafter_ops.draft_pass(self.drafter, e, self.cache, r, self.kernels, static),
+                               self.logits, top, own_head=self.drafter.draft_head)
 
         with torch.inference_mode():
             if not static:
                 return block(first, rows_t)
             return self.graphs.run(("draft", len(rows), block_size, top), self.cache, block, first, rows_t)[0]
-
-    def _forward(self, block_embeds: torch.Tensor, rows: torch.Tensor, static: bool) -> torch.Tensor:
-        """The drafter over the block at ``rows``: through the plugin kernels when ``kernels`` resolved to them."""
-        if self.kernels is Impl.TRITON:
-            from trtllm_dflash.plugin import drafter_ops
-
-            return drafter_ops.draft(self.drafter, block_embeds, self.cache, rows, self.kernels, static=static)
-        return self.drafter.draft(block_embeds, self.cache, rows, static=static)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over drafter hidden states [..., H] -> [..., V]: the product the in-process

@@ -23,9 +23,9 @@ What a graph needs, and how the runtime provides it:
 ``mode``: ``"cuda"`` captures and replays; ``"rehearse"`` (any device; CI on the CPU) runs the same static forward
 through the same input and output buffers on every call instead of replaying, so everything but the capture itself
 is exercised where no GPU is (it computes a verify's padding, which the CPU's eager verify skips: a test mode, not a
-CPU speed-up); ``"off"``: ``run`` calls the function directly. The decoder's graphs cover the target's step forward
-(autoregressive, verify, tree verify) and the draft pass; the prefill, the acceptance and the KV injection run eagerly
-as before, and so do the Triton step models (``runtime/steps.py``).
+CPU speed-up); ``"off"``: ``run`` calls the function directly. The step engines' graphs (``runtime/steps.py``, in
+process and behind the Triton step models) cover the target's step forward (autoregressive, verify, tree verify) and
+the draft pass; the prefill, the acceptance and the KV injection run eagerly.
 """
 
 from __future__ import annotations
@@ -71,9 +71,12 @@ class StepGraphs:
         self.capture_s = 0.0  # seconds spent warming up and capturing (a benchmark's steady state excludes them)
 
     @classmethod
-    def for_device(cls, device: torch.device, requested: bool | str) -> "StepGraphs | None":
+    def for_device(cls, device: torch.device, requested: "bool | str | StepGraphs") -> "StepGraphs | None":
         """``requested``: True or "on" (graphs on CUDA; an error elsewhere, where there is nothing to capture),
-        "rehearse", or False / "off" (None: no graphs) — a ``--cuda-graphs`` choice passes as it is."""
+        "rehearse", or False / "off" (None: no graphs) — a ``--cuda-graphs`` choice passes as it is; a StepGraphs
+        (one shared by the step engines of one decoder) is returned as it is."""
+        if isinstance(requested, StepGraphs):
+            return requested
         if not requested or requested == "off":
             return None
         if requested == "rehearse":

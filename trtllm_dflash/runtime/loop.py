@@ -1,7 +1,8 @@
-"""The speculative loop of one request, independent of where the steps run.
+"""The speculative loop of one request, independent of where the steps run: the toolkit's one decoding loop.
 
-The Triton ``dflash_bls`` model runs it over BLS calls to ``target_verify`` / ``kv_inject`` / ``drafter``; tests
-run it over the step engines in-process; a TensorRT-LLM backend only needs another ``StepClient``. One step:
+The Triton ``dflash_bls`` model runs it over BLS calls to ``target_verify`` / ``kv_inject`` / ``drafter``; the
+in-process API (``runtime.decoder.SpeculativeDecoder.generate``, the CLI, the benchmarks) runs it over the same step
+engines in-process (``BatchedLocalSteps``); a TensorRT-LLM backend only needs another ``StepClient``. One step:
 
     drafts  = drafter(seq, context K/V of the last committed tokens, bonus)        (block_size > 1 only)
     emitted = target_verify(seq, [bonus, drafts...])                                -> τ tokens + their taps
@@ -14,7 +15,7 @@ KV injection is lazy: the taps of committed tokens wait until the sequence next 
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
 
 Where the step client batches the live sequences' calls (``StepClient.plan``: the BLS model's step coalescer), the
-``auto`` decision is made for them together, as the in-process decoder decides for its batch (``plan_together``): one
+``auto`` decision is made for them together (``plan_together``): one
 ``decide`` over every sequence's state, and every sequence verifies the step's common K + 1 slots (a row with fewer
 proposals pads with −1, which never matches), so their verifies stay one batched call; the step's timing reaches the
 cost model once, for all its rows. Decided one by one, each sequence priced its verify as if alone, chose its own
@@ -25,8 +26,8 @@ With a ``tree`` (``runtime.tree.TreeShape``; at a fixed block size every step, u
 ``choose_tree`` says it pays) a step drafts the drafter's top
 choices per slot, makes the lookup chains' proposals here (prompt lookup, a retrieval ``datastore``, and the grafted
 chains after the main chain's first draft), and verifies every node of the tree in one ``target_verify`` call, which
-keeps the longest accepted path: the in-process decoder's tree step (``runtime.decoder``), token for token, greedy or
-sampled (each node's sample drawn from its position's noise, ``runtime.tree``).
+keeps the longest accepted path, greedy or sampled (each node's sample drawn from its position's noise,
+``runtime.tree``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import time
 
 import torch
 
+from trtllm_dflash.models.layers import stack_padded
+from trtllm_dflash.runtime.acceptance import SeqState
 from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, Lookup, ngram_lookup
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.datastore import Datastore
@@ -101,15 +104,22 @@ def observe_steps(policy: AdaptivePolicy, tree: TreeShape | None, reports: list[
 
 
 def plan_together(policy: AdaptivePolicy, tree: TreeShape | None,
-                  entries: list[tuple[object, int, StepReport | None]]) -> list[tuple[int, int, bool]]:
-    """The next ``auto`` step of several sequences, decided as the in-process decoder decides for a batch. ``entries``:
+                  entries: list[tuple[object, int, StepReport | None]], weigh: bool = False,
+                  ended: list[StepReport] = ()) -> list[tuple[int, int, bool]]:
+    """The next ``auto`` step of several sequences, decided for them as one batch. ``entries``:
     per sequence its policy state, its prompt-lookup continuation's length and its previous step (None: its first).
     The previous steps' timing goes into the cost model once (the sequences' calls were batched: one step of all their
     rows; each sequence's times include its wait for the others', so the shortest of each is the call's own), then
-    ``decide`` and ``choose_tree`` run over all the states. Returns per sequence (k, the step's common
-    width K = max k, whether it is a tree step)."""
-    observe_steps(policy, tree, [r for _, _, r in entries if r is not None])
+    ``decide`` and ``choose_tree`` run over all the states. ``weigh``: the sequences are a static batch (one
+    ``generate`` call), so each row's tokens are worth what ``AdaptivePolicy.batch_weights`` says from what it still
+    has to make; serving, every row's weight is 1. Returns per sequence (k, the step's common width K = max k,
+    whether it is a tree step). ``ended``: the last steps of sequences that finished in the same step as the
+    previous ones (``CoalescedSteps.ended``), observed with them."""
+    observe_steps(policy, tree, [r for _, _, r in entries if r is not None] + list(ended))
     states = [state for state, _, _ in entries]
+    if weigh:
+        for s, w in zip(states, policy.batch_weights([s.remaining for s in states], sum(s.context for s in states))):
+            s.weight = w
     ks = policy.decide(states, [n for _, n, _ in entries])
     use_tree = tree is not None and policy.choose_tree(states)
     width = max(ks, default=0)
@@ -130,6 +140,8 @@ class Update:
     draft_lengths: list[int] = field(default_factory=list)  # drafts verified (k) per step since the previous update
     seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / overhead seconds since then
     logprobs: list[float] = field(default_factory=list)  # ``tokens``' log-probabilities, when the request asks
+    lookup_steps: int = 0  # steps since then that verified (or, in a tree, kept) a prompt-lookup proposal
+    lookup_ms: float = 0.0  # host time since then making tree steps' lookup chains
 
 
 @dataclass
@@ -143,6 +155,8 @@ class _Progress:
     ks: list[int] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("draft", "verify", "overhead"), 0.0))
     logprobs: list[float] = field(default_factory=list)
+    lookup_steps: int = 0
+    lookup_ms: float = 0.0
 
 
 async def run_generation(
@@ -157,15 +171,17 @@ async def run_generation(
     tree: TreeShape | None = None,
     datastore: Datastore | None = None,
     report_cancelled: Callable[[], bool] = lambda: False,
+    state: SeqState | None = None,
 ) -> str:
     """Run one request to completion; returns the finish reason ("length" | "stop" | "cancelled").
 
     ``block_size="auto"`` needs ``policy`` (shared by the model's requests: one cost model, one state per request).
     ``ngram`` at a fixed block size: a step whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
-    continuation instead of drafting (as ``runtime.decoder``); under ``auto`` the policy's own ``ngram`` decides.
+    continuation instead of drafting; under ``auto`` the policy's own ``ngram`` decides.
     ``tree`` (k = the longest block − 1) with an optional ``datastore``: tree steps (module docstring).
     ``report_cancelled``: whether a cancelled request still sends its tokens so far as a final update (TensorRT-LLM's
     stop request: its executor returns a cancelled request's result); otherwise a cancellation reports nothing.
+    ``state``: under ``auto``, the sequence's policy state to use (the caller reads its ``chosen`` k afterwards).
     """
     adaptive = block_size == "auto"
     if adaptive and policy is None:
@@ -175,7 +191,7 @@ async def run_generation(
     if adaptive and tree is not None:
         policy.tree_nodes = tree.size  # a tree step is one of the policy's options (adaptive.choose_tree)
     want_taps = adaptive or block_size > 1
-    state = policy.new_sequence() if adaptive else None
+    state = (state or policy.new_sequence()) if adaptive else None
     plan = getattr(steps, "plan", None) if adaptive else None  # the live sequences' steps decided together
     last_step: StepReport | None = None
     stops = StopMatcher(req.stop_sequences, req.min_tokens)
@@ -183,17 +199,18 @@ async def run_generation(
     p = _Progress()
 
     def add(new: list[int], logprobs: list[float] | None) -> None:
+        """Keep what a step emitted up to the length limit, and up to a stop ending within it ("stop"; a stop that
+        would come after the limit's last token is never reached: "length")."""
         checked = len(p.tokens)
-        p.tokens.extend(new)
+        p.tokens.extend(new[: req.max_tokens - checked])
         if req.sampling.logprobs:
             p.logprobs.extend(logprobs)
         cut = stops.truncate(p.tokens, checked)
         if cut is not None:
             del p.tokens[cut:]
             p.finish_reason = "stop"
-        if len(p.tokens) >= req.max_tokens:
-            del p.tokens[req.max_tokens:]
-            p.finish_reason = p.finish_reason or "length"
+        elif len(p.tokens) >= req.max_tokens:
+            p.finish_reason = "length"
         del p.logprobs[len(p.tokens):]
 
     async def report(final: bool) -> None:
@@ -201,9 +218,9 @@ async def run_generation(
         if not final and (not req.stream or upto == p.reported):
             return
         await on_update(Update(p.tokens[:upto], p.reported, p.taus, p.proposed, p.accepted, final, p.finish_reason,
-                               p.ks, p.seconds, p.logprobs[:upto]))
+                               p.ks, p.seconds, p.logprobs[:upto], p.lookup_steps, p.lookup_ms))
         p.reported, p.taus, p.proposed, p.accepted = upto, [], 0, 0
-        p.ks, p.seconds = [], dict.fromkeys(p.seconds, 0.0)
+        p.ks, p.seconds, p.lookup_steps, p.lookup_ms = [], dict.fromkeys(p.seconds, 0.0), 0, 0.0
 
     async def inject_pending():
         """The K/V of every committed token the drafter has not received yet, in one kv_inject call."""
@@ -247,21 +264,29 @@ async def run_generation(
             if tree_step:
                 k, v = await inject_pending()
                 choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
+                t_look = time.perf_counter()
                 block, parents = tree_block(tree, bonus, choices, context, datastore), tuple(tree.parents)
                 drafts = block[1: tree.k + 1]  # the main chain: a tree step counts k drafts (its depth), as a chain
                 t1 = time.perf_counter()
-                emitted, taps, logprobs = await steps.verify(seq_id, block, True, parents=parents)
+                p.lookup_ms += (t1 - t_look) * 1e3
+                # a client whose verifier says which path it kept (the step engines) adds it: a lookup chain's?
+                emitted, taps, logprobs, *path = await steps.verify(seq_id, block, True, parents=parents)
                 t2 = time.perf_counter()
+                if path and path[0] is not None and tree.from_lookup[path[0]]:
+                    p.lookup_steps += 1
             else:
                 if lookup and (not adaptive or state.source == "ngram"):
                     drafts = lookup[:n]
+                    p.lookup_steps += bool(drafts)
                 elif want_taps and n > 0:
                     k, v = await inject_pending()
                     drafts = await steps.draft(seq_id, k, v, bonus, width + 1)
                 else:
                     drafts = []
                 t1 = time.perf_counter()
-                pad = [-1] * (width - len(drafts)) if plan is not None else []  # the step's common width
+                # the step's common width (a shorter proposal pads with −1, which never matches): the live sequences'
+                # verifies stay one batched call where the client batches them
+                pad = [-1] * (width - len(drafts))
                 emitted, taps, logprobs = await steps.verify(seq_id, [bonus, *drafts, *pad], want_taps)
                 t2 = time.perf_counter()
             p.taus.append(len(emitted))
@@ -287,6 +312,8 @@ async def run_generation(
                 p.seconds[name] += sec
             if p.finish_reason is None:
                 await report(False)
+        if plan is not None and last_step is not None and p.finish_reason != "cancelled":
+            steps.ended(policy, tree, last_step)  # its last step: no later plan of its own observes it
     finally:
         if started:
             await steps.free(seq_id, drafter=want_taps)
@@ -307,8 +334,7 @@ class LocalSteps:
 
     async def verify(self, seq_id, block, want_taps, parents=None):
         tree = () if parents is None else (parents,)  # the engine backend's verifier takes no tree
-        r = self.verifier.verify([seq_id], [block], want_taps, *tree)[0]
-        return r.emitted, r.taps, r.logprobs
+        return _verified(self.verifier.verify([seq_id], [block], want_taps, *tree)[0], parents)
 
     async def inject(self, taps, start):
         return self.injector(taps, start)
@@ -330,9 +356,20 @@ class CoalescedSteps:
 
     coalescer: StepCoalescer
     on_batch: Callable[[str, int], None] | None = None
+    weigh: bool = False  # the sequences are one static batch: ``plan_together(weigh=True)``
 
     async def plan(self, policy, tree, state, lookup_len, last_step):
         return await self.coalescer.submit("plan", (), policy, tree, state, lookup_len, last_step)
+
+    def ended(self, policy, tree, last_step: StepReport) -> None:
+        """A finished sequence's last step, which no plan of its own will observe: held for the next ``plan``, which
+        observes it with the other sequences' reports of the same step, or observed now when no sequence is left to
+        plan (this is the last live one)."""
+        held = self.__dict__.setdefault("_ended", [])
+        held.append(last_step)
+        if self.coalescer.live <= 1:
+            observe_steps(policy, tree, held)
+            held.clear()
 
     async def verify(self, seq_id, block, want_taps, parents=None):
         return await self.coalescer.submit("verify", (len(block), want_taps, parents), seq_id, block)
@@ -347,7 +384,8 @@ class CoalescedSteps:
         if self.on_batch is not None:
             self.on_batch(kind, len(calls))
         if kind == "plan":  # no model call: the step's decision for all the waiting sequences
-            return plan_together(*calls[0].args[:2], [c.args[2:] for c in calls])
+            held, self.__dict__["_ended"] = self.__dict__.get("_ended", []), []
+            return plan_together(*calls[0].args[:2], [c.args[2:] for c in calls], weigh=self.weigh, ended=held)
         return await self._step(kind, key, calls)
 
     async def _step(self, kind: str, key: tuple, calls: list) -> list:
@@ -357,10 +395,13 @@ class CoalescedSteps:
 class BatchedLocalSteps(CoalescedSteps, LocalSteps):
     """A StepClient over in-process step engines that batches the concurrent sequences' calls as the BLS model does
     (one engine call per kind and shape for every waiting sequence) and, with ``joint``, decides their ``auto`` steps
-    together (``plan``). ``calls`` records (kind, rows) per batched call."""
+    together (``plan``; ``weigh``: as one static batch, ``plan_together``). ``calls`` records (kind, rows) per batched
+    call."""
 
-    def __init__(self, verifier, injector, drafter, joint: bool = True, max_wait_s: float = 5.0) -> None:
+    def __init__(self, verifier, injector, drafter, joint: bool = True, max_wait_s: float = 5.0,
+                 weigh: bool = False) -> None:
         LocalSteps.__init__(self, verifier, injector, drafter)
+        self.weigh = weigh
         self.coalescer = StepCoalescer(self._send, max_wait_s=max_wait_s)
         self.calls: list[tuple[str, int]] = []
         self.on_batch = lambda kind, rows: self.calls.append((kind, rows))
@@ -368,7 +409,11 @@ class BatchedLocalSteps(CoalescedSteps, LocalSteps):
             self.plan = None  # run_generation then decides each sequence's step alone
 
     async def start(self, seq_id, prompt_ids, sampling, want_taps):
-        started = await LocalSteps.start(self, seq_id, prompt_ids, sampling, want_taps)
+        """The sequences starting together prefill in one forward where the verifier can (``start_many``)."""
+        if hasattr(self.verifier, "start_many"):
+            started = await self.coalescer.submit("start", (want_taps,), seq_id, prompt_ids, sampling)
+        else:
+            started = await LocalSteps.start(self, seq_id, prompt_ids, sampling, want_taps)
         self.coalescer.join()
         return started
 
@@ -377,17 +422,28 @@ class BatchedLocalSteps(CoalescedSteps, LocalSteps):
         await LocalSteps.free(self, seq_id, drafter)
 
     async def _step(self, kind, key, calls) -> list:
-        if kind == "inject":
-            return [self.injector(*c.args) for c in calls]
+        if kind == "inject":  # one projection of every sequence's pending taps
+            taps = [c.args[0] for c in calls]
+            ks, vs = self.injector.rows(stack_padded(taps), torch.tensor([c.args[1] for c in calls]))
+            return [(ks[j, :, : len(t)], vs[j, :, : len(t)]) for j, t in enumerate(taps)]
         seqs = [c.args[0] for c in calls]
+        if kind == "start":
+            started = self.verifier.start_many(seqs, [c.args[1] for c in calls], [c.args[2] for c in calls], *key)
+            return [(r.first_token, r.taps, r.logprobs) for r in started]
         if kind == "verify":
             _, want, parents = key
             tree = () if parents is None else (parents,)
-            return [(r.emitted, r.taps, r.logprobs)
-                    for r in self.verifier.verify(seqs, [c.args[1] for c in calls], want, *tree)]
+            return [_verified(r, parents) for r in self.verifier.verify(seqs, [c.args[1] for c in calls], want, *tree)]
         block, top = key
         return self.drafter.draft(seqs, [c.args[1] for c in calls], [c.args[2] for c in calls],
                                   [c.args[3] for c in calls], block, top).tolist()
+
+
+def _verified(result, parents) -> tuple:
+    """A step engine's ``VerifyResult`` as the loop takes it: (emitted, taps, logprobs), and for a tree verify the
+    kept path's node too (where the verifier says which)."""
+    out = (result.emitted, result.taps, result.logprobs)
+    return out + (getattr(result, "path", None),) if parents is not None else out
 
 
 def tree_block(tree: TreeShape, bonus: int, choices: list, context, datastore: Datastore | None) -> list[int]:

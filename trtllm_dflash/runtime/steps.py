@@ -11,11 +11,11 @@
                     the ``top`` best tokens per slot, for a tree verify).
 
 Sequences are keyed by a client-chosen integer ``seq_id``; rows are allocated on ``start``/first use and freed by
-``free`` or after ``idle_timeout_s`` without use. All math is the in-process decoder's (runtime/decoder.py), and so
-are the fast paths: ``kernels`` (``plugin.dispatch.Impl``; AUTO: the drafting plugin's Triton kernels on CUDA, the
-drafter's torch code elsewhere) for the KV injection and the draft pass, and ``cuda_graphs`` (``runtime.graphs``:
-True / "on" on CUDA, "rehearse" anywhere) for the verify forward and the draft pass, chosen exactly as
-``SpeculativeDecoder`` chooses them for the same device.
+``free`` or after ``idle_timeout_s`` without use. The same engines run in-process (``runtime.decoder`` builds them
+over its own models, ``cache`` and ``rows_by_seq_id``) and behind the Triton step models, with the fast paths:
+``kernels`` (``plugin.dispatch.Impl``; AUTO: the drafting plugin's Triton kernels on CUDA, the drafter's torch code
+elsewhere) for the KV injection and the draft pass, and ``cuda_graphs`` (``runtime.graphs``: True / "on" on CUDA,
+"rehearse" anywhere; or a ``StepGraphs`` the engines share) for the verify, the tree verify and the draft pass.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
-from trtllm_dflash.models.layers import linear
+from trtllm_dflash.models.layers import KVCache, linear, stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
 from trtllm_dflash.plugin import drafter_ops
@@ -54,6 +54,7 @@ class SlotTable:
 
     num_rows: int
     idle_timeout_s: float
+    by_seq_id: bool = False  # seq_id n takes row n where that row is free (the in-process decoder: row = request)
     rows: dict[int, int] = field(default_factory=dict)
     last_used: dict[int, float] = field(default_factory=dict)
     data: dict[int, Any] = field(default_factory=dict)
@@ -71,7 +72,8 @@ class SlotTable:
         require(seq_id not in self.rows, "seq_id", seq_id, "is already live", "use a fresh sequence id")
         self.expire()
         used = set(self.rows.values())
-        free = next((r for r in range(self.num_rows) if r not in used), None)
+        own = self.by_seq_id and 0 <= seq_id < self.num_rows and seq_id not in used
+        free = seq_id if own else next((r for r in range(self.num_rows) if r not in used), None)
         if free is None:
             raise SlotsExhausted("live sequences", len(self.rows), f"all {self.num_rows} {SLOTS_EXHAUSTED}",
                                  "retry later or render the repository with a larger --max-sequences")
@@ -108,6 +110,7 @@ class VerifyResult:
     emitted: list[int]  # x_0..x_a: accepted drafts + bonus (τ = len)
     taps: torch.Tensor | None  # [τ, K·H] of the committed tokens [bonus, d_1..d_a]
     logprobs: list[float] | None = None  # [τ] the emitted tokens' log-probabilities, when the sequence asks
+    path: int | None = None  # a tree verify: the index of the kept path (``TreeShape.tables``), else None
 
 
 def real_width(block: list[int]) -> int:
@@ -139,15 +142,19 @@ def tree_topology(parents: tuple[int, ...]) -> Topology:
 class TargetVerifier:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
                  max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0,
-                 cuda_graphs: bool | str = False) -> None:
+                 cuda_graphs: bool | str | StepGraphs = False, cache: KVCache | None = None,
+                 rows_by_seq_id: bool = False) -> None:
         """``max_tree_nodes``: the widest tree verify allowed (0: none); the cache keeps that many scratch slots past
-        a sequence's committed tokens (else one block's). ``cuda_graphs``: the verify forward replays a CUDA graph
-        per step shape (``runtime.graphs``; the prefill and the tree verify run eagerly)."""
+        a sequence's committed tokens (else one block's). ``cuda_graphs``: the verify and tree-verify forwards replay
+        a CUDA graph per step shape (``runtime.graphs``; the prefill runs eagerly). ``cache``: the KV cache to use
+        (a decoder's pooled one, whose graphs outlive this engine) instead of a new one; ``rows_by_seq_id``: sequence
+        n takes cache row n (``SlotTable.by_seq_id``)."""
         self.target, self.tap_layers = target, tap_layers
         self.graphs = StepGraphs.for_device(target.device, cuda_graphs)
         self.max_seq_len, self.max_tree_nodes = max_seq_len, max_tree_nodes
-        self.cache = target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
-        self.slots = SlotTable(max_sequences, idle_timeout_s)
+        self.cache = cache if cache is not None else \
+            target.new_cache(max_sequences, max_seq_len + max(max_block_size, max_tree_nodes))
+        self.slots = SlotTable(max_sequences, idle_timeout_s, by_seq_id=rows_by_seq_id)
         # seq_id -> its sampling, generator, and its tokens so far (prompt and returned tokens) as runtime.sampling
         # looks back at them: when penalised, their occurrences [V] (``penalize``); with bad words, the latest
         # ``word_context`` of them (``ban_words``)
@@ -162,22 +169,43 @@ class TargetVerifier:
         """A sequence's prefill and first token. ``keep`` > 0: that many sibling sequences of the same prompt will
         ``fork`` from this one (a request's num_return_sequences), so its prompt's last hidden state is kept until
         they have."""
-        row, history = self._open(seq_id, prompt_ids, sampling)
-        ids = torch.tensor([prompt_ids])
+        (result,), last = self._prefill([seq_id], [prompt_ids], [sampling], want_taps)
+        if keep > 0:
+            self.prefills[seq_id] = [keep, tuple(prompt_ids), last[0].clone()]  # not the whole prompt's
+        return result
+
+    def start_many(self, seq_ids: list[int], prompts: list[list[int]], samplings: list[SamplingParams],
+                   want_taps: bool) -> list[StartResult]:
+        """Several sequences' prefills in one forward over their right-padded prompts (the layers compute each
+        prompt's own tokens only, ``TargetModel.forward``'s ``widths``), and their first tokens. All or none start:
+        a failure frees every slot it took."""
+        return self._prefill(seq_ids, prompts, samplings, want_taps)[0]
+
+    def _prefill(self, seq_ids, prompts, samplings, want_taps) -> tuple[list[StartResult], torch.Tensor]:
+        """``start_many`` -> (its results, each prompt's last hidden state [n, 1, 1, H])."""
+        opened: list[tuple[int, History | None]] = []
+        lens = [len(p) for p in prompts]
         try:
-            rows = torch.tensor([row])
-            self.cache.crop(rows, torch.zeros(1, dtype=torch.long))
+            for seq_id, prompt, sampling in zip(seq_ids, prompts, samplings):
+                opened.append(self._open(seq_id, prompt, sampling))
+            rows = torch.tensor([row for row, _ in opened])
+            ids = torch.zeros(len(prompts), max(lens), dtype=torch.long)
+            for j, prompt in enumerate(prompts):
+                ids[j, : lens[j]] = torch.tensor(prompt)
+            self.cache.crop(rows, torch.zeros(len(rows), dtype=torch.long))
             with torch.inference_mode():
                 hidden, taps = self.target(ids.to(self.target.device), self.cache, rows,
-                                           self.tap_layers if want_taps else ())
-            first, lp = self._first_token(seq_id, hidden[:, -1:], len(prompt_ids), history)
+                                           self.tap_layers if want_taps else (),
+                                           widths=torch.tensor(lens))  # padding: skipped
+            last = torch.stack([hidden[j : j + 1, n - 1 : n] for j, n in enumerate(lens)])  # [n, 1, 1, H]
+            firsts = [self._first_token(s, last[j], lens[j], opened[j][1]) for j, s in enumerate(seq_ids)]
         except BaseException:
-            self.slots.free(seq_id)  # a failed start holds no slot
+            for seq_id in seq_ids[: len(opened)]:
+                self.slots.free(seq_id)  # a failed start holds no slot
             raise
-        self.cache.commit(rows, torch.tensor([len(prompt_ids)]))
-        if keep > 0:
-            self.prefills[seq_id] = [keep, tuple(prompt_ids), hidden[:, -1:].clone()]  # not the whole prompt's
-        return StartResult(first, taps[0] if want_taps else None, lp)
+        self.cache.commit(rows, torch.tensor(lens))
+        return [StartResult(first, taps[j, : lens[j]] if want_taps else None, lp)
+                for j, (first, lp) in enumerate(firsts)], last
 
     def fork(self, seq_id: int, parent: int, prompt_ids: list[int], sampling: SamplingParams) -> StartResult:
         """A sibling's start without a prefill: the prompt's K/V copied from the live sequence ``parent`` (started
@@ -280,11 +308,11 @@ class TargetVerifier:
     def _forward(self, ids: torch.Tensor, rows: torch.Tensor, want_taps: bool, widths: list[int]):
         """The target over a verify's [b, S] tokens at the rows' next positions -> (hidden, taps): through the CUDA
         graph of this shape when graphs are on, else skipping the padding past each row's real ``widths`` where that
-        pays (``TargetModel.verify_widths``), as ``SpeculativeDecoder.verify_forward`` runs it."""
+        pays (``TargetModel.verify_widths``)."""
         layers = self.tap_layers if want_taps else ()
         if self.graphs is None:
             return self.target(ids, self.cache, rows, layers, widths=self.target.verify_widths(widths))
-        return self.graphs.run(("verify", tuple(ids.shape), want_taps), self.cache,
+        return self.graphs.run(("verify", id(self.cache), tuple(ids.shape), want_taps), self.cache,
                                lambda x, r: self.target(x, self.cache, r, tap_layers=layers, static=True),
                                ids, rows.to(ids.device))
 
@@ -314,17 +342,25 @@ class TargetVerifier:
                 f"must hold one token per tree node ({topology.size})")
         committed = self.cache.lengths[rows]
         lp = logprobs_buffer([p for p, *_ in params], *ids.shape, self.target.device)
+        layers, cache = self.tap_layers if want_taps else (), self.cache
         with torch.inference_mode():
-            hidden, taps = self.target(ids.clamp(min=0), self.cache, rows, self.tap_layers if want_taps else (),
-                                       layout=topology.layout(committed))
+            if self.graphs is None:
+                hidden, taps = self.target(ids.clamp(min=0), cache, rows, layers, layout=topology.layout(committed))
+            else:  # the layout over every cache slot, from the lengths on the device
+                hidden, taps = self.graphs.run(
+                    ("tree", id(cache), tuple(ids.shape), tuple(topology.parents), want_taps), cache,
+                    lambda x, r: self.target(x, cache, r, layers, layout=topology.layout(cache.lengths[r],
+                                                                                         cache.max_len)),
+                    ids.clamp(min=0), rows.to(ids.device))
             preds = topology.samples(self.target.logits(hidden), [p for p, *_ in params], [g for _, g, *_ in params],
                                      committed, self._history(params, ids, topology.parents), lp)
-            samples, acc, taken, _ = topology.verify(preds, ids)
+            samples, acc, taken, best = topology.verify(preds, ids)
         commit_path(self.cache, rows, committed, taken, acc)
         self.cache.commit(rows, acc + 1)
         if want_taps:
             taps = taps.gather(1, taken[..., None].expand(-1, -1, taps.shape[-1]))
-        return self._results(samples, acc, taps if want_taps else None, None if lp is None else lp.gather(1, taken))
+        return self._results(samples, acc, taps if want_taps else None, None if lp is None else lp.gather(1, taken),
+                             best.tolist())
 
     def _check_ids(self, ids: torch.Tensor, field: str, pad: int | None) -> None:
         vocab = self.target.spec.vocab_size
@@ -335,11 +371,12 @@ class TargetVerifier:
 
     @staticmethod
     def _results(samples: torch.Tensor, acc: torch.Tensor, taps: torch.Tensor | None,
-                 logprobs: torch.Tensor | None = None) -> list[VerifyResult]:
+                 logprobs: torch.Tensor | None = None, paths: list[int] | None = None) -> list[VerifyResult]:
         accepted = acc.tolist()
         lps = None if logprobs is None else logprobs.tolist()
         return [VerifyResult(samples[j, : a + 1].tolist(), taps[j, : a + 1] if taps is not None else None,
-                             None if lps is None else lps[j][: a + 1]) for j, a in enumerate(accepted)]
+                             None if lps is None else lps[j][: a + 1], None if paths is None else paths[j])
+                for j, a in enumerate(accepted)]
 
     def free(self, seq_id: int) -> bool:
         self.prefills.pop(seq_id, None)
@@ -416,19 +453,32 @@ class TargetHead:
         head = self.embed if spec.tie_word_embeddings else state["lm_head.weight"]
         self.lm_head = head.to(dtype=dtype, device=device)  # [V, H]
 
+    @classmethod
+    def of(cls, target: TargetModel) -> "TargetHead":
+        """A loaded target's own embedding table and LM head (shared, not copied): the in-process decoder's."""
+        head = cls.__new__(cls)
+        head.embed, head.lm_head = target.model.embed_tokens.weight, target.lm_head.weight
+        return head
+
 
 class BlockDrafter:
     def __init__(self, drafter: DrafterModel, head: TargetHead, max_sequences: int, max_seq_len: int,
-                 idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO, cuda_graphs: bool | str = False) -> None:
+                 idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO, cuda_graphs: bool | str | StepGraphs = False,
+                 cache: KVCache | None = None, rows_by_seq_id: bool = False, propose=None) -> None:
         """``kernels``: AUTO runs the draft pass's attention through the drafting plugin's Triton kernel on CUDA
         (``plugin.drafter_ops.draft``) and the drafter's torch code elsewhere; ``cuda_graphs``: the whole draft (block
-        embedding, drafter, head, argmax) replays a CUDA graph per batch shape. Both as ``SpeculativeDecoder``."""
+        embedding, drafter, head, argmax) replays a CUDA graph per batch shape. ``cache`` and ``rows_by_seq_id`` as
+        ``TargetVerifier``'s. ``propose(seq_ids, bonus, rows, num_drafts, top)``: what makes the drafts once the
+        context is appended (default ``block``; the in-process decoder routes it through its own ``propose``, which
+        tests override to choose the drafts)."""
         self.drafter, self.head = drafter, head
         device = next(drafter.parameters()).device
         self.kernels = resolve(kernels, device)
         self.graphs = StepGraphs.for_device(device, cuda_graphs)
-        self.cache = drafter.new_cache(max_sequences, max_seq_len + drafter.spec.block_size)
-        self.slots = SlotTable(max_sequences, idle_timeout_s)
+        self.cache = cache if cache is not None else drafter.new_cache(max_sequences,
+                                                                       max_seq_len + drafter.spec.block_size)
+        self.slots = SlotTable(max_sequences, idle_timeout_s, by_seq_id=rows_by_seq_id)
+        self.propose = propose or (lambda seq_ids, bonus, rows, k, top: self.block(bonus, self.cache, rows, k, top))
 
     def draft(self, seq_ids: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor],
               bonus: list[int], block_size: int, top: int = 1) -> torch.Tensor:  # [b, block_size − 1] drafts
@@ -441,7 +491,7 @@ class BlockDrafter:
         bad = out_of_vocab(torch.tensor(bonus), vocab)
         require(bad is None, "bonus", bad, f"must be a token id in [0, {vocab}) (the target's vocabulary)")
         rows = []
-        for s, k, v in zip(seq_ids, new_k, new_v):
+        for s, k in zip(seq_ids, new_k):
             if s in self.slots.rows:
                 row = self.slots.get(s)
             else:  # first draft of this sequence: a fresh row, emptied
@@ -450,23 +500,48 @@ class BlockDrafter:
             if int(self.cache.lengths[row]) + k.shape[1] + block_size > self.cache.max_len:
                 raise ConfigError("sequence length", int(self.cache.lengths[row]) + k.shape[1],
                                   f"exceeds the drafter cache ({self.cache.max_len} tokens)")
-            if k.shape[1]:
-                self.drafter.append_context(k[:, None], v[:, None], torch.tensor([k.shape[1]]), self.cache,
-                                            torch.tensor([row]))
             rows.append(row)
+        self._append(rows, new_k, new_v)
         device = self.head.embed.device
-        first, rows_t = torch.tensor(bonus, device=device), torch.tensor(rows, device=device)
-        static = self.graphs is not None
+        with torch.inference_mode():
+            return self.propose(seq_ids, torch.tensor(bonus, device=device), torch.tensor(rows, device=device),
+                                block_size - 1, top)
 
-        def block(ids: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-            return draft_block(ids, block_size, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
-                               lambda e: drafter_ops.draft_pass(self.drafter, e, self.cache, r, self.kernels, static),
+    def _append(self, rows: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor]) -> None:
+        """The sequences' new context K/V into their cache rows: one write for all of them, or row by row where
+        padding to the longest would run past a shorter row's capacity (a row that verified prompt lookup's
+        proposals for many steps while another drafted every step)."""
+        fresh = [(r, k, v) for r, k, v in zip(rows, new_k, new_v) if k.shape[1]]
+        if not fresh:
+            return
+        longest = max(k.shape[1] for _, k, _ in fresh)
+        if len(fresh) > 1 and max(int(self.cache.lengths[r]) for r, *_ in fresh) + longest > self.cache.max_len:
+            for r, k, v in fresh:
+                self._append([r], [k], [v])
+            return
+        ks = stack_padded([k for _, k, _ in fresh], 1).transpose(0, 1)  # [L, n, T, kv, d]
+        vs = stack_padded([v for *_, v in fresh], 1).transpose(0, 1)
+        self.drafter.append_context(ks, vs, torch.tensor([k.shape[1] for _, k, _ in fresh]), self.cache,
+                                    torch.tensor([r for r, *_ in fresh]))
+
+    def block(self, bonus: torch.Tensor, cache: KVCache, rows: torch.Tensor | None, num_drafts: int,
+              top: int = 1) -> torch.Tensor:
+        """One DFlash draft over ``cache``'s rows (None: all) whose context is committed: [bonus, MASK × K] through
+        the drafter, greedy through the target's head ([b, K] drafts; [b, K, top] with ``top`` > 1); through the CUDA
+        graph of this shape when graphs are on."""
+
+        def run(ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+            static = self.graphs is not None
+            return draft_block(ids, num_drafts + 1, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
+                               lambda e: drafter_ops.draft_pass(self.drafter, e, cache, r, self.kernels, static),
                                self.logits, top, own_head=self.drafter.draft_head)
 
         with torch.inference_mode():
-            if not static:
-                return block(first, rows_t)
-            return self.graphs.run(("draft", len(rows), block_size, top), self.cache, block, first, rows_t)[0]
+            if self.graphs is None:
+                return run(bonus, rows)
+            inputs = (bonus,) if rows is None else (bonus, rows)
+            return self.graphs.run(("draft", id(cache), tuple(bonus.shape), rows is None, num_drafts, top), cache,
+                                   lambda x, *r: run(x, r[0] if r else None), *inputs)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over drafter hidden states [..., H] -> [..., V]: the product the in-process

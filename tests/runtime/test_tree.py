@@ -12,7 +12,7 @@ import torch
 from conftest import OracleDecoder, greedy_reference, make_tiny_pair, tree_policy
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
-from trtllm_dflash.runtime import decoder as decoder_mod
+from trtllm_dflash.runtime import loop as loop_mod, steps as steps_mod
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains
@@ -217,9 +217,9 @@ def test_tree_decoding_is_lossless(tmp_path_factory, monkeypatch, seed, block_si
         kept_nodes.extend(taken[j, 1: int(acc[j]) + 1].tolist() for j in range(len(acc)))
         return commit_path(cache, rows, lengths, taken, acc)
 
-    monkeypatch.setattr(decoder_mod, "lookup_chains", oracle_chains)
-    monkeypatch.setattr(decoder_mod, "graft_chains", oracle_grafts)
-    monkeypatch.setattr(decoder_mod, "commit_path", recording_commit)
+    monkeypatch.setattr(loop_mod, "lookup_chains", oracle_chains)
+    monkeypatch.setattr(loop_mod, "graft_chains", oracle_grafts)
+    monkeypatch.setattr(steps_mod, "commit_path", recording_commit)
     shape = dataclasses.replace(TreeShape.for_block(block_size - 1), lookup=3)
     dec = OracleDecoder(target, drafter, block_size, prompts, ref, corrupt=0.4, seed=seed, tree=shape)
     lookup_nodes = {n for n, is_lookup in enumerate(dec.tree.from_lookup) if is_lookup}

@@ -72,6 +72,7 @@ class StepClient(Protocol):
     # Optional: a client that batches the live sequences' calls decides their ``auto`` steps together
     # (``plan_together`` over every waiting sequence's ``StepReport``). Without it each sequence decides alone.
     # async def plan(self, policy, tree, state, lookup_len: int, report: StepReport | None) -> tuple[int, int, bool]
+    # def ended(self, policy, tree, report: StepReport) -> None  (a finished sequence's last step: CoalescedSteps)
 
 
 @dataclass
@@ -313,7 +314,12 @@ async def run_generation(
             if p.finish_reason is None:
                 await report(False)
         if plan is not None and last_step is not None and p.finish_reason != "cancelled":
-            steps.ended(policy, tree, last_step)  # its last step: no later plan of its own observes it
+            # its last step: no later plan of its own observes it
+            ended = getattr(steps, "ended", None)
+            if ended is None:
+                observe_steps(policy, tree, [last_step])
+            else:
+                ended(policy, tree, last_step)
     finally:
         if started:
             await steps.free(seq_id, drafter=want_taps)

@@ -320,6 +320,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
@@ -360,8 +361,8 @@ def main(argv=None) -> int:
                 target, drafter = load_pair(args.target, args.drafter)
                 stops = set(stop_token_ids(tok, target.spec.eos_token_ids))
                 decoders = {"ar": SpeculativeDecoder(target, None, 1),
-                            f"dflash-{BLOCK}": make_decoder(target, drafter, BLOCK, args.drafter),
-                            "auto+ngram": make_decoder(target, drafter, "auto", args.drafter, ngram=True)}
+                            f"dflash-{BLOCK}": make_decoder(target, drafter, DecodeMode(BLOCK), args.drafter),
+                            "auto+ngram": make_decoder(target, drafter, DecodeMode("auto", ngram=True), args.drafter)}
                 load_s = time.perf_counter() - t0
                 if "in-process" in args.path_list:
                     for mode, dec in decoders.items():

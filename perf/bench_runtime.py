@@ -126,8 +126,8 @@ def main(argv=None) -> int:
              for m in args.modes or [DecodeMode(drafter.spec.block_size)]]
     blocks = [m.label for m in modes]
     decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=args.cuda_graphs)}
-    decoders.update({m.label: make_decoder(target, drafter, drafter_dir=args.drafter, datastore=args.datastore,
-                                           cuda_graphs=args.cuda_graphs, **m.decoder_options()) for m in modes})
+    decoders.update({m.label: make_decoder(target, drafter, m, drafter_dir=args.drafter, datastore=args.datastore,
+                                           cuda_graphs=args.cuda_graphs) for m in modes})
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,

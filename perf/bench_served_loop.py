@@ -37,6 +37,7 @@ def _paths(target_dir, drafter_dir, ngram: bool, max_len: int):
 
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
@@ -48,7 +49,7 @@ def _paths(target_dir, drafter_dir, ngram: bool, max_len: int):
 
     target, drafter = load_pair(target_dir, drafter_dir)
     stops = stop_token_ids(load_tokenizer(target_dir), target.spec.eos_token_ids)
-    decoder = make_decoder(target, drafter, "auto", drafter_dir, ngram=ngram)
+    decoder = make_decoder(target, drafter, DecodeMode("auto", ngram=ngram), drafter_dir)
     doc = adaptive_settings(RepoConfig(target_dir, drafter_dir, block_size="auto", max_seq_len=max_len,
                                        max_sequences=1, ngram=ngram), drafter.spec)
     policy = policy_from_settings(doc)  # as the dflash_bls model loads it

@@ -86,6 +86,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False, tree=F
     the ``Request`` fields the ensembles use too (chat template, greedy, the target's stop tokens)."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
@@ -97,7 +98,7 @@ def in_process_decoders(target_dir, drafter_dir, block_size, ngram=False, tree=F
     def encode(text, max_tokens):
         return tuple(encode_prompt(tok, text, True)), max_tokens, SamplingParams(), stops
 
-    return {"dflash": make_decoder(target, drafter, block_size, drafter_dir, ngram=ngram, tree=tree),
+    return {"dflash": make_decoder(target, drafter, DecodeMode.from_flags(block_size, ngram, tree), drafter_dir),
             "baseline": SpeculativeDecoder(target, None, 1)}, encode
 
 

@@ -257,11 +257,12 @@ def test_tree_without_lookup_and_a_shape_for_another_block_size(tiny_models):
     """``generate --tree --no-ngram``'s tree (no lookup chain) is lossless and never keeps a lookup path; a shape
     built for another block size is refused."""
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
 
     target, drafter = tiny_models["llama"]
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
     ref = greedy_reference(target, prompts, 24)
-    dec = make_decoder(target, drafter, 8, ngram=False, tree=True)
+    dec = make_decoder(target, drafter, DecodeMode(8, ngram=False, tree=True))
     assert dec.tree == dataclasses.replace(TreeShape.for_block(7), lookup=False)
     out = dec.generate([Request(tuple(p), 24) for p in prompts])
     assert [r.token_ids for r in out] == ref and sum(r.lookup_steps for r in out) == 0 and not dec.ngram

@@ -187,13 +187,14 @@ def test_triton_tree_equals_the_in_process_tree(tree_server, smollm2):
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
     target, drafter = load_pair(smollm2["target"], smollm2["drafter"])
     tok = load_tokenizer(smollm2["target"])
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     reqs = [Request(tuple(encode_prompt(tok, p, chat=True)), 32, stop_token_ids=stops) for p in PROMPTS]
-    tree = make_decoder(target, drafter, 16, smollm2["drafter"], ngram=True, tree=True).generate(reqs)
+    tree = make_decoder(target, drafter, DecodeMode(16, ngram=True, tree=True), smollm2["drafter"]).generate(reqs)
     greedy = SpeculativeDecoder(target, None, 1).generate(reqs)
     assert [r.token_ids for r in tree] == [r.token_ids for r in greedy]
     with DFlashClient(tree_server.grpc_url) as client:

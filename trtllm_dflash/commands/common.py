@@ -154,16 +154,30 @@ def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
     return Datastore.load(choice)
 
 
-def make_decoder(target, drafter, block_size: int | str, drafter_dir=None, max_block_size: int | None = None,
-                 ngram: bool = False, tree: bool = False, datastore: str | None = "auto",
+def resolve_mode(args, drafter, backend: str = "torch"):
+    """The command line's decoding mode, parsed once: ``--block-size`` (default auto), ``--max-block-size``,
+    ``--ngram`` (``resolve_ngram``) and ``--tree`` as one ``runtime.mode.DecodeMode``; a combination that cannot
+    decode is refused here, with the flags named."""
+    from trtllm_dflash.runtime.mode import DecodeMode
+
+    block = resolve_block_size(args, drafter)
+    tree = bool(getattr(args, "tree", False))
+    require(not tree or (block != 1 and drafter is not None), "--tree", True,
+            "the tree verify needs a block size >= 2 (or auto) and a drafter", "pass --drafter and --block-size 16")
+    return DecodeMode.from_flags(block, resolve_ngram(getattr(args, "ngram", None), block, backend), tree,
+                                 getattr(args, "max_block_size", None))
+
+
+def make_decoder(target, drafter, mode, drafter_dir=None, datastore: str | None = "auto",
                  cuda_graphs: bool | str = False):
-    """A SpeculativeDecoder; under ``auto`` with the acceptance prior from the drafter's training log (and, with
-    ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with lookup chains only with ``ngram``, and
-    proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter directory's, if it has one);
-    ``cuda_graphs``: ``SpeculativeDecoder``'s."""
+    """A SpeculativeDecoder for ``mode`` (``runtime.mode.DecodeMode``); under ``auto`` with the acceptance prior from
+    the drafter's training log (and, with ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with
+    lookup chains only with ``ngram``, and proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter
+    directory's, if it has one); ``cuda_graphs``: ``SpeculativeDecoder``'s."""
     from trtllm_dflash.runtime.acceptance import prior_from_training_log
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
+    block_size, max_block_size, ngram, tree = mode.block_size, mode.max_block_size, mode.ngram, mode.tree
     prior = None
     if block_size == "auto" and drafter is not None:
         prior = prior_from_training_log(drafter_dir, drafter.spec.block_size - 1)

@@ -77,6 +77,7 @@ def _summary(block, ngram, d_runs, a_runs, trained, path):
 def _in_process(args, assets, block, ngram) -> dict:
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.text import IncrementalDetokenizer, encode_prompt, load_tokenizer, stop_token_ids
 
@@ -85,7 +86,7 @@ def _in_process(args, assets, block, ngram) -> dict:
     req = Request(tuple(encode_prompt(tok, args.prompt, chat=True)), args.max_new_tokens,
                   stop_token_ids=stop_token_ids(tok, target.spec.eos_token_ids))
     detok = IncrementalDetokenizer(tok)
-    decoder = make_decoder(target, drafter, block, assets["drafter"], ngram=ngram)
+    decoder = make_decoder(target, drafter, DecodeMode.from_flags(block, ngram), assets["drafter"])
     baseline = SpeculativeDecoder(target, None, 1)
 
     def dflash(stream: bool):

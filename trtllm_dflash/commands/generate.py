@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 from trtllm_dflash.commands.common import (DTYPES, add_bias_argument, add_model_arguments, add_sampling_arguments,
-                                           bias_words, make_decoder, resolve_block_size, resolve_ngram)
+                                           bias_words, make_decoder, resolve_mode)
 from trtllm_dflash.errors import ConfigError, require
 
 
@@ -70,9 +70,7 @@ def main(args: argparse.Namespace) -> int:
             f"must be in [0, --max-new-tokens={args.max_new_tokens}]")
 
     target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
-    block = resolve_block_size(args, drafter)
-    decoder = make_decoder(target, drafter, block, args.drafter, args.max_block_size,
-                           ngram=resolve_ngram(args.ngram, block), tree=args.tree, datastore=args.datastore,
+    decoder = make_decoder(target, drafter, resolve_mode(args, drafter), args.drafter, datastore=args.datastore,
                            cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)
     sampling = replace(sampling, bad_words=encode_words(tokenizer, args.bad_word),

@@ -4,9 +4,11 @@ A mode is a fixed block of B tokens (B − 1 drafts a step; B = 1 is plain autor
 policy picks k ∈ [0, B_max − 1] per sequence and step, ``runtime.policy``), with its proposal sources besides the
 drafter: prompt lookup (``ngram``, ``runtime.lookup``) and the tree verify (``tree``, ``runtime.tree``; its lookup
 chains are prompt lookup's, so a tree implies ``ngram`` in the benchmarks' spelling). It is parsed once where a user
-names it — the command line's ``--block-size`` / ``--max-block-size`` / ``--ngram`` / ``--tree`` (``from_flags``) or
-a benchmark's compact spelling ``16``, ``16+ngram``, ``auto+tree`` (``parse``) — and handed on as it is; ``label``
-writes the compact spelling back, as the benchmarks' JSON reports it.
+names it — the command line's ``--block-size`` / ``--max-block-size`` / ``--ngram`` / ``--tree``
+(``commands.common.resolve_mode``, through ``from_flags``) or
+a benchmark's compact spelling ``16``, ``16+ngram``, ``auto+tree`` (``parse``) — and handed on as it is
+(``commands.common.make_decoder`` builds the decoder of a mode); ``label`` writes the compact spelling back, as the
+benchmarks' JSON reports it.
 """
 
 from __future__ import annotations
@@ -66,7 +68,3 @@ class DecodeMode:
         return cls(block_size, ngram=bool(ngram), tree=bool(tree),
                    max_block_size=max_block_size if block_size == AUTO else None)
 
-    def decoder_options(self) -> dict:
-        """The mode as ``commands.common.make_decoder``'s keyword arguments."""
-        return {"block_size": self.block_size, "max_block_size": self.max_block_size, "ngram": self.ngram,
-                "tree": self.tree}

@@ -42,7 +42,7 @@ echo "lease: correctness steps done at $((SECONDS - t0)) s"
 timed=${LEASE_TIMED-graphs,dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu}
 wait_s=$(($(left) - (${#timed} ? 170 : 30)))
 bash build_scripts/gpu_train_drafter.sh poll --wait $((wait_s > 5 ? wait_s : 5)) --out "$OUT/p"
-if pkill -f "trtllm_dflash.train.gpu_pipeline run"; then
+if pkill -f "build_scripts/gpu_pipeline.py run"; then
     echo "lease: job still running at $((SECONDS - t0)) s: stopped (its last checkpoint is in p/)"
     sleep 3
 fi

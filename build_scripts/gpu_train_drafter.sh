@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Drafter training on a borrowed GPU machine, one <=10-minute command at a time (trtllm_dflash/train/gpu_pipeline.py;
+# Drafter training on a borrowed GPU machine, one <=10-minute command at a time (build_scripts/gpu_pipeline.py;
 # the exact sequence of device `run` calls is in README "Training a drafter on a GPU").
 #
 #   here:  build_scripts/gpu_train_drafter.sh pack --source GGUF --prompts POOL.jsonl --eval-prompts humaneval --wheel gguf-*.whl
@@ -17,4 +17,4 @@ elif [[ -x .venv/bin/python ]]; then PY=.venv/bin/python
 else PY=python3
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec "$PY" -m trtllm_dflash.train.gpu_pipeline "$@"
+exec "$PY" build_scripts/gpu_pipeline.py "$@"

@@ -31,11 +31,18 @@ DEVICE = torch.device(os.environ.get("TRTLLM_DFLASH_TEST_DEVICE", "cpu"))
 def perf_script(name: str):
     """perf/<name>.py loaded as a module from its file: perf/ holds scripts, not a package, so tests import them by
     path and leave sys.path as it is."""
+    return repo_script(f"perf/{name}.py", f"perf_{name}")
+
+
+def repo_script(path: str, name: str | None = None):
+    """A script of this repository (``build_scripts/gpu_pipeline.py``) loaded afresh as a module from its file,
+    registered under ``name`` (default: its path with / and . as _) so that its dataclasses find their module."""
     import importlib.util
 
-    path = Path(__file__).parents[1] / "perf" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"perf_{name}", path)
+    name = name or path.removesuffix(".py").replace("/", "_").replace(".", "_")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -67,7 +67,9 @@ def test_datastore_cli_and_merged_drafter_hold_zlab_files_only(tmp_path):
     # README says, and the GPU pipeline's `merge` of returned parts (which carries the run's datastore along)
     from trtllm_dflash.cli import main as cli
     from trtllm_dflash.models.weights import write_state_dict
-    from trtllm_dflash.train import gpu_pipeline as gp
+    from conftest import repo_script
+
+    gp = repo_script("build_scripts/gpu_pipeline.py")
     from trtllm_dflash.train.regen import Regenerated, write_regen_shard
 
     regen = tmp_path / "regen"

@@ -1,4 +1,4 @@
-"""The GPU training pipeline (build_scripts/gpu_train_drafter.sh, train/gpu_pipeline.py) rehearsed end to end on CPU
+"""The GPU training pipeline (build_scripts/gpu_train_drafter.sh, build_scripts/gpu_pipeline.py) rehearsed end to end on CPU
 with a tiny random target: checksummed parts carried one command at a time, reassembly, the background job (regen →
 taps → train → eval through perf/bench_runtime.py) polled by later commands, returned files within the machine's
 limits, merge into a loadable drafter, and resume on a fresh machine from the returned checkpoint."""
@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from trtllm_dflash.errors import ConfigError
-from trtllm_dflash.train import gpu_pipeline as gp
+from conftest import repo_script
+
+gp = repo_script("build_scripts/gpu_pipeline.py")
 from tests.conftest import write_tiny_smol
 
 ROOT = Path(__file__).resolve().parents[2]

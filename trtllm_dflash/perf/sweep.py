@@ -115,11 +115,14 @@ def pa_command(exe: str, model: str, url: str, input_data: Path, concurrency: in
             "--request-count", str(requests), "--max-trials", "1", "--profile-export-file", str(profile)]
 
 
+def repo_relative(text: str) -> str:
+    """Paths into this checkout made repository-relative (the repository root is the package's parent)."""
+    return text.replace(f"{Path(__file__).resolve().parents[2]}{os.sep}", "")
+
+
 def portable(text: str) -> str:
     """What a sweep records (logs, records) with this checkout's paths repository-relative and the home directory as
     ~, so committed results name no machine's directories."""
-    from trtllm_dflash.train.gpu_pipeline import repo_relative
-
     return repo_relative(text).replace(str(Path.home()), "~")
 
 

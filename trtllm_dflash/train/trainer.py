@@ -227,7 +227,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
           on_save=None) -> DrafterModel:
     """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
     pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
-    GPU pipeline's returned weights, train/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
+    GPU pipeline's returned weights, build_scripts/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
     ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
     (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences). ``on_save(step,
     train_set)`` runs after every checkpoint's export (perf/learning_curve.py keeps each one)."""

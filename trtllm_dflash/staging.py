@@ -45,3 +45,12 @@ def staged_output(out: Path, force: bool):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a sibling temporary file renamed over it: a reader sees the old file or the new
+    one, never a part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

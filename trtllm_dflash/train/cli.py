@@ -10,6 +10,8 @@ Stages (each skipped when its output already exists in the work directory, so a 
               continues from the last one
     export    z-lab-format drafter in --out: config.json, model.safetensors (bf16), training_config.json,
               training_log.json
+    evaluate  the exported drafter on HumanEval and MT-Bench (--eval-limit prompts each, greedy, one at a time at
+              the trained block size): τ, DFlash vs autoregressive tokens/s and losslessness, in work/eval.json
 
 Example (the shipped SmolLM2 drafter; see training_config.json next to it for the exact values):
 
@@ -24,7 +26,7 @@ import logging
 import os
 import sys
 
-from trtllm_dflash.errors import DFlashError
+from trtllm_dflash.errors import DFlashError, require
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between resumable checkpoints (and exports)")
     p.add_argument("--resume", action="store_true", help="continue from the work directory's last checkpoint")
     p.add_argument("--stop-after", choices=("prompts", "taps"), default=None, help="stop after this stage")
+    p.add_argument("--eval-limit", type=int, default=8,
+                   help="evaluation prompts per set after training (HumanEval, MT-Bench; default 8; 0: no evaluation)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=64, help="tokens per evaluation answer (default 64)")
 
 
 def use_huge_pages() -> None:
@@ -106,7 +111,10 @@ def main(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_args(args)
         if cfg.device == "cpu":
             warn_slow_bf16(cfg.autocast, "--autocast", "--autocast none")
-        run_training(cfg, resume=args.resume, stop_after=args.stop_after)
+        require(args.eval_limit >= 0, "--eval-limit", args.eval_limit, "must be >= 0 (0: no evaluation)")
+        require(args.eval_max_new_tokens >= 1, "--eval-max-new-tokens", args.eval_max_new_tokens, "must be >= 1")
+        run_training(cfg, resume=args.resume, stop_after=args.stop_after, eval_limit=args.eval_limit,
+                     eval_max_new_tokens=args.eval_max_new_tokens)
     except DFlashError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

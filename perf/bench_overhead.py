@@ -51,7 +51,7 @@ def main(argv=None) -> int:
 
     from trtllm_dflash.checkpoints import (drafter_spec_for, load_pair, random_drafter_state, write_drafter,
                                            write_tiny_target)
-    from trtllm_dflash.runtime import decoder as dec_mod
+    from trtllm_dflash.runtime import steps as dec_mod  # the step engines every decoder runs
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
     from trtllm_dflash.runtime.tree import TreeShape
     from trtllm_dflash.specs import TargetSpec
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
                           ("16", SpeculativeDecoder(target, drafter, 16, **graphs)),
                           ("16+ngram", SpeculativeDecoder(target, drafter, 16, ngram=True, **graphs)),
                           ("16+tree", SpeculativeDecoder(target, drafter, 16, tree=True, **graphs))):
-            dec._inject = labelled(dec._inject, "inject")
+            if dec.injector is not None:
+                dec.injector.rows = labelled(dec.injector.rows, "inject")
             res = dec.generate(reqs)[0]  # warm-up
             steps = len(res.acceptance_lengths) or res.num_new_tokens
             times = []

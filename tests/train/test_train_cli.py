@@ -17,7 +17,7 @@ def test_train_drafter_runs_every_stage_and_evaluates(smollm2, tmp_path):
     out, work = tmp_path / "drafter", tmp_path / "work"
     common = ["train-drafter", "--target", str(target), "--out", str(out), "--work-dir", str(work), "--data",
               str(data), "--steps", "2", "--ckpt-every", "2", "--samples-per-step", "2", "--max-new-tokens", "16",
-              "--gen-batch-size", "6", "--block-size", "4"]
+              "--gen-batch-size", "6", "--block-size", "4", "--num-layers", "1"]
     bad = run_cli([*common, "--eval-limit", "-1"])
     assert bad.returncode == 2 and "--eval-limit" in bad.stderr and not out.exists()
     r = run_cli([*common, "--eval-limit", "2", "--eval-max-new-tokens", "8"])

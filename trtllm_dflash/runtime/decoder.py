@@ -232,7 +232,7 @@ class SpeculativeDecoder:
         require(0 <= req.min_new_tokens <= req.max_new_tokens, f"{prefix}min_new_tokens", req.min_new_tokens,
                 f"must be in [0, max_new_tokens={req.max_new_tokens}]")
 
-    def steps(self, rows: int, max_len: int) -> BatchedLocalSteps:
+    def step_engines(self, rows: int, max_len: int) -> BatchedLocalSteps:
         """Step engines for one batch of ``rows`` sequences of at most ``max_len`` tokens (with a verify's scratch
         slots), batched as the BLS model batches its live sequences. Sequence n lives in cache row n of both caches;
         nothing times out during a call."""
@@ -259,7 +259,7 @@ class SpeculativeDecoder:
         # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (
             self.tree.size if self.tree else self.block_size)
-        steps = self.steps(len(requests), max_len)
+        steps = self.step_engines(len(requests), max_len)
         runs = [_Run(r, self.policy.new_sequence() if self.policy is not None else None) for r in requests]
 
         async def one(i: int, run: _Run) -> None:

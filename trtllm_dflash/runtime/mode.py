@@ -68,3 +68,8 @@ class DecodeMode:
         return cls(block_size, ngram=bool(ngram), tree=bool(tree),
                    max_block_size=max_block_size if block_size == AUTO else None)
 
+    def decoder_options(self) -> dict:
+        """The mode as ``SpeculativeDecoder``'s keyword arguments (``commands.common.make_decoder`` also turns a tree
+        into the ``TreeShape`` of its longest block and adds the prior and the datastore)."""
+        return {"block_size": self.block_size, "max_block_size": self.max_block_size, "ngram": self.ngram,
+                "tree": self.tree}

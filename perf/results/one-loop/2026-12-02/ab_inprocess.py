@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Two SpeculativeDecoder implementations timed in ONE process, alternating, on the same loaded models and prompts.
+
+The decoder before the one-loop change is read from git (``git show 32d5e3c:trtllm_dflash/runtime/decoder.py >
+/tmp/decoder_before.py``) and imported from that file against this checkout's package (it needs nothing this
+checkout lacks); the decoder after is ``trtllm_dflash.runtime.decoder``. Each repetition times every mode on both
+sides, the order flipping every repetition, so the VM's drift (its speed moved by a third between runs of one
+configuration) hits both sides alike. Prints one JSON line per (dataset, batch, mode): both sides' tokens/s per
+repetition, the medians, ratio = after / before, and whether their tokens are identical.
+
+    python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--before", required=True, help="the earlier decoder.py (git show COMMIT:trtllm_dflash/runtime/decoder.py)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--datasets", default="humaneval,mtbench")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--modes", default="1,16,auto+ngram")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.runtime import decoder as after
+    from trtllm_dflash.runtime.acceptance import prior_from_training_log
+    from trtllm_dflash.runtime.mode import DecodeMode
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
+
+    spec = importlib.util.spec_from_file_location("decoder_before", args.before)
+    before = importlib.util.module_from_spec(spec)
+    sys.modules["decoder_before"] = before
+    spec.loader.exec_module(before)
+
+    torch.set_num_threads(args.threads)
+    assets = prepare_demo_assets()
+    target, drafter = load_pair(assets["target"], assets["drafter"])
+    tok = load_tokenizer(assets["target"])
+    stops = stop_token_ids(tok, target.spec.eos_token_ids)
+    prior = prior_from_training_log(assets["drafter"], drafter.spec.block_size - 1)
+
+    def decoder(module, mode: DecodeMode):
+        if mode.autoregressive:
+            return module.SpeculativeDecoder(target, None, 1)
+        return module.SpeculativeDecoder(target, drafter, mode.block_size, prior=prior if mode.auto else None,
+                                         ngram=mode.ngram)
+
+    modes = [DecodeMode.parse(m) for m in args.modes.split(",")]
+    jobs = [(ds, int(b), m) for ds in args.datasets.split(",") for b in args.batches.split(",") for m in modes]
+    bar = tqdm(total=len(jobs) * args.reps * 2, desc="A/B", file=sys.stderr)
+    for ds, batch, mode in jobs:
+        prompts = [tuple(encode_prompt(tok, q.text, q.chat)) for q in load_prompts(ds, args.limit)]
+        sides = {"before": decoder(before, mode), "after": decoder(after, mode)}
+        rates, tokens = {s: [] for s in sides}, {}
+        for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
+            order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                mod = before if side == "before" else after
+                dec, n, out = sides[side], 0, []
+                t0 = time.perf_counter()
+                for i in range(0, len(prompts), batch):
+                    res = dec.generate([mod.Request(p, args.max_new_tokens, stop_token_ids=stops)
+                                        for p in prompts[i:i + batch]])
+                    out += [r.token_ids for r in res]
+                    n += sum(r.num_new_tokens for r in res)
+                if rep:
+                    rates[side].append(round(n / (time.perf_counter() - t0), 3))
+                    bar.update()
+                tokens[side] = out
+        med = {s: statistics.median(v) for s, v in rates.items()}
+        print(json.dumps({"dataset": ds, "batch_size": batch, "mode": mode.label, "before": rates["before"],
+                          "after": rates["after"], "before_median": med["before"], "after_median": med["after"],
+                          "ratio": round(med["after"] / med["before"], 4),
+                          "identical_tokens": tokens["before"] == tokens["after"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

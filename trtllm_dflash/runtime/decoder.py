@@ -303,13 +303,12 @@ class _Run:
         now = (time.perf_counter() - t0) * 1e3
         if not self.ttft_ms:
             self.ttft_ms = now
-        self.tokens = tuple(u.tokens)
         self.taus += tuple(u.acceptance_lengths)
         self.lookup_steps += u.lookup_steps
         self.lookup_ms += u.lookup_ms
-        if self.request.sampling.logprobs:
-            self.logprobs = tuple(u.logprobs)
-        if u.final:
+        if u.final:  # every update holds all tokens so far: the last one's are the answer
+            self.tokens = tuple(u.tokens)
+            self.logprobs = tuple(u.logprobs) if self.request.sampling.logprobs else ()
             self.total_ms = now
 
     def result(self) -> GenerationResult:

@@ -18,6 +18,11 @@ runner-up tokens at the first slots and the lookup continuation side by side (``
 ``lookup_steps`` then counts the row-steps that kept the lookup's branch). Every batch
 runs all decoders back to back (in reversed order on odd batches), so the ratios are paired even on a shared machine.
 
+``--draft-vocab full,auto`` runs every DFlash mode once per draft vocabulary (``checkpoints.load_pair``: the target's
+whole vocabulary, the drafter directory's ``draft_vocab.json``, or a file), labelled ``MODE@VOCAB`` on a line of its
+own with ``draft_vocab_size`` and ``draft_vocab_coverage`` (the share of the autoregressive outputs' tokens the draft
+vocabulary holds).
+
 ``--batch-size N`` decodes N prompts at a time in both modes (ragged batches; acceptance lengths and outputs do not
 depend on the batch): the way to get τ and losslessness over a whole dataset on a slow machine. Its tokens/s and
 speed-up are then *batched* numbers (labelled by ``batch_size`` in the JSON); the latency-bound speed-up that DFlash
@@ -64,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                    help="N+tree's retrieval datastore (auto, default: the drafter directory's, if it has one)")
+    p.add_argument("--draft-vocab", default="auto", metavar="CHOICE[,CHOICE]",
+                   help="the drafter's draft vocabulary: auto (default: the drafter directory's draft_vocab.json if it "
+                        "has one), full, or a file; a comma list runs every mode once per choice")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="torch device of both models, e.g. cuda (default cpu)")
@@ -119,15 +127,25 @@ def main(argv=None) -> int:
     if args.target is None:
         assets = prepare_demo_assets()
         args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
-    target, drafter = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device)
+    vocabs = list(dict.fromkeys(args.draft_vocab.split(",")))
+    target, drafter = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device,
+                                draft_vocab=vocabs[0])
+    drafters = {vocabs[0]: drafter}  # one drafter per draft vocabulary (each with its head); one target for all
+    for v in vocabs[1:]:
+        drafters[v] = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device,
+                                draft_vocab=v)[1]
     tok = load_tokenizer(args.target)
     stops = stop_token_ids(tok, target.spec.eos_token_ids)
     modes = [replace(m, max_block_size=args.max_block_size) if m.auto else m
              for m in args.modes or [DecodeMode(drafter.spec.block_size)]]
-    blocks = [m.label for m in modes]
+    runs = {(m.label if len(vocabs) == 1 else f"{m.label}@{v}"): (m, v) for m in modes for v in vocabs}
+    blocks = list(runs)
     decoders = {"ar": SpeculativeDecoder(target, None, 1, cuda_graphs=args.cuda_graphs)}
-    decoders.update({m.label: make_decoder(target, drafter, m, drafter_dir=args.drafter, datastore=args.datastore,
-                                           cuda_graphs=args.cuda_graphs) for m in modes})
+    decoders.update({b: make_decoder(target, drafters[v], m, drafter_dir=args.drafter, datastore=args.datastore,
+                                     cuda_graphs=args.cuda_graphs) for b, (m, v) in runs.items()})
+    vocab_ids = {v: None if d.draft_head is None else set(d.draft_head.draft_to_target.tolist())
+                 for v, d in drafters.items()}
+    covered = collections.Counter()  # draft vocabulary -> autoregressive output tokens it holds
     prompts = load_prompts(args.dataset, args.limit)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed,
                               repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -164,6 +182,8 @@ def main(argv=None) -> int:
                 capture_ms[name] += (dec.graphs.capture_s - captured) * 1e3
                 ms[name] -= (dec.graphs.capture_s - captured) * 1e3
             tokens[name] += sum(r.num_new_tokens for r in outs[name])
+        for v, ids in vocab_ids.items():
+            covered[v] += sum(t in ids for a in outs["ar"] for t in a.token_ids) if ids is not None else 0
         for b in blocks:
             for p, a, d in zip(batch, outs["ar"], outs[b]):
                 taus[b].extend(d.acceptance_lengths)
@@ -185,7 +205,12 @@ def main(argv=None) -> int:
         lines.append({
             "dataset": args.dataset,
             "num_prompts": len(prompts),
-            "block_size": b,
+            "block_size": runs[b][0].label,
+            **({"run": b} if len(vocabs) > 1 else {}),
+            "draft_vocab": runs[b][1],
+            "draft_vocab_size": len(vocab_ids[runs[b][1]]) if vocab_ids[runs[b][1]] is not None else None,
+            **({"draft_vocab_coverage": round(covered[runs[b][1]] / max(tokens["ar"], 1), 5)}
+               if vocab_ids[runs[b][1]] is not None else {}),
             "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens,
             **({"sampling": {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,

@@ -97,12 +97,18 @@ def write_tiny_target(out_dir: str | Path, *, family: str = "llama", seed: int =
     return Path(out_dir)
 
 
-def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torch.float32, device="cpu"):
-    """Load a target and (optionally) its drafter after cross-checking their specs (specs.check_pair)."""
+def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torch.float32, device="cpu",
+              draft_vocab: str | Path | None = "auto"):
+    """Load a target and (optionally) its drafter after cross-checking their specs (specs.check_pair).
+
+    ``draft_vocab`` (a full-vocabulary drafter only, ``models.draft_vocab``): "auto" drafts over the drafter
+    directory's ``draft_vocab.json`` where it has one, "full" or None over the target's whole vocabulary, a path over
+    that file's vocabulary. A drafter with a reduced vocabulary of its own (speculators) keeps its own."""
     target_spec = TargetSpec.load(target_dir)
     drafter_spec = DrafterSpec.load(drafter_dir) if drafter_dir is not None else None
     if drafter_spec is not None:
         check_pair(target_spec, drafter_spec)
+    vocab_file = resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)
     target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     drafter = None
     if drafter_dir is not None:
@@ -110,4 +116,27 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
             drafter_dir, dtype=dtype, device=device,
             max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS,
         )
+    if vocab_file is not None:
+        from trtllm_dflash.models import draft_vocab as dv
+
+        drafter.draft_head = dv.derived_head(target.lm_head.weight, dv.read(vocab_file, target_spec.vocab_size))
     return target, drafter
+
+
+def resolve_draft_vocab(choice: str | Path | None, drafter_dir, drafter_spec: DrafterSpec | None) -> Path | None:
+    """The draft vocabulary file ``load_pair``'s ``draft_vocab`` names, or None (the drafter's own vocabulary)."""
+    from trtllm_dflash.errors import ArtifactError, ConfigError
+    from trtllm_dflash.models.draft_vocab import DRAFT_VOCAB_FILE
+
+    if choice in (None, "full", "") or drafter_dir is None:
+        return None
+    if choice == "auto":
+        path = Path(drafter_dir) / DRAFT_VOCAB_FILE
+        return path if path.is_file() and drafter_spec.draft_vocab_size is None else None
+    if drafter_spec.draft_vocab_size is not None:
+        raise ConfigError("--draft-vocab", str(choice), f"the drafter has a draft vocabulary of its own "
+                          f"({drafter_spec.draft_vocab_size} tokens, its own head)", "drop --draft-vocab")
+    if not Path(choice).is_file():
+        raise ArtifactError(choice, "missing (--draft-vocab)", "pass a file from `trtllm-dflash draft-vocab`, auto "
+                            "or full")
+    return Path(choice)

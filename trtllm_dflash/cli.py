@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "inspect": ("trtllm_dflash.convert.cli", "summarise a TensorRT-LLM checkpoint"),
     "train-drafter": ("trtllm_dflash.train.cli", "train a DFlash drafter for a target (the DFlash recipe)"),
     "datastore": ("trtllm_dflash.commands.datastore", "regen shards -> a retrieval datastore for the tree verify"),
+    "draft-vocab": ("trtllm_dflash.commands.draft_vocab", "a corpus -> a reduced draft vocabulary for a drafter"),
     "build": ("trtllm_dflash.engine.cli", "TensorRT-LLM checkpoints -> target, kv_inject and drafter engines"),
 }
 

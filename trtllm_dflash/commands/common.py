@@ -189,3 +189,11 @@ def make_decoder(target, drafter, mode, drafter_dir=None, datastore: str | None 
         tree = tree_for(longest - 1, ngram, store is not None)
     return SpeculativeDecoder(target, drafter, block_size, max_block_size=max_block_size, prior=prior, ngram=ngram,
                               tree=tree, datastore=store, cuda_graphs=cuda_graphs)
+
+
+def add_draft_vocab_argument(parser) -> None:
+    """``--draft-vocab FILE|auto|full`` (``checkpoints.load_pair``'s ``draft_vocab``), for every command that drafts."""
+    parser.add_argument("--draft-vocab", default="auto", metavar="FILE|auto|full",
+                        help="draft over a reduced vocabulary (`trtllm-dflash draft-vocab`): auto (default) the "
+                             "drafter directory's draft_vocab.json if it has one; full: the target's whole vocabulary; "
+                             "or a file")

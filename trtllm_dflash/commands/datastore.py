@@ -24,6 +24,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop adding sequences once the store holds this many tokens (default: all)")
 
 
+def regen_shards(sources: list) -> list[Path]:
+    """Every regen shard (regen-*.safetensors) of the folders ``sources``, in order; a folder without any is refused."""
+    shards = []
+    for src in sources:
+        found = sorted(Path(src).glob("regen-*.safetensors"))
+        if not found:
+            raise ArtifactError(src, "holds no regen shards (regen-*.safetensors)",
+                                "pass train-drafter's work directory's 'regen' folder")
+        shards += found
+    return shards
+
+
 def build(sources: list, max_tokens: int | None = None):
     """A ``Datastore`` of every sequence in the regen shards of ``sources`` (folders), in order, until it holds
     ``max_tokens``; its meta records the folders' ``meta.json`` (what the shards were regenerated from)."""
@@ -32,13 +44,7 @@ def build(sources: list, max_tokens: int | None = None):
     from trtllm_dflash.runtime.datastore import Datastore
     from trtllm_dflash.train.regen import read_regen_shard
 
-    shards = []
-    for src in sources:
-        found = sorted(Path(src).glob("regen-*.safetensors"))
-        if not found:
-            raise ArtifactError(src, "holds no regen shards (regen-*.safetensors)",
-                                "pass train-drafter's work directory's 'regen' folder")
-        shards += found
+    shards = regen_shards(sources)
 
     def sequences():
         total = 0

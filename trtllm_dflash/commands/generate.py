@@ -9,7 +9,7 @@ import sys
 
 from dataclasses import replace
 
-from trtllm_dflash.commands.common import (DTYPES, add_bias_argument, add_model_arguments, add_sampling_arguments,
+from trtllm_dflash.commands.common import (DTYPES, add_bias_argument, add_draft_vocab_argument, add_model_arguments, add_sampling_arguments,
                                            bias_words, make_decoder, resolve_mode)
 from trtllm_dflash.errors import ConfigError, require
 
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --tree: a retrieval datastore whose proposals (continuations of the context's "
                              "last tokens in a corpus of the target's own outputs) take half of the lookup chains; "
                              "auto (default): the drafter directory's datastore.dflash if it has one")
+    add_draft_vocab_argument(parser)
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "
@@ -69,7 +70,8 @@ def main(args: argparse.Namespace) -> int:
     require(0 <= args.min_new_tokens <= args.max_new_tokens, "--min-new-tokens", args.min_new_tokens,
             f"must be in [0, --max-new-tokens={args.max_new_tokens}]")
 
-    target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device)
+    target, drafter = load_pair(args.target, args.drafter, dtype=DTYPES[args.dtype], device=args.device,
+                                draft_vocab=args.draft_vocab)
     decoder = make_decoder(target, drafter, resolve_mode(args, drafter), args.drafter, datastore=args.datastore,
                            cuda_graphs=args.cuda_graphs)
     tokenizer = load_tokenizer(args.target)

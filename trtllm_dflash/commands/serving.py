@@ -11,7 +11,7 @@ import threading
 
 
 def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
-    from trtllm_dflash.commands.common import add_ngram_argument, block_size_arg
+    from trtllm_dflash.commands.common import add_draft_vocab_argument, add_ngram_argument, block_size_arg
     from trtllm_dflash.serve.triton.render import BACKENDS, RepoConfig
 
     d = RepoConfig("", "")
@@ -43,6 +43,7 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                         help="with --tree: a retrieval datastore for the tree's lookup chains (`trtllm-dflash "
                              "datastore`); auto (default): the drafter directory's datastore.dflash if it has one")
+    add_draft_vocab_argument(parser)
     parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="requests per batched step")
     parser.add_argument("--instances", type=int, default=d.instances, help="instances of stateless/BLS models")
     parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per sequence (prompt + new)")
@@ -99,7 +100,8 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      io_nice=args.io_nice, ngram=ngram, tree=args.tree,
                      tensorrt_llm_decoupled=args.tensorrt_llm_decoupled, trtllm_names=args.trtllm_names,
                      cuda_graphs=args.cuda_graphs,
-                     datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram))
+                     datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram),
+                     draft_vocab=repo_draft_vocab(args.draft_vocab, args.drafter, args.backend))
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0
@@ -116,6 +118,19 @@ def repo_datastore(choice: str, drafter_dir: str, tree: bool) -> str:
         path = drafter_datastore(drafter_dir) if tree else None
         return str(path) if path is not None else ""
     return choice
+
+
+def repo_draft_vocab(choice: str, drafter_dir: str, backend: str) -> str:
+    """``--draft-vocab`` as make-repo records it: a file path, or "" for the drafter's own vocabulary (auto: the
+    drafter directory's draft_vocab.json with the torch backend, whose drafter model applies it; an explicit file is
+    kept, for the repository check to refuse by name where it cannot apply)."""
+    from trtllm_dflash.checkpoints import resolve_draft_vocab
+    from trtllm_dflash.specs import DrafterSpec
+
+    if choice == "auto" and backend != "torch":
+        return ""
+    path = resolve_draft_vocab(choice, drafter_dir, DrafterSpec.load(drafter_dir))
+    return str(path.resolve()) if path is not None else ""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,17 +15,31 @@ at 3, 7, 8. Here ``draft_to_target`` holds the absolute ids (3, 7, 8), so mappin
 The head is applied by ``drafter.draft_block``; ``DraftVocabHead.drafting`` arms it for that call, and the drafter
 refuses to finish a draft forward while it is not armed, so a caller that would put the target's head on this
 drafter's hidden states fails loudly instead of drafting near-random tokens.
+
+A full-vocabulary drafter (z-lab's layout, which drafts through the target's LM head) can draft over a reduced
+vocabulary too: ``draft_vocab.json`` in its directory lists the draft vocabulary's target ids (``choose`` picks the
+most frequent tokens of a corpus of the target's own outputs), and ``derived_head`` cuts those rows out of the target's
+head. Drafting then reads [draft_vocab_size, hidden] instead of [vocab_size, hidden] of head weights for every drafted
+slot (on SmolLM2 the head is 28M of the target's 135M parameters), and a slot whose right token lies outside the draft
+vocabulary is a certain miss. The weights stay as they are, so peers that load the directory (vLLM, z-lab's code) are
+not affected: they ignore the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
+from typing import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
-from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.errors import ArtifactError, ConfigError, read_json
 from trtllm_dflash.models.layers import Linear
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # in a full-vocabulary drafter's directory: its reduced draft vocabulary
+FORMAT = "trtllm-dflash-draft-vocab"
 
 
 class DraftVocabHead(nn.Module):
@@ -91,3 +105,64 @@ class DraftVocabHead(nn.Module):
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # any shape of draft ids -> target ids
         return self.draft_to_target[draft_ids]
+
+
+def choose(counts: np.ndarray, size: int, keep: Iterable[int] = ()) -> np.ndarray:
+    """The draft vocabulary: the ``size`` target ids with the largest ``counts`` [vocab_size] (ties: the smaller id, so
+    the choice never depends on the machine), ``keep`` always among them (e.g. the stop tokens, which end a draft's
+    accepted run when the target stops); ascending."""
+    counts = np.asarray(counts, dtype=np.int64)
+    keep = sorted({int(k) for k in keep})
+    vocab = counts.shape[0]
+    if not 1 <= size <= vocab:
+        raise ConfigError("--size", size, f"must be in [1, {vocab}] (the target's vocabulary)")
+    if any(not 0 <= k < vocab for k in keep) or len(keep) > size:
+        raise ConfigError("keep", keep, f"must be at most {size} ids in [0, {vocab})")
+    order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, then by id
+    rest = order[~np.isin(order, keep)][: size - len(keep)]
+    return np.sort(np.concatenate([np.asarray(keep, dtype=np.int64), rest]))
+
+
+def coverage(ids: np.ndarray, tokens: np.ndarray) -> float:
+    """The fraction of ``tokens`` (any shape of target ids) that the draft vocabulary ``ids`` holds."""
+    tokens = np.asarray(tokens).ravel()
+    return float(np.isin(tokens, ids).mean()) if tokens.size else 1.0
+
+
+def write(path: str | Path, ids: np.ndarray, meta: dict) -> Path:
+    """A draft vocabulary file (``DRAFT_VOCAB_FILE`` in a drafter directory), atomically and readable by all: the ids
+    (on one line) and how they were chosen (``meta``)."""
+    import json
+    import os
+
+    from trtllm_dflash.staging import write_atomic
+
+    path = Path(path)
+    doc = {"format": FORMAT, "draft_vocab_size": int(len(ids)), **meta}
+    head = json.dumps(doc, indent=2)[:-2]  # without the closing "\n}"
+    write_atomic(path, f'{head},\n  "ids": {json.dumps([int(i) for i in ids])}\n}}\n')
+    os.chmod(path, 0o644)
+    return path
+
+
+def read(path: str | Path, target_vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary's ids [n] (int64, ascending) from a draft_vocab.json, checked against the target."""
+    fix = "write it again with `trtllm-dflash draft-vocab`, or draft over the full vocabulary (--draft-vocab full)"
+    doc = read_json(path, fix)
+    if doc.get("format") != FORMAT or not isinstance(doc.get("ids"), list):
+        raise ArtifactError(path, f"is not a draft vocabulary (format {doc.get('format')!r}, no 'ids' list)", fix)
+    ids = torch.tensor(doc["ids"], dtype=torch.long)
+    if ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any()) or int(ids[0]) < 0 \
+            or int(ids[-1]) >= target_vocab_size:
+        raise ArtifactError(path, f"holds {ids.numel()} ids, not distinct ascending ids in [0, {target_vocab_size})"
+                            " (the target's vocabulary)", fix)
+    return ids
+
+
+def derived_head(lm_head: torch.Tensor, ids: torch.Tensor) -> DraftVocabHead:
+    """A ``DraftVocabHead`` over the draft vocabulary ``ids`` whose weights are those rows of the target's LM head
+    ``lm_head`` [vocab_size, hidden] (a copy: [n, hidden], on its device and in its dtype)."""
+    head = DraftVocabHead(lm_head.shape[1], ids.numel(), lm_head.shape[0])
+    head.lm_head.weight = nn.Parameter(lm_head.detach()[ids.to(lm_head.device)].clone(), requires_grad=False)
+    head.draft_to_target = ids.to(lm_head.device)
+    return head

@@ -369,8 +369,11 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     assert drafter is not None and decoder.mask_token_id is not None
     dev, sync = target.device, _sync(target.device)
     graphs = decoder.graphs.mode if decoder.graphs is not None else None  # a graphed step costs another curve
+    head = drafter.draft_head  # a draft vocabulary derived from the target's (models.draft_vocab) drafts cheaper
+    derived = head is not None and drafter.spec.draft_vocab_size is None
     model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)
-                                + ((graphs,) if graphs else ())).encode())
+                                + ((graphs,) if graphs else ())
+                                + (("draft_vocab", head.draft_vocab_size) if derived else ())).encode())
     key = cost_model.cost_key(cost_model.device_name(dev), str(target.dtype).removeprefix("torch."),
                             torch.get_num_threads(), model.hexdigest()[:16])
 

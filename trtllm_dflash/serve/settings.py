@@ -41,6 +41,7 @@ class ModelSettings:
     torch_threads: int = 0  # 0: by load (handlers.CpuThreads)
     max_batch_size: int = 64
     cuda_graphs: str = "off"  # off | on | rehearse (runtime.graphs)
+    draft_vocab: str = ""  # drafter: a reduced draft vocabulary file (models.draft_vocab; "" = the drafter's own)
     # the loop models (dflash_bls, baseline_bls, the entry points, tensorrt_llm)
     block_size: int | str = 16  # a fixed block (1: autoregressive) or "auto" (step models: the block they serve)
     adaptive: str = ""  # block_size auto: the policy file make-repo calibrated (render.ADAPTIVE_FILE)

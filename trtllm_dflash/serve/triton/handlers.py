@@ -366,7 +366,7 @@ class KVInjectModel:
             self.inject = EngineKVInjector(load_engine_set(s.engine_dir, s.block_size))
             self.dtype, self.device = self.inject.dtype, "cuda"
             return
-        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device())
+        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device(), draft_vocab="full")
         self.inject = KVInjector(drafter)
         self.dtype, self.device = drafter.dtype, _device()
 
@@ -408,7 +408,7 @@ class DrafterStepModel:
                                               DrafterSpec.load(s.drafter_dir), s.max_sequences, s.max_seq_len,
                                               s.idle_timeout_s)
             return
-        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device())
+        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device(), draft_vocab=s.draft_vocab or "full")
         head = TargetHead(s.target_dir, device=_device())
         self.drafter = BlockDrafter(drafter, head, s.max_sequences, s.max_seq_len, s.idle_timeout_s,
                                     cuda_graphs=s.cuda_graphs)

@@ -48,7 +48,7 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
                                 "block_size", *STEP_KEYS)),
     "drafter": ("drafter", ("max_batch_size", "queue_delay_us", "target_dir", "drafter_dir", "max_sequences",
                             "max_seq_len", "idle_timeout_s", "torch_threads", "block_size", "cuda_graphs",
-                            *STEP_KEYS)),
+                            "draft_vocab", *STEP_KEYS)),
     "dflash_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
     "baseline_bls": ("dflash_bls", ("name", *LOOP_KEYS, "instances", *QUEUE_KEYS, "io_nice")),
     # the entry points: decoupled python models with the ensemble's I/O (a client's cancellation reaches them)
@@ -129,6 +129,7 @@ class RepoConfig:
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
     tree: bool = False  # dflash verifies a tree per step (runtime.tree; torch backend)
     datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
+    draft_vocab: str = ""  # the drafter model drafts over this reduced vocabulary (models.draft_vocab; "" = its own)
     # the tensorrt_llm model streams (decoupled, the default); False: unary, as TensorRT-LLM's decoupled_mode false,
     # for clients that call ModelInfer (its example client without --streaming)
     tensorrt_llm_decoupled: bool = True
@@ -214,6 +215,13 @@ class RepoConfig:
         if self.datastore and not Path(self.datastore).is_file():
             raise ArtifactError(self.datastore, "missing (--datastore)", "pass a file from `trtllm-dflash datastore`, "
                                 "or --datastore none")
+        if self.draft_vocab:
+            from trtllm_dflash.checkpoints import resolve_draft_vocab
+
+            require(self.backend == "torch", "--draft-vocab", self.draft_vocab,
+                    f"applies to the torch drafter model, not --backend {self.backend} (its drafter keeps the "
+                    "target's full head)", "drop --draft-vocab (or pass full), or use --backend torch")
+            resolve_draft_vocab(self.draft_vocab, self.drafter_dir, drafter)
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm.engine import load_engine_set
 
@@ -232,7 +240,7 @@ class RepoConfig:
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
-            "cuda_graphs": self.cuda_graphs,
+            "cuda_graphs": self.cuda_graphs, "draft_vocab": self.draft_vocab,
             "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s, "io_nice": self.io_nice,
             "tap_layers": ",".join(map(str, tap_layers)),
             "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
@@ -306,7 +314,8 @@ def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder, calibrated_policy
 
     block = cfg.block(drafter)
-    target, drafter_model = load_pair(cfg.target_dir, cfg.drafter_dir, dtype=torch.float32)
+    target, drafter_model = load_pair(cfg.target_dir, cfg.drafter_dir, dtype=torch.float32,
+                                      draft_vocab=cfg.draft_vocab or "full")
     decoder = SpeculativeDecoder(target, drafter_model, block)
     policy = calibrated_policy(decoder, max_rows=1)
     return {"max_block_size": block, "prior": prior_from_training_log(cfg.drafter_dir, block - 1),

@@ -186,18 +186,6 @@ class SpeculativeDecoder:
             return model.new_cache(rows, max_len)
         return self.graphs.cache("target" if model is self.target else "drafter", model.new_cache, rows, max_len)
 
-    def verify_forward(self, ids: torch.Tensor, tcache, rows: torch.Tensor | None, widths: list[int] | None = None):
-        """The target over [b, S] tokens at the rows' next positions -> (hidden, taps), as ``TargetVerifier`` runs a
-        verify: through a CUDA graph when graphs are on, else skipping the padding past each row's ``widths``. The
-        cost model's calibration (``calibrated_policy``) times it."""
-        if self.graphs is None:
-            return self.target(ids, tcache, rows, tap_layers=self.taps,
-                               widths=None if widths is None else self.target.verify_widths(widths))
-        inputs = (ids,) if rows is None else (ids, rows)
-        return self.graphs.run(("verify", id(tcache), tuple(ids.shape), rows is None), tcache,
-                               lambda x, *r: self.target(x, tcache, r[0] if r else None, tap_layers=self.taps,
-                                                         static=True), *inputs)
-
     def propose(
         self,
         bonus: torch.Tensor,  # [b] last emitted token of each row (position = committed length)
@@ -364,6 +352,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     import math
 
     from trtllm_dflash.runtime import cost as cost_model
+    from trtllm_dflash.runtime.steps import verify_forward
 
     target, drafter, bsz = decoder.target, decoder.drafter, decoder.block_size
     assert drafter is not None and decoder.mask_token_id is not None
@@ -389,7 +378,8 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
             cache = caches[rows, context] = target.new_cache(rows, context + max(width, bsz) + 1)
             cache.lengths.fill_(context)
         ids = torch.zeros(rows, width, dtype=torch.long, device=dev)
-        return cost_model.timed(lambda: target.logits(decoder.verify_forward(ids, cache, None)[0][:, :1]), sync)
+        return cost_model.timed(lambda: target.logits(
+            verify_forward(target, decoder.graphs, cache, ids, None, decoder.taps)[0][:, :1]), sync)
 
     @torch.inference_mode()
     def draft(n: int) -> float:

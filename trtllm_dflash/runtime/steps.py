@@ -139,6 +139,20 @@ def tree_topology(parents: tuple[int, ...]) -> Topology:
         raise ConfigError("parents", list(parents[:8]), str(exc), "send runtime.tree.TreeShape.parents") from None
 
 
+def verify_forward(target: TargetModel, graphs: StepGraphs | None, cache: KVCache, ids: torch.Tensor,
+                   rows: torch.Tensor | None, tap_layers: tuple[int, ...], widths: list[int] | None = None):
+    """The target over a verify's [b, S] tokens at the rows' next positions (``rows`` None: every row of ``cache``) ->
+    (hidden, taps at ``tap_layers``): through the CUDA graph of this shape when ``graphs`` are on, else skipping the
+    padding past each row's real ``widths`` where that pays (``TargetModel.verify_widths``). ``TargetVerifier``
+    verifies through it and the cost model's calibration (``runtime.decoder.calibrated_policy``) times it."""
+    if graphs is None:
+        return target(ids, cache, rows, tap_layers, widths=None if widths is None else target.verify_widths(widths))
+    inputs = (ids,) if rows is None else (ids, rows)
+    return graphs.run(("verify", id(cache), tuple(ids.shape), bool(tap_layers), rows is None), cache,
+                      lambda x, *r: target(x, cache, r[0] if r else None, tap_layers=tap_layers, static=True),
+                      *inputs)
+
+
 class TargetVerifier:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
                  max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0,
@@ -306,15 +320,8 @@ class TargetVerifier:
         return results
 
     def _forward(self, ids: torch.Tensor, rows: torch.Tensor, want_taps: bool, widths: list[int]):
-        """The target over a verify's [b, S] tokens at the rows' next positions -> (hidden, taps): through the CUDA
-        graph of this shape when graphs are on, else skipping the padding past each row's real ``widths`` where that
-        pays (``TargetModel.verify_widths``)."""
-        layers = self.tap_layers if want_taps else ()
-        if self.graphs is None:
-            return self.target(ids, self.cache, rows, layers, widths=self.target.verify_widths(widths))
-        return self.graphs.run(("verify", id(self.cache), tuple(ids.shape), want_taps), self.cache,
-                               lambda x, r: self.target(x, self.cache, r, tap_layers=layers, static=True),
-                               ids, rows.to(ids.device))
+        return verify_forward(self.target, self.graphs, self.cache, ids, rows.to(ids.device),
+                              self.tap_layers if want_taps else (), widths)
 
     @staticmethod
     def _history(params, ids: torch.Tensor, parents: tuple[int, ...] | None = None) -> History | None:

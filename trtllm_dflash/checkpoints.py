@@ -108,7 +108,7 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
     drafter_spec = DrafterSpec.load(drafter_dir) if drafter_dir is not None else None
     if drafter_spec is not None:
         check_pair(target_spec, drafter_spec)
-    vocab_file = resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)
+    resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)  # a bad choice is refused before anything loads
     target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     drafter = None
     if drafter_dir is not None:
@@ -116,11 +116,19 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
             drafter_dir, dtype=dtype, device=device,
             max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS,
         )
-    if vocab_file is not None:
-        from trtllm_dflash.models import draft_vocab as dv
-
-        drafter.draft_head = dv.derived_head(target.lm_head.weight, dv.read(vocab_file, target_spec.vocab_size))
+        use_draft_vocab(target, drafter, drafter_dir, draft_vocab)
     return target, drafter
+
+
+def use_draft_vocab(target: TargetModel, drafter: DrafterModel, drafter_dir, choice: str | Path | None = "auto"):
+    """Give a loaded full-vocabulary ``drafter`` the draft vocabulary ``choice`` names (``load_pair``'s
+    ``draft_vocab``): a head of those rows of ``target``'s LM head (``models.draft_vocab.derived_head``)."""
+    from trtllm_dflash.models import draft_vocab as dv
+
+    path = resolve_draft_vocab(choice, drafter_dir, drafter.spec)
+    if path is not None:
+        drafter.draft_head = dv.derived_head(target.lm_head.weight, dv.read(path, target.spec.vocab_size))
+    return drafter
 
 
 def resolve_draft_vocab(choice: str | Path | None, drafter_dir, drafter_spec: DrafterSpec | None) -> Path | None:

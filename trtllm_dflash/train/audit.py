@@ -18,6 +18,8 @@ drafter actually gets, so the two can be read side by side.
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -165,10 +167,26 @@ def _blocks(target: TargetModel, drafter: DrafterModel, ids: list[int], prompt_l
     x = torch.tensor(ids)
     _, taps = target(x[None].to(target.device), target.new_cache(1, s), tap_layers=drafter.spec.target_layer_ids)
     sample = Sample(x, taps[0].cpu(), prompt_len)
+    head = drafter.draft_head  # a reduced draft vocabulary's head: armed for the drafter's forward (draft_vocab.py)
     for i in range(0, len(anchors), chunk):
         a = anchors[i : i + chunk]
-        yield a, drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype),
-                                block_size=block_size)
+        with head.drafting() if head is not None else contextlib.nullcontext():
+            hidden = drafter_blocks(drafter, target.embed, collate([sample], [a], target.device, dtype=drafter.dtype),
+                                    block_size=block_size)
+        yield a, hidden
+
+
+def _draft_logits(target: TargetModel, drafter: DrafterModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits the decoder drafts from (float32, on the CPU): the drafter's own draft-vocabulary head where it has
+    one (``models.draft_vocab``; map the chosen indices with ``_to_target``), else the target's LM head."""
+    head = drafter.draft_head
+    return (head(hidden) if head is not None else target.lm_head(hidden.to(target.dtype))).float().cpu()
+
+
+def _to_target(drafter: DrafterModel, idx: torch.Tensor) -> torch.Tensor:
+    """Indices into ``_draft_logits``' last dimension -> target token ids."""
+    head = drafter.draft_head
+    return idx if head is None else head.draft_to_target.cpu()[idx]
 
 
 @torch.no_grad()
@@ -192,10 +210,10 @@ def drafter_acceptance(target: TargetModel, drafter: DrafterModel, ids: list[int
             alive = alive[pos < s]
             if len(alive) == 0:
                 break
-            logits = target.lm_head(hidden[alive, k].to(target.dtype)).float().cpu()
+            logits = _draft_logits(target, drafter, hidden[alive, k])
             if k == 1:
                 confidence[i + alive] = logits.softmax(-1).amax(-1)
-            alive = alive[logits.argmax(-1) == x[a[alive] + k]]
+            alive = alive[_to_target(drafter, logits.argmax(-1)) == x[a[alive] + k]]
             accepted[i + alive] += 1
     return accepted, confidence
 
@@ -206,7 +224,7 @@ def drafter_choices(target: TargetModel, drafter: DrafterModel, ids: list[int], 
     """The drafter's ``top`` best tokens at every slot of its block at every response anchor of a known output
     ([A, B − 1, top], best first): what a tree verify chooses its nodes' tokens from. The head runs over every
     slot."""
-    out = [target.lm_head(hidden[:, 1:].to(target.dtype)).topk(top, dim=-1).indices.cpu()
+    out = [_to_target(drafter, _draft_logits(target, drafter, hidden[:, 1:]).topk(top, dim=-1).indices)
            for _, hidden in _blocks(target, drafter, ids, prompt_len, chunk, block_size or drafter.spec.block_size)]
     k = (block_size or drafter.spec.block_size) - 1
     return torch.cat(out) if out else torch.zeros(0, k, top, dtype=torch.long)

@@ -31,7 +31,7 @@ def child(args) -> None:
     use_huge_pages()  # as the trainer's entry points do, before torch
     import torch
 
-    from learning_curve import RECIPE
+    from trtllm_dflash.train.curve import RECIPE
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.models.target import TargetModel
     from trtllm_dflash.train import trainer

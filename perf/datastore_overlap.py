@@ -34,7 +34,7 @@ def coverage(store, responses: list[list[int]], n: int) -> list[float]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("greedy", nargs="+", type=Path, help="learning_curve.py eval's greedy-*.json files")
+    p.add_argument("greedy", nargs="+", type=Path, help="`trtllm-dflash learning-curve eval`'s greedy-*.json files")
     p.add_argument("--datastore", type=Path,
                    default=REPO / "trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash/datastore.dflash")
     p.add_argument("--n", type=int, default=8, help="n-gram length (one of runtime.datastore.NGRAMS)")

@@ -7,7 +7,7 @@
 The manifest lists every shipped drafter in order: ``{"shipped_in": "<label>", "new_tokens": 419304,
 "evals": ["replay-....json", ...]}``, where ``shipped_in`` is a label of when it shipped (each point's annotation),
 ``new_tokens`` counts the regenerated response tokens its training added to the data of the drafters before it (0 for a
-resumed run) and ``evals`` names ``learning_curve.py eval`` outputs next to the manifest. τ and prompt lookup's τ are
+resumed run) and ``evals`` names ``trtllm-dflash learning-curve eval`` outputs next to the manifest. τ and prompt lookup's τ are
 read from those files, never typed in; the x axis is the cumulative sum of ``new_tokens``. Prints the plotted points
 as JSON.
 """

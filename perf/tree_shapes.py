@@ -10,7 +10,7 @@ nothing where a verify is launch-bound (a GPU at small batch) and in proportion 
     python perf/tree_shapes.py --datasets humaneval,mtbench --limit 40 --out perf/results/tree/shapes-40.json
 
 With a retrieval datastore (``--datastore``; by default the drafter directory's ``datastore.dflash``) the
-default tree with its proposals is replayed too. Greedy outputs are ``perf/learning_curve.py eval``'s cached ones
+default tree with its proposals is replayed too. Greedy outputs are ``trtllm-dflash learning-curve eval``'s cached ones
 (``--work``), made first if missing. Prints one JSON object (and writes it atomically with ``--out``; a PNG of τ
 against nodes beside it, the default trees black stars; ``--plot FILE.json`` redraws it)."""
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from learning_curve import greedy_reference, load_target, write_json
+from trtllm_dflash.train.curve import greedy_reference, load_target, write_json
 
 
 def shapes(k: int) -> dict[str, object]:
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", default=str(REPO / "trtllm_dflash/data/drafters/smollm2-135m-instruct-dflash"))
     p.add_argument("--target", default=None, help="HF target directory (default: the demo target)")
-    p.add_argument("--work", default="artifacts/curve14", help="learning_curve.py's folder with the greedy outputs")
+    p.add_argument("--work", default="artifacts/curve14", help="learning-curve's folder with the greedy outputs")
     p.add_argument("--datasets", default="humaneval,mtbench")
     p.add_argument("--limit", type=int, default=40, help="first prompts of each dataset")
     p.add_argument("--references-limit", type=int, default=164,

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "quantize": ("trtllm_dflash.convert.cli", "TensorRT-LLM checkpoint -> FP8 / NVFP4 checkpoint (modelopt)"),
     "inspect": ("trtllm_dflash.convert.cli", "summarise a TensorRT-LLM checkpoint"),
     "train-drafter": ("trtllm_dflash.train.cli", "train a DFlash drafter for a target (the DFlash recipe)"),
+    "learning-curve": ("trtllm_dflash.train.curve", "τ against training data: regenerate, train, evaluate, report"),
     "datastore": ("trtllm_dflash.commands.datastore", "regen shards -> a retrieval datastore for the tree verify"),
     "draft-vocab": ("trtllm_dflash.commands.draft_vocab", "a corpus -> a reduced draft vocabulary for a drafter"),
     "build": ("trtllm_dflash.engine.cli", "TensorRT-LLM checkpoints -> target, kv_inject and drafter engines"),

@@ -1,4 +1,4 @@
-"""perf/learning_curve.py end to end on a tiny random target with SmolLM2's tokenizer: regeneration shards with their
+"""``trtllm-dflash learning-curve`` (train/curve.py) end to end on a tiny random target with SmolLM2's tokenizer: regeneration shards with their
 CPU cost, a training run whose every checkpoint is kept as a curve point, τ replayed against the real decoder, and
 the JSON + PNG report."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import perf_script, write_tiny_smol
+from tests.conftest import write_tiny_smol
+from trtllm_dflash.train import curve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def tiny_smol(smollm2, tmp_path_factory):
 
 
 def _run_curve(work, target, *args):
-    return subprocess.run([sys.executable, str(REPO / "perf" / "learning_curve.py"), "--work", str(work), "--target",
+    return subprocess.run([sys.executable, "-m", "trtllm_dflash", "learning-curve", "--work", str(work), "--target",
                            str(target), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
@@ -168,7 +169,7 @@ def test_regen_with_taps_leaves_the_taps_phase_nothing_to_do(tiny_smol, tmp_path
 
 
 def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
-    pool_prompts = perf_script("learning_curve").pool_prompts
+    pool_prompts = curve.pool_prompts
     pool = tmp_path / "pool.jsonl"
     rows = [{"id": f"code/x/f{i}", "prompt": f"def f{i}(x):", "chat": True} for i in range(10)]
     rows += [{"id": f"chat/x/p{i}", "prompt": f"Explain {i}.", "chat": True} for i in range(10)]
@@ -186,7 +187,7 @@ def test_pool_sample_can_exclude_a_drafters_training_prompts(tmp_path):
 
 
 def test_train_can_skip_the_shards_a_drafter_already_trained_on(tmp_path):
-    prefix_shards = perf_script("learning_curve").prefix_shards
+    prefix_shards = curve.prefix_shards
     # two workers' cost files, shards 0-4 of 10/20/30/40/50 tokens; shard 5 missing (not made yet), 6 made
     costs = {0: {}, 1: {}}
     for c, n in enumerate((10, 20, 30, 40, 50, None, 70)):

@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     GPU pipeline's returned weights, build_scripts/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
     ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
     (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences). ``on_save(step,
-    train_set)`` runs after every checkpoint's export (perf/learning_curve.py keeps each one)."""
+    train_set)`` runs after every checkpoint's export (``trtllm-dflash learning-curve`` keeps each one)."""
     from tqdm import tqdm
 
     from trtllm_dflash.train.regen import with_taps

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The drafter's learning curve on this machine: τ against training data, from one pool, one recipe, nested subsets.
 
 Phases (each resumable; all state lives under ``--work``, an ignored folder):
@@ -16,11 +15,13 @@ Phases (each resumable; all state lives under ``--work``, an ignored folder):
     report  JSON (every point with its data size, CPU cost and τ) + PNG, and a log-linear fit τ(tokens) with the
             data size it predicts for τ = 4 (an extrapolation, labelled so)
 
-    python perf/learning_curve.py regen --minutes 40
-    python perf/learning_curve.py train --sizes 20000,40000,80000,160000 --steps 600
-    python perf/learning_curve.py eval --limit 32
-    python perf/learning_curve.py report --out perf/results/drafter-curve
-"""
+    trtllm-dflash learning-curve regen --minutes 40
+    trtllm-dflash learning-curve train --size 160000 --epochs 1
+    trtllm-dflash learning-curve eval --limit 32
+    trtllm-dflash learning-curve report --out perf/results/drafter-curve
+
+``eval`` drafts over each drafter directory's ``draft_vocab.json`` where it has one (``--draft-vocab``, as
+``generate``'s)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,6 @@ import resource
 import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 from trtllm_dflash.hardware import warn_slow_bf16
 
@@ -397,9 +396,12 @@ def cmd_eval(args) -> None:
     import torch
     from tqdm import tqdm
 
+    from trtllm_dflash.checkpoints import resolve_draft_vocab, use_draft_vocab
+    from trtllm_dflash.models.draft_vocab import read as read_draft_vocab
+    from trtllm_dflash.specs import DrafterSpec
+    from trtllm_dflash.commands.common import resolve_datastore
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.commands.common import resolve_datastore
     from trtllm_dflash.train.audit import output_taus, prompt_lookup_taus, replay_taus
 
     _, target, tok, stops = load_target(args)
@@ -410,19 +412,22 @@ def cmd_eval(args) -> None:
     for d in tqdm(drafters, desc="drafters"):
         method = "decode" if args.decode else "replay"
         sets = "" if args.datasets == "humaneval,mtbench" else f"-{args.datasets.replace(',', '+')}"
-        out_path = (Path(args.work) / "eval" /
-                    f"{method}-{d.name}-B{args.block_size}-{args.limit}-{args.max_new_tokens}{sets}.json")
         if not (d / "model.safetensors").is_file():
             continue
+        vocab = resolve_draft_vocab(args.draft_vocab, d, DrafterSpec.load(d))  # a reduced one: another result
+        vocab = f"-dv{read_draft_vocab(vocab, target.spec.vocab_size).numel()}" if vocab is not None else ""
+        out_path = (Path(args.work) / "eval" /
+                    f"{method}-{d.name}{vocab}-B{args.block_size}-{args.limit}-{args.max_new_tokens}{sets}.json")
         if out_path.is_file():  # evaluated before: that result, if it is this drafter's (the file is named by its name)
             cached = json.loads(out_path.read_text())
             if Path(cached.get("drafter", "")).resolve() != d.resolve():  # the same directory, however named
-                raise SystemExit(f"learning_curve eval: {out_path} holds the result of --drafters "
+                raise SystemExit(f"learning-curve eval: {out_path} holds the result of --drafters "
                                  f"{cached.get('drafter')!r}, not of {str(d)!r} (the same directory name); rename "
                                  f"{str(d)!r} or evaluate it with another --work")
             print(json.dumps({**cached, "cached": str(out_path)}))
             continue
-        drafter = DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu")
+        drafter = use_draft_vocab(target, DrafterModel.from_pretrained(d, dtype=torch.float32, device="cpu"), d,
+                                  args.draft_vocab)
         store = resolve_datastore(args.datastore, d, tree_lookup=True)  # the drafter directory's, by default
         decs = [SpeculativeDecoder(target, drafter, args.block_size, ngram=ngram) for ngram in (False, True)] + \
             [SpeculativeDecoder(target, drafter, args.block_size, tree=True)] + \
@@ -539,7 +544,7 @@ def cmd_report(args) -> None:
            "tau_method": "replay (train.audit.replay_taus: the decoder's walk on the greedy outputs; equal to "
                          "decoding, checked in tests)", "main_run": args.main, "points": points, "fits": fits,
            "sources": sources,
-           "prompt_lookup_tau": prompt_lookup, "command": "python perf/learning_curve.py " + " ".join(sys.argv[1:])}
+           "prompt_lookup_tau": prompt_lookup, "command": "trtllm-dflash " + " ".join(sys.argv[1:])}
     write_json(out / "curve.json", doc)
     import matplotlib
 
@@ -609,8 +614,10 @@ def taps_dir(work, source: str, dtype: str) -> Path:
     return Path(work) / f"{source}-taps-{dtype}"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``learning-curve`` command's options and its phases as subcommands."""
+    from trtllm_dflash.commands.common import add_draft_vocab_argument
+
     p.add_argument("--work", default="artifacts/curve", help="state folder (default artifacts/curve)")
     p.add_argument("--target", default=None, help="HF target directory (default: the demo target)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared 2-core machine run one process per core)")
@@ -686,23 +693,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--datastore", default="auto", metavar="FILE|auto|none",
                    help="also the tree verify with a retrieval datastore; auto (default): the drafter directory's "
                         "datastore.dflash where it has one")
+    add_draft_vocab_argument(q)
     q = sub.add_parser("report", help="curve.json + curve.png from the evaluations")
     q.add_argument("--out", default="perf/results/drafter-curve")
     q.add_argument("--main", default=None, help="the main run's name, e.g. regen-140000 (default: the largest regen run)")
     q.add_argument("--limit", type=int, default=32)
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--block-size", type=int, default=16)
-    return p
 
 
-def main(argv=None) -> int:
+def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.train.cli import use_huge_pages
 
-    args = build_parser().parse_args(argv)
     use_huge_pages()  # before the first torch import (every phase imports it lazily)
-    {"regen": cmd_regen, "text": cmd_text, "prompts": cmd_prompts, "taps": cmd_taps, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
+    {"regen": cmd_regen, "text": cmd_text, "prompts": cmd_prompts, "taps": cmd_taps, "train": cmd_train,
+     "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

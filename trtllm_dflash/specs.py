@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +227,21 @@ _UNSUPPORTED_DFLASH_KEYS = (
 )
 
 
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True, slots=True)
+class DSparkSpec:
+    """What a DSpark drafter adds to the DFlash backbone (arXiv 2607.05147; speculators ``DSparkSpeculatorConfig``):
+    a low-rank Markov logit bias conditioned on the token before each drafted position, and a confidence head
+    estimating each position's acceptance probability."""
+
+    markov_rank: int  # rank r of the bias W2 · W1[previous token]; 0: no Markov head
+    markov_head_type: str  # "vanilla" | "gated" (gated by the slot's hidden state) | "rnn" (a state across the block)
+    confidence_head: bool
+    confidence_with_markov: bool  # the confidence head reads [hidden ; W1[previous token]], else the hidden alone
+
+
 @dataclass(frozen=True, slots=True)
 class DrafterSpec:
     """A DFlash drafter: Qwen3-style layers, no embedding, and no head unless ``draft_vocab_size`` is set. Read from
@@ -252,10 +267,21 @@ class DrafterSpec:
     # > 0: the drafter has its OWN LM head over a reduced draft vocabulary of this many ids, mapped to target ids by
     # its ``d2t`` table (speculators format, models/speculators.py); None: it drafts through the target's head
     draft_vocab_size: int | None = None
+    # the Markov and confidence heads of a DSpark drafter (speculators format, models/dspark.py); None: plain DFlash
+    dspark: DSparkSpec | None = None
+    # True: slot 0 (the bonus) predicts the first draft and slot k the (k+1)-th (speculators' sample_from_anchor), so
+    # a forward over n slots drafts n tokens and ``block_size`` (the verified block, bonus included) is the trained
+    # block + 1; False: slot k predicts position ctx_len + k and slot 0 only carries the bonus (z-lab's DFlash)
+    anchor_predicts: bool = False
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def trained_block_size(self) -> int:
+        """Slots of the drafter's trained forward (its config's ``block_size``)."""
+        return self.block_size - int(self.anchor_predicts)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], prefix: str = "drafter") -> "DrafterSpec":
@@ -377,6 +403,8 @@ class DrafterSpec:
             "the z-lab format has no LM head of its own, so it cannot hold a reduced draft vocabulary",
             "write the drafter in speculators format (models.speculators.write_speculators_drafter)",
         )
+        require(self.dspark is None, "drafter.speculators_model_type", "dspark",
+                "the z-lab format has no Markov or confidence head", "keep the DSpark drafter in speculators format")
         return {
             "architectures": ["DFlashDraftModel"],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -435,11 +463,9 @@ _LAYER_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
               "rope_theta": 10000.0, "max_position_embeddings": 2048, "attention_bias": False},
 }
 
-# speculators model types that are not plain DFlash, with what they add: refused by name rather than drafted as
-# DFlash (their extra heads would be dropped silently).
+# speculators model types that are not DFlash or DSpark, with what they are: refused by name rather than drafted as
+# DFlash (their extra parts would be dropped silently).
 _REFUSED_SPECULATORS_TYPES = {
-    "dspark": "DSpark adds a low-rank Markov logit-bias head and a confidence head to the DFlash backbone, and its "
-              "anchor slot predicts (sample_from_anchor); this runtime implements neither",
     "dflash2": "DFlash2 adds a convolution and a candidate selector this runtime does not implement",
     "eagle3": "EAGLE-3 is an autoregressive drafter, not a DFlash block drafter",
     "peagle": "P-EAGLE is not a DFlash block drafter",
@@ -449,30 +475,37 @@ _REFUSED_SPECULATORS_TYPES = {
 
 
 def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
-    """A speculators ``DFlashSpeculatorConfig`` -> DrafterSpec (see the section comment for the conventions)."""
+    """A speculators ``DFlashSpeculatorConfig`` or ``DSparkSpeculatorConfig`` -> DrafterSpec (see the section
+    comment for the conventions; DSpark's heads: ``_dspark_heads``)."""
     kind = cfg.get("speculators_model_type")
     require(
         kind not in _REFUSED_SPECULATORS_TYPES,
         f"{prefix}.speculators_model_type",
         kind,
         _REFUSED_SPECULATORS_TYPES.get(kind, ""),
-        "use a plain DFlash drafter (speculators_model_type \"dflash\")",
+        "use a plain DFlash or a DSpark drafter (speculators_model_type \"dflash\" or \"dspark\")",
     )
     require(
-        kind == "dflash",
+        kind in ("dflash", "dspark"),
         f"{prefix}.speculators_model_type",
         kind,
-        'is not a speculators model type this runtime knows; only "dflash" is supported',
-        "use a speculators DFlash drafter or a z-lab DFlashDraftModel",
+        'is not a speculators model type this runtime knows; "dflash" and "dspark" are supported',
+        "use a speculators DFlash / DSpark drafter or a z-lab DFlashDraftModel",
     )
-    # a DSpark/DFlash2 checkpoint mislabelled "dflash" (or hand-edited) still carries its heads' fields or names
-    for key in ("markov_rank", "enable_confidence_head", "conv_kernel_size", "selector_rank"):
-        require(cfg.get(key) in (None, 0, False), f"{prefix}.{key}", cfg.get(key),
-                "belongs to DSpark / DFlash2 heads this runtime does not implement",
-                "use a plain DFlash drafter (speculators_model_type \"dflash\")")
-    archs = [a for a in cfg.get("architectures") or [] if "DSpark" in a or "DFlash2" in a]
-    require(not archs, f"{prefix}.architectures", archs, "names a DSpark / DFlash2 model class",
-            "use a plain DFlash drafter (speculators_model_type \"dflash\")")
+    if kind == "dflash":
+        # a DSpark/DFlash2 checkpoint mislabelled "dflash" (or hand-edited) still carries its heads' fields or names
+        for key in ("markov_rank", "enable_confidence_head", "conv_kernel_size", "selector_rank"):
+            require(cfg.get(key) in (None, 0, False), f"{prefix}.{key}", cfg.get(key),
+                    "belongs to DSpark / DFlash2 heads, which a \"dflash\" config does not load",
+                    "set speculators_model_type to the drafter's own type (\"dspark\" for a Markov / confidence "
+                    "head), or re-save it with speculators' save_pretrained")
+        archs = [a for a in cfg.get("architectures") or [] if "DSpark" in a or "DFlash2" in a]
+        require(not archs, f"{prefix}.architectures", archs, "names a DSpark / DFlash2 model class",
+                "set speculators_model_type to the drafter's own type, or use a plain DFlash drafter")
+    else:
+        require(cfg.get("conv_kernel_size") in (None, 0) and cfg.get("selector_rank") in (None, 0),
+                f"{prefix}.conv_kernel_size", cfg.get("conv_kernel_size", cfg.get("selector_rank")),
+                "belongs to DFlash2, which this runtime does not implement", "use a DSpark or DFlash drafter")
     layer = cfg.get("transformer_layer_config")
     require(isinstance(layer, dict), f"{prefix}.transformer_layer_config", layer, "must be a JSON object",
             "re-save the drafter with speculators' save_pretrained")
@@ -503,9 +536,12 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     require(not layer.get("attention_bias", False), f"{lprefix}.attention_bias", layer.get("attention_bias"),
             "speculators gives o_proj a bias too when set; this runtime's drafter has none",
             "use a drafter trained with attention_bias false")
-    require(cfg.get("sample_from_anchor") in (None, False), f"{prefix}.sample_from_anchor",
-            cfg.get("sample_from_anchor"),
-            "a drafter whose anchor slot predicts the first draft is not implemented (slot k predicts position k here)",
+    # DSparkSpeculatorConfig's default is True (DeepSpec's convention), DFlashSpeculatorConfig's False
+    anchor = cfg.get("sample_from_anchor", kind == "dspark")
+    require(isinstance(anchor, bool), f"{prefix}.sample_from_anchor", anchor, "must be true or false")
+    require(not anchor or kind == "dspark", f"{prefix}.sample_from_anchor", anchor,
+            "an anchor-predicting DFlash drafter is not loaded (speculators itself warns that inference engines may "
+            "not support it; TensorRT-LLM's DFlash route reads slot k as position k)",
             "use a drafter trained with sample_from_anchor false (the speculators DFlash default)")
     hidden = _int(layer, "hidden_size", lprefix)
     target_hidden = cfg.get("target_hidden_size")
@@ -546,8 +582,39 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
         log.warning("%s: sliding layers: speculators bounds the context window at the block's anchor, this runtime "
                     "at each query, so drafts can differ once the context exceeds sliding_window=%s",
                     prefix, layer.get("sliding_window"))
-    return DrafterSpec._from_zlab(zlab, lprefix, num_target_layers=None,
+    spec = DrafterSpec._from_zlab(zlab, lprefix, num_target_layers=None,
                                   draft_vocab_size=None if draft_vocab == vocab else draft_vocab)
+    if kind == "dflash":
+        return spec
+    # an anchor-predicting forward over the trained block drafts block_size tokens: one more verified slot
+    return replace(spec, dspark=_dspark_heads(cfg, prefix), anchor_predicts=anchor,
+                   block_size=spec.block_size + int(anchor))
+
+
+# DSparkSpeculatorConfig's defaults (speculators 0.9.0 ``models/dspark/config.py``), for a config that omits a field
+_DSPARK_DEFAULTS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                    "confidence_head_with_markov": True}
+
+
+def _dspark_heads(cfg: dict[str, Any], prefix: str) -> DSparkSpec:
+    """The Markov and confidence heads of a speculators DSpark config (``models/dspark.py`` implements them)."""
+    filled = {k: v for k, v in _DSPARK_DEFAULTS.items() if k not in cfg}
+    if filled:
+        log.info("%s: DSpark fields absent from the config, DSparkSpeculatorConfig's defaults used: %s", prefix, filled)
+    c = {**_DSPARK_DEFAULTS, **cfg}
+    rank = _int(c, "markov_rank", prefix, minimum=0)
+    head_type = c["markov_head_type"]
+    require(head_type in MARKOV_HEAD_TYPES, f"{prefix}.markov_head_type", head_type,
+            f"must be one of {list(MARKOV_HEAD_TYPES)} (the Markov heads speculators 0.9.0 defines and this runtime "
+            "implements)", "use a drafter trained with --markov-head-type vanilla, gated or rnn")
+    for key in ("enable_confidence_head", "confidence_head_with_markov"):
+        require(isinstance(c[key], bool), f"{prefix}.{key}", c[key], "must be true or false")
+    with_markov = c["enable_confidence_head"] and c["confidence_head_with_markov"]
+    require(not with_markov or rank > 0, f"{prefix}.confidence_head_with_markov", True,
+            "needs a Markov head (markov_rank > 0): the confidence head reads its previous-token embedding",
+            "set confidence_head_with_markov false for a drafter trained with markov_rank 0")
+    return DSparkSpec(markov_rank=rank, markov_head_type=head_type, confidence_head=c["enable_confidence_head"],
+                      confidence_with_markov=with_markov)
 
 
 def check_pair(target: TargetSpec, drafter: DrafterSpec) -> None:

@@ -120,6 +120,11 @@ def run_convert(cfg: ConvertConfig) -> CheckpointArtifact:
             "the TensorRT-LLM drafter graph drafts through the target's LM head (lm_head_source); a drafter with "
             "its own reduced-vocabulary head and d2t map is not converted",
             "run it in the in-process runtime (trtllm-dflash generate), or use a full-vocabulary drafter")
+    require(drafter.dspark is None, "drafter.speculators_model_type", "dspark",
+            "the TensorRT-LLM drafter graph has no Markov or confidence head; converting the backbone alone would "
+            "draft other tokens than the drafter was trained to",
+            "run it in the in-process runtime or --backend torch, or serve it with TensorRT-LLM's own DSpark "
+            "(make-repo --backend trtllm-pytorch, DSparkDecodingConfig)")
     check_tp(target, drafter, cfg.tp)
 
     t0 = time.perf_counter()

@@ -15,17 +15,21 @@ unless the config overrides it (specs.DrafterSpec.layer_causal).
 
 A speculators-format drafter (``models/speculators.py``) loads into the same module; one with a reduced draft
 vocabulary also carries ``draft_head`` (``models/draft_vocab.py``), its own LM head plus the draft-to-target id map,
-which ``draft_block`` applies in place of the target's head.
+which ``draft_block`` applies in place of the target's head. A DSpark drafter also carries ``dspark``
+(``models/dspark.py``): its Markov head, which ``draft_block`` applies to the block's logits position by position,
+and its confidence head, whose per-position estimates ``draft_block(scores=True)`` returns with the drafts.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from trtllm_dflash.models.draft_vocab import DraftVocabHead
+from trtllm_dflash.models.dspark import DSparkHeads
 from trtllm_dflash.models.layers import MLP, KVCache, Linear, RMSNorm, RopeAt, Rotary
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
@@ -84,6 +88,10 @@ class DrafterModel(nn.Module):
             # every draft forward (``draft`` and the plugin path's ``drafter_ops.draft``) ends in ``norm``: checking
             # there catches any caller that would use the target's head on this drafter (draft_vocab.py)
             self.norm.register_forward_pre_hook(lambda _m, _x: self.draft_head.check_armed())
+        self.dspark = None
+        if spec.dspark is not None:
+            self.dspark = DSparkHeads(spec.dspark, h, spec.vocab_size, spec.draft_vocab_size or spec.vocab_size,
+                                      spec.anchor_predicts)
         self.to(dtype=dtype, device=device)
         self.rotary = Rotary(spec.rope, spec.head_dim, max_positions or 32768, dtype, device)
 
@@ -176,29 +184,46 @@ class DrafterModel(nn.Module):
 
 def draft_block(
     bonus: torch.Tensor,  # [b] last emitted token of each sequence (its position = the drafter's context length)
-    block_size: int,
+    block_size: int,  # the verified block: the bonus and block_size − 1 drafts
     mask_token_id: int,
-    embed,  # ids [b, B] -> target embeddings [b, B, hidden]
-    forward,  # block embeddings [b, B, hidden] -> final-normed drafter hidden states [b, B, hidden]
+    embed,  # ids [b, S] -> target embeddings [b, S, hidden]
+    forward,  # block embeddings [b, S, hidden] -> final-normed drafter hidden states [b, S, hidden]
     head,  # hidden [b, B−1, hidden] -> target logits [b, B−1, vocab]
     top: int = 1,  # > 1: the ``top`` best tokens of every slot, best first ([b, B−1, top])
     *,
     own_head: DraftVocabHead | None = None,  # the drafter's ``draft_head``: used instead of ``head`` when not None
-) -> torch.Tensor:  # [b, B−1] greedy drafts d_1..d_{B−1}, target ids
-    """One DFlash draft: the block ``[bonus, MASK × (B−1)]`` through the drafter, then greedy through the target's
+    heads: DSparkHeads | None = None,  # the drafter's ``dspark`` heads (models/dspark.py), None for plain DFlash
+    scores: bool = False,  # also return the confidence head's estimates
+):  # [b, B−1] greedy drafts d_1..d_{B−1}, target ids; with ``scores``: (drafts, confidence [b, B−1] or None)
+    """One DFlash draft: the block ``[bonus, MASK × (S−1)]`` through the drafter, then greedy through the target's
     head. The callables say where the embedding, the drafter forward (torch or plugin kernels, which cache rows) and
     the head come from; the in-process decoder and the Triton drafter model both draft through this one function.
 
+    The forward has S = B slots, slot k predicting the token at ctx_len + k (slot 0 only carries the bonus); an
+    anchor-predicting drafter (``heads.anchor_predicts``, speculators' sample_from_anchor) has S = B − 1, slot k
+    predicting ctx_len + k + 1, so the same B − 1 drafts come from a forward one slot shorter.
     With ``own_head`` (a reduced-vocabulary drafter, ``draft_vocab.py``) the greedy or top-``top`` choice is made over
-    the drafter's own logits [b, B−1, draft_vocab] and mapped to target ids; ``head`` is then unused."""
-    block = torch.full((bonus.shape[0], block_size), mask_token_id, dtype=torch.long, device=bonus.device)
+    the drafter's own logits [b, B−1, draft_vocab] and mapped to target ids; ``head`` is then unused. With ``heads``
+    the Markov bias is added position by position as the drafts are chosen (``DSparkHeads.chain``)."""
+    anchor = heads is not None and heads.anchor_predicts
+    slots = block_size - 1 if anchor else block_size
+    block = torch.full((bonus.shape[0], slots), mask_token_id, dtype=torch.long, device=bonus.device)
     block[:, 0] = bonus
     # slots 1..B−1 made contiguous first: with b > 1 rows the [:, 1:] view's rows do not merge into one matrix, and
     # torch.matmul of such a view with a weight that needs no grad runs one GEMM per row, each reading the whole LM
     # head (SmolLM2's 49k × 576): 16 rows took 134 ms on 2 CPU cores against 75 ms as one GEMM (the copy: 0.5 MB)
-    if own_head is None:
+    if heads is None and own_head is None:
         logits = head(forward(embed(block))[:, 1:].contiguous())
-        return logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices
-    with own_head.drafting():
-        logits = own_head(forward(embed(block))[:, 1:].contiguous())  # [b, B−1, draft_vocab]
-    return own_head.to_target(logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices)
+        drafts = logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices
+        return (drafts, None) if scores else drafts
+    with own_head.drafting() if own_head is not None else contextlib.nullcontext():
+        hidden = forward(embed(block))  # [b, S, hidden]
+        predicting = (hidden if anchor else hidden[:, 1:]).contiguous()  # [b, B−1, hidden]
+        logits = (own_head if own_head is not None else head)(predicting)  # [b, B−1, draft_vocab or vocab]
+    to_target = own_head.to_target if own_head is not None else (lambda ids: ids)
+    if heads is None:
+        drafts, confidence = logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices, None
+    else:
+        drafts, confidence = heads.chain(predicting, logits, bonus, to_target, None if anchor else hidden[:, 0], top)
+    drafts = to_target(drafts)
+    return (drafts, confidence) if scores else drafts

@@ -19,6 +19,11 @@ and ``speculators/model.py``; config translation in ``specs._from_speculators``)
 
 So loading renames only the head (``lm_head.weight`` -> ``draft_head.lm_head.weight``) and turns d2t into
 absolute ids; the body loads under its own names with the same strict checks as a z-lab drafter.
+
+A DSpark drafter (``speculators_model_type: "dspark"``, ``DSparkDraftModel``) is the same layout plus its heads'
+config fields (``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``,
+``sample_from_anchor``; ``specs._dspark_heads``) and tensors (``markov_head.*``, ``confidence_head.*``), which load
+under ``dspark.`` (``models/dspark.py``); the writer below writes them back the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = "0.9.0"  # the speculators release whose layout this module reads and writes
 HEAD = "lm_head.weight"
 D2T, T2D = "d2t", "t2d"
+DSPARK_PREFIXES = ("markov_head.", "confidence_head.")
 # verifier-owned tensors an older or hand-made checkpoint may still hold; the target's own are used instead
 _VERIFIER_COPIES = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
@@ -61,6 +67,8 @@ def split_state(state: dict[str, torch.Tensor], spec: DrafterSpec, source: objec
     for name in _VERIFIER_COPIES:
         if state.pop(name, None) is not None:
             log.info("%s: ignoring %s (the verifier's; the target's own is used)", source, name)
+    for name in [n for n in state if n.startswith(DSPARK_PREFIXES)]:  # DSpark's heads (models/dspark.py)
+        state["dspark." + name] = state.pop(name)
     head, d2t, t2d = state.pop(HEAD, None), state.pop(D2T, None), state.pop(T2D, None)
     if spec.draft_vocab_size is None:
         if head is not None:
@@ -138,28 +146,34 @@ def speculators_config(spec: DrafterSpec, target: TargetSpec, verifier: str, ver
         raise ConfigError("drafter.layer_causal", list(spec.layer_causal),
                           "speculators makes full-attention layers bidirectional and every sliding layer alike "
                           "(sliding_window_non_causal)", "write this drafter in the z-lab format instead")
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "speculators_model_type": "dflash",
+    kind = "dflash" if spec.dspark is None else "dspark"
+    cfg = {
+        "architectures": ["DFlashDraftModel" if spec.dspark is None else "DSparkDraftModel"],
+        "speculators_model_type": kind,
         "speculators_version": FORMAT_VERSION,
         "transformer_layer_config": layer_config(spec, target),
         "draft_vocab_size": spec.draft_vocab_size or target.vocab_size,
-        "block_size": spec.block_size,
+        "block_size": spec.trained_block_size,
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
         "mask_token_id": spec.mask_token_id,
         "sliding_window_non_causal": sliding_causal == {False},
-        "sample_from_anchor": False,
+        "sample_from_anchor": spec.anchor_predicts,
         "tie_word_embeddings": False,
         "dtype": str(dtype).removeprefix("torch."),
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": spec.block_size - 1,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
         },
     }
+    if spec.dspark is not None:  # DSparkSpeculatorConfig's fields (specs._dspark_heads reads them back)
+        cfg |= {"markov_rank": spec.dspark.markov_rank, "markov_head_type": spec.dspark.markov_head_type,
+                "enable_confidence_head": spec.dspark.confidence_head,
+                "confidence_head_with_markov": spec.dspark.confidence_with_markov}
+    return cfg
 
 
 def vocab_tables(draft_to_target: torch.Tensor, target_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +186,8 @@ def vocab_tables(draft_to_target: torch.Tensor, target_vocab_size: int) -> tuple
 
 def write_speculators_drafter(out_dir: str | Path, model, target: TargetSpec, verifier: str | Path,
                               dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``model`` (a DrafterModel) as a speculators DFlash checkpoint that speculators' own
-    ``DFlashDraftModel.from_pretrained`` reads. ``verifier``: the target directory (its config.json gives the
+    """Write ``model`` (a DrafterModel) as a speculators DFlash (or DSpark) checkpoint that speculators' own
+    ``DFlashDraftModel.from_pretrained`` (``DSparkDraftModel``'s) reads. ``verifier``: the target directory (its config.json gives the
     architectures) or a hub id."""
     from trtllm_dflash.staging import staged_output
 
@@ -181,7 +195,8 @@ def write_speculators_drafter(out_dir: str | Path, model, target: TargetSpec, ve
     vpath = Path(verifier)
     archs = (read_json(vpath / "config.json", "pass the target directory").get("architectures") or []) \
         if vpath.is_dir() else []
-    state = {k: v.detach().to(dtype) for k, v in model.state_dict().items() if not k.startswith("draft_head.")}
+    state = {k.removeprefix("dspark."): v.detach().to(dtype) for k, v in model.state_dict().items()
+             if not k.startswith("draft_head.")}
     if model.draft_head is not None:
         state[HEAD] = model.draft_head.lm_head.weight.detach().to(dtype)
         state[D2T], state[T2D] = vocab_tables(model.draft_head.draft_to_target, target.vocab_size)

@@ -40,7 +40,8 @@ def reference_generate(target: TargetModel, drafter: DrafterModel | None, prompt
             drafter.inject(taps, torch.tensor([taps.shape[1]]), dcache)
             drafts = draft_block(torch.tensor([tokens[-1]], device=target.device), block_size,
                                  drafter.spec.mask_token_id, target.embed, lambda e: drafter.draft(e, dcache),
-                                 lambda h: target.logits(h.to(target.dtype)), own_head=drafter.draft_head)[0].tolist()
+                                 lambda h: target.logits(h.to(target.dtype)), own_head=drafter.draft_head,
+                                 heads=drafter.dspark)[0].tolist()
             drafts = drafts if propose is None else propose(tokens, drafts)
         choice, taps = verify([tokens[-1], *drafts])
         accepted = next((i for i, (d, x) in enumerate(zip(drafts, choice)) if d != x), len(drafts))

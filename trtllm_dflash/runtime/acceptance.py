@@ -44,6 +44,10 @@ NGRAM_PRIOR_STRENGTH = 0.5
 # of one continuation says little about the next, which follows another match): with them the prior is held strongly,
 # and the sequence's outcomes only move it after a run of surprises.
 LOOKUP_PRIOR_STRENGTH = 8.0
+# A DSpark confidence head's per-position estimates (trained against each position's acceptance rate, 1 − TV of the
+# drafter's and the target's distributions) are a forecast of the row's own next block, like a lookup's features:
+# held as strongly, so the row's decayed counts move them only after a run of surprises.
+CONFIDENCE_PRIOR_STRENGTH = 8.0
 
 
 def clip_prior(prior: Sequence[float]) -> list[float]:
@@ -66,30 +70,35 @@ class AcceptanceModel:
     def p(self, j: int) -> float:  # j: 0-based draft index
         return self.probabilities()[j]
 
-    def probabilities(self, prior: Sequence[float] | None = None, strength: float | None = None) -> list[float]:
+    def probabilities(self, prior: Sequence[float] | None = None, strength: float | None = None,
+                      per_position: bool = False) -> list[float]:
         """Posterior means. A position's prior is the larger of the drafter's prior and the estimate of the position
         before it, so a sequence that keeps accepting whole blocks expects the next position to be accepted too (and
         the decision lengthens its blocks quickly); the counts then correct it. ``prior``/``strength``: this
-        proposal's own (``Lookup.prior``) instead of the model's."""
+        proposal's own (``Lookup.prior``) instead of the model's. ``per_position``: ``prior`` is a forecast of each
+        position (a confidence head's), taken as it is, not raised to the position before it."""
+        n = len(self.prior)
+        if prior is not None and len(prior) < n:  # a forecast of a shorter block: its last position's for the rest
+            prior = [*prior, *[prior[-1]] * (n - len(prior))]
         base = self.prior if prior is None else clip_prior(prior)
         strength = self.strength if strength is None else strength
         out: list[float] = []
-        for j in range(len(self.prior)):
-            q = base[j] if j == 0 else max(base[j], out[-1])
+        for j in range(n):
+            q = base[j] if j == 0 or per_position else max(base[j], out[-1])
             s, f = self.hits[j], self.misses[j]
             out.append((s + strength * q) / (s + f + strength))
         return out
 
-    def expected_accepted_all(self, prior: Sequence[float] | None = None,
-                              strength: float | None = None) -> list[float]:
-        """[k] = E[accepted drafts | k drafts verified], k = 0..B−1 (``prior``, ``strength``: ``probabilities``).
-        Kept until the counts change or another prior is asked for (a row that does not draft asks ``decide`` the
-        same question every step): the list is shared, read it, do not modify it."""
-        key = (None if prior is None else tuple(prior), strength)
-        if self._memo is not None and self._memo[:2] == key:
-            return self._memo[2]
+    def expected_accepted_all(self, prior: Sequence[float] | None = None, strength: float | None = None,
+                              per_position: bool = False) -> list[float]:
+        """[k] = E[accepted drafts | k drafts verified], k = 0..B−1 (``prior``, ``strength``, ``per_position``:
+        ``probabilities``). Kept until the counts change or another prior is asked for (a row that does not draft
+        asks ``decide`` the same question every step): the list is shared, read it, do not modify it."""
+        key = (None if prior is None else tuple(prior), strength, per_position)
+        if self._memo is not None and self._memo[:3] == key:
+            return self._memo[3]
         out, run = [0.0], 1.0
-        for p in self.probabilities(prior, strength):
+        for p in self.probabilities(prior, strength, per_position):
             run *= p
             out.append(out[-1] + run)
         self._memo = (*key, out)
@@ -136,4 +145,7 @@ class SeqState:
     context: int = 0  # tokens the row's next verify attends over (its committed length; set by the loop)
     remaining: int | None = None  # tokens the row may still emit (its length limit; set by the loop; None: no limit)
     tree: float | None = None  # average tokens accepted by this row's tree steps (exponential; None: none yet)
+    # a DSpark drafter's confidence head on this row's latest block: p_j per draft position (set by the loop after
+    # each draft; None: no confidence head), the prior of the row's next plan (``AdaptivePolicy.drafter_expectation``)
+    forecast: list[float] | None = None
     chosen: list[int] = field(default_factory=list)  # k per step (telemetry)

@@ -232,7 +232,10 @@ class SpeculativeDecoder:
             def propose(seq_ids, bonus, cache_rows, k, top):
                 committed = verifier.cache.lengths[torch.tensor([verifier.slots.rows[s] for s in seq_ids])]
                 choices = (top,) if top > 1 else ()  # an override for chains alone need not take ``top``
-                return self.propose(bonus, drafter.cache, cache_rows, committed.to(bonus.device), k, *choices)
+                self.drafting.confidence = None
+                drafts = self.propose(bonus, drafter.cache, cache_rows, committed.to(bonus.device), k, *choices)
+                drafter.confidence = self.drafting.confidence  # a DSpark drafter's estimates, for ``forecast``
+                return drafts
 
             drafter = BlockDrafter(self.drafter, self.head, rows, max_len, math.inf, self.kernels, self.graphs,
                                    self._new_cache(self.drafter, rows, max_len), rows_by_seq_id=True, propose=propose)

@@ -194,6 +194,8 @@ async def run_generation(
     want_taps = adaptive or block_size > 1
     state = (state or policy.new_sequence()) if adaptive else None
     plan = getattr(steps, "plan", None) if adaptive else None  # the live sequences' steps decided together
+    # a DSpark drafter's confidence estimates for the latest block: the policy's forecast for the next plan
+    forecast = getattr(steps, "forecast", None) if adaptive else None
     last_step: StepReport | None = None
     stops = StopMatcher(req.stop_sequences, req.min_tokens)
     holdback = max(stops.longest, 1) - 1  # a stop may still cut these tokens
@@ -265,6 +267,8 @@ async def run_generation(
             if tree_step:
                 k, v = await inject_pending()
                 choices = await steps.draft(seq_id, k, v, bonus, tree.k + 1, top=tree.top)
+                if forecast is not None:
+                    state.forecast = forecast(seq_id)
                 t_look = time.perf_counter()
                 block, parents = tree_block(tree, bonus, choices, context, datastore), tuple(tree.parents)
                 drafts = block[1: tree.k + 1]  # the main chain: a tree step counts k drafts (its depth), as a chain
@@ -282,6 +286,8 @@ async def run_generation(
                 elif want_taps and n > 0:
                     k, v = await inject_pending()
                     drafts = await steps.draft(seq_id, k, v, bonus, width + 1)
+                    if forecast is not None:
+                        state.forecast = forecast(seq_id)
                 else:
                     drafts = []
                 t1 = time.perf_counter()
@@ -347,6 +353,12 @@ class LocalSteps:
 
     async def draft(self, seq_id, k, v, bonus, block_size, top=1):
         return self.drafter.draft([seq_id], [k], [v], [bonus], block_size, top)[0].tolist()
+
+    def forecast(self, seq_id) -> list[float] | None:
+        """The drafter's confidence estimates for the sequence's latest block (``BlockDrafter.forecast``), None where
+        the drafter has no confidence head or its engine keeps none."""
+        of = getattr(self.drafter, "forecast", None)
+        return of(seq_id) if of is not None else None
 
     async def free(self, seq_id, drafter):
         self.verifier.free(seq_id)

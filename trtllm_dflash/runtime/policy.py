@@ -10,7 +10,8 @@ emitted tokens per second of the next step:
 - **Cost model** (``CostModel``, ``runtime.cost``): the seconds of a verify and of a draft pass by the tokens they
   process, calibrated on the device and pulled toward the step times observed.
 - **Acceptance model** (``AcceptanceModel``, ``runtime.acceptance``, one per sequence): p_j from decayed counts
-  plus a prior (the drafter's training log, lowered to the workload's acceptance where that is less).
+  plus a prior (the drafter's training log, lowered to the workload's acceptance where that is less; for a DSpark
+  drafter with a confidence head, that head's per-position estimates on the sequence's latest block).
 - **Decision** (``AdaptivePolicy.decide``): the loops verify a rectangular [b, K + 1] block (rows drafting fewer are
   padded), so a row either drafts K tokens or none; for each K the best set of drafting rows is a prefix of the rows
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
@@ -38,8 +39,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from trtllm_dflash.runtime.acceptance import (LOOKUP_PRIOR_STRENGTH, NGRAM_PRIOR, NGRAM_PRIOR_STRENGTH,
-                                              AcceptanceModel, SeqState)
+from trtllm_dflash.runtime.acceptance import (CONFIDENCE_PRIOR_STRENGTH, LOOKUP_PRIOR_STRENGTH, NGRAM_PRIOR,
+                                              NGRAM_PRIOR_STRENGTH, AcceptanceModel, SeqState)
 from trtllm_dflash.runtime.cost import CostModel
 from trtllm_dflash.runtime.telemetry import Telemetry
 
@@ -169,7 +170,10 @@ class AdaptivePolicy:
 
     def drafter_expectation(self, state: SeqState, prior: Sequence[float] | None = None) -> list[float]:
         """[k] = E[accepted | k drafts of the drafter's block verified]: the sequence's own outcomes over
-        ``drafter_prior`` (``prior``: it, computed once for a step's rows)."""
+        ``drafter_prior`` (``prior``: it, computed once for a step's rows), or over the confidence head's forecast
+        for this sequence (``SeqState.forecast``, a DSpark drafter's) where it has one."""
+        if state.forecast:
+            return state.acceptance.expected_accepted_all(state.forecast, CONFIDENCE_PRIOR_STRENGTH, per_position=True)
         return state.acceptance.expected_accepted_all(self.drafter_prior() if prior is None else prior)
 
     def lookup_expectation(self, state: SeqState) -> list[float]:

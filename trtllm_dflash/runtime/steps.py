@@ -486,6 +486,12 @@ class BlockDrafter:
                                                                        max_seq_len + drafter.spec.block_size)
         self.slots = SlotTable(max_sequences, idle_timeout_s, by_seq_id=rows_by_seq_id)
         self.propose = propose or (lambda seq_ids, bonus, rows, k, top: self.block(bonus, self.cache, rows, k, top))
+        # a DSpark drafter's confidence head: its per-position estimates of each sequence's latest block, the
+        # ``auto`` policy's forecast for that sequence's next step (``forecast``); None: no head, no extra work
+        heads = drafter.dspark
+        self.scored = heads is not None and heads.confidence_head is not None
+        self.forecasts: dict[int, list[float]] = {}
+        self.confidence: torch.Tensor | None = None  # [b, K] of the latest ``block`` call (scored drafters)
 
     def draft(self, seq_ids: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor],
               bonus: list[int], block_size: int, top: int = 1) -> torch.Tensor:  # [b, block_size − 1] drafts
@@ -510,9 +516,19 @@ class BlockDrafter:
             rows.append(row)
         self._append(rows, new_k, new_v)
         device = self.head.embed.device
+        self.confidence = None
         with torch.inference_mode():
-            return self.propose(seq_ids, torch.tensor(bonus, device=device), torch.tensor(rows, device=device),
-                                block_size - 1, top)
+            drafts = self.propose(seq_ids, torch.tensor(bonus, device=device), torch.tensor(rows, device=device),
+                                  block_size - 1, top)
+        if self.confidence is not None:
+            for s, row in zip(seq_ids, self.confidence.tolist()):
+                self.forecasts[s] = row
+        return drafts
+
+    def forecast(self, seq_id: int) -> list[float] | None:
+        """The confidence head's estimates [K] for the sequence's latest drafted block: p_j = P(draft j accepted |
+        drafts before it were); None without a confidence head or before the sequence's first draft."""
+        return self.forecasts.get(seq_id)
 
     def _append(self, rows: list[int], new_k: list[torch.Tensor], new_v: list[torch.Tensor]) -> None:
         """The sequences' new context K/V into their cache rows: one write for all of them, or row by row where
@@ -537,18 +553,25 @@ class BlockDrafter:
         the drafter, greedy through the target's head ([b, K] drafts; [b, K, top] with ``top`` > 1); through the CUDA
         graph of this shape when graphs are on."""
 
-        def run(ids: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        def run(ids: torch.Tensor, r: torch.Tensor | None):  # drafts, or (drafts, confidence) for a scored drafter
             static = self.graphs is not None
             return draft_block(ids, num_drafts + 1, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
                                lambda e: drafter_ops.draft_pass(self.drafter, e, cache, r, self.kernels, static),
-                               self.logits, top, own_head=self.drafter.draft_head)
+                               self.logits, top, own_head=self.drafter.draft_head, heads=self.drafter.dspark,
+                               scores=self.scored)
 
         with torch.inference_mode():
             if self.graphs is None:
-                return run(bonus, rows)
-            inputs = (bonus,) if rows is None else (bonus, rows)
-            return self.graphs.run(("draft", id(cache), tuple(bonus.shape), rows is None, num_drafts, top), cache,
-                                   lambda x, *r: run(x, r[0] if r else None), *inputs)[0]
+                out = run(bonus, rows)
+            else:
+                inputs = (bonus,) if rows is None else (bonus, rows)
+                out = self.graphs.run(("draft", id(cache), tuple(bonus.shape), rows is None, num_drafts, top), cache,
+                                      lambda x, *r: run(x, r[0] if r else None), *inputs)
+                out = out if self.scored else out[0]
+        if not self.scored:
+            return out
+        drafts, self.confidence = out
+        return drafts
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head over drafter hidden states [..., H] -> [..., V]: the product the in-process
@@ -558,7 +581,10 @@ class BlockDrafter:
         return linear(hidden.to(head.dtype), head)
 
     def free(self, seq_id: int) -> bool:
+        self.forecasts.pop(seq_id, None)
         return self.slots.free(seq_id)
 
     def expire(self) -> None:
         self.slots.expire()
+        for s in [s for s in self.forecasts if s not in self.slots.rows]:
+            del self.forecasts[s]

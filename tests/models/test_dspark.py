@@ -1,0 +1,328 @@
+"""DSpark drafters (speculators 0.9.0 ``DSparkDraftModel``): loaded as-is, drafted with their Markov head, their
+confidence head feeding ``--block-size auto``, refused by name where a route cannot carry them.
+
+With the peer venv (``build_scripts/peer_speculators.sh``): speculators' own classes build and save a random DSpark
+drafter for a tiny target (``tests/peers/speculators_dspark.py``) for every Markov head type; we load it and compare
+the Markov-corrected draft logits, the drafted tokens and the confidence with speculators' own modules. Without the
+peer: random DSpark drafters built here decode losslessly in every loop, and the policy's plan follows the
+confidence head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
+from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.models import speculators
+from trtllm_dflash.models.drafter import DrafterModel, draft_block
+from trtllm_dflash.runtime.cost import GRID, CostModel
+from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
+from trtllm_dflash.runtime.policy import AdaptivePolicy
+from trtllm_dflash.runtime.reference import reference_generate
+from trtllm_dflash.specs import DrafterSpec, DSparkSpec, TargetSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER_PY = ROOT / ".peers" / "speculators" / "bin" / "python"
+PEER_SCRIPT = ROOT / "tests" / "peers" / "speculators_dspark.py"
+NO_PEER = "no peer venv: run build_scripts/peer_speculators.sh (speculators 0.9.0 in .peers/speculators)"
+
+
+def _dspark_drafter(target: TargetSpec, head_type: str = "vanilla", anchor: bool = True,
+                    draft_vocab: int | None = None, confidence: bool = True, seed: int = 0) -> DrafterModel:
+    """A random DSpark drafter for ``target`` (trained block 6; Markov weights large enough to change drafts)."""
+    spec = drafter_spec_for(target, num_layers=2, block_size=6, mask_token_id=5)
+    heads = DSparkSpec(markov_rank=8, markov_head_type=head_type, confidence_head=confidence,
+                       confidence_with_markov=confidence)
+    spec = replace(spec, num_target_layers=None, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
+                   dspark=heads, anchor_predicts=anchor, block_size=6 + int(anchor))
+    torch.manual_seed(seed)
+    model = DrafterModel(spec, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.6 if name.startswith("dspark.markov_head.") else 0.15)
+    if draft_vocab is not None:
+        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
+        model.draft_head.load_map(*speculators.vocab_tables(ids, target.vocab_size), "test")
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Against speculators itself
+
+
+def _corrected_logits(target, drafter, hidden, bonus, tokens):
+    """Our heads' Markov-corrected logits [K, V'] along the chain ``tokens`` [K] (target ids): what ``draft_block``
+    scored at each position once the drafts before it were chosen."""
+    spec, heads = drafter.spec, drafter.dspark
+    markov = heads.markov_head
+    predicting = hidden if spec.anchor_predicts else hidden[:, 1:]
+    own = drafter.draft_head
+    base = own(predicting) if own is not None else target.logits(predicting)  # [1, K, V']
+    state = None
+    if markov.head_type == "rnn":
+        state = hidden.new_zeros(1, markov.rank)
+        if not spec.anchor_predicts:
+            _, state = markov.step(markov.prev_embeddings(bonus), hidden[:, 0], state)
+    rows, prev = [], bonus
+    for k in range(predicting.shape[1]):
+        bias, state = markov.step(markov.prev_embeddings(prev), predicting[:, k], state)
+        rows.append(base[0, k] + bias[0])
+        prev = tokens[k: k + 1]
+    return torch.stack(rows)
+
+
+def _compare(target, drafter, io):
+    """(max |Δ corrected logit|, max |Δ confidence|, drafted tokens equal at every anchor, the Markov head changed
+    some anchor's drafts)."""
+    spec, worst, worst_conf, equal, changed = drafter.spec, 0.0, 0.0, True, False
+    for a in io["anchors"].tolist():
+        bonus = io["input_ids"][0, a: a + 1]
+
+        def drafted(heads):
+            cache = drafter.new_cache(1, 128)
+            with torch.inference_mode():
+                drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
+                return draft_block(bonus, spec.block_size, spec.mask_token_id, target.embed,
+                                   lambda e: drafter.draft(e, cache), target.logits, own_head=drafter.draft_head,
+                                   heads=heads, scores=True), cache
+
+        (tokens, confidence), _ = drafted(drafter.dspark)
+        (plain, _), _ = drafted(None)
+        changed |= not torch.equal(plain, tokens)
+        equal &= torch.equal(tokens[0], io[f"tokens_{a}"])
+        cache = drafter.new_cache(1, 128)
+        slots = spec.trained_block_size
+        with torch.inference_mode(), (drafter.draft_head.drafting() if drafter.draft_head is not None
+                                      else contextlib.nullcontext()):
+            drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
+            ids = torch.full((1, slots), spec.mask_token_id)
+            ids[0, 0] = bonus
+            hidden = drafter.draft(target.embed(ids), cache)
+            logits = _corrected_logits(target, drafter, hidden, bonus, io[f"tokens_{a}"])
+        worst = max(worst, (logits - io[f"logits_{a}"]).abs().max().item())
+        worst_conf = max(worst_conf, (confidence[0] - io[f"conf_{a}"]).abs().max().item())
+    return worst, worst_conf, equal, changed
+
+
+def _peer(*args):
+    done = subprocess.run([str(PEER_PY), str(PEER_SCRIPT), *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not PEER_PY.exists(), reason=NO_PEER)
+@pytest.mark.parametrize("head_type, anchor, draft_vocab", [
+    ("vanilla", 1, 64), ("gated", 1, 0), ("rnn", 1, 64), ("rnn", 0, 64), ("vanilla", 0, 0),
+])
+def test_against_speculators(tiny_dirs, tmp_path, head_type, anchor, draft_vocab):
+    """speculators' drafter loaded here drafts what speculators drafts; ours written out, read back by speculators,
+    drafts the same again."""
+    tdir = tiny_dirs["llama"][0]
+    _peer("make", tmp_path / "peer", "--target", tdir, "--head-type", head_type, "--anchor", anchor,
+          "--draft-vocab", draft_vocab)
+    target, drafter = load_pair(tdir, tmp_path / "peer" / "drafter")
+    spec = drafter.spec
+    assert spec.dspark == DSparkSpec(16, head_type, True, True) and spec.anchor_predicts == bool(anchor)
+    assert spec.trained_block_size == 6 and spec.block_size == 6 + anchor
+    assert spec.draft_vocab_size == (draft_vocab or None) and spec.target_layer_ids == (1, 3)
+    worst, worst_conf, equal, changed = _compare(target, drafter, load_file(str(tmp_path / "peer" /
+                                                                               "peer_io.safetensors")))
+    # float32 on both sides, summed in different orders (eager attention over a masked [T + B] key set there, the
+    # context cache here); |logit| up to ~10 (Markov weights std 0.6), observed differences ~1e-6
+    assert worst < 1e-4 and worst_conf < 1e-5 and equal, (worst, worst_conf, equal)
+    assert changed  # the head is exercised: without it some anchor drafts other tokens
+
+    speculators.write_speculators_drafter(tmp_path / "ours", drafter, target.spec, tdir, dtype=torch.float32)
+    _peer("run", tmp_path / "ours", tmp_path / "back")
+    back = _compare(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
+    assert back[0] < 1e-4 and back[1] < 1e-5 and back[2], back
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Without the peer: decoding, the policy's forecast, refusals
+
+
+@pytest.mark.parametrize("head_type, anchor, draft_vocab", [("vanilla", True, 64), ("gated", False, None),
+                                                            ("rnn", True, None)])
+def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
+    """A DSpark drafter in the in-process decoder (fixed and auto blocks, eager and through rehearsed CUDA graphs) and
+    the reference loop: the target's own greedy tokens; every loop accepts the same lengths (one draft_block for
+    all)."""
+    target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
+    drafter = _dspark_drafter(target.spec, head_type, anchor, draft_vocab)
+    requests = [Request((1, 17, 33, 4, 99), 24), Request((7, 8), 24)]
+    want = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(requests)]
+    block = drafter.spec.block_size
+    fixed = SpeculativeDecoder(target, drafter, block).generate(requests)
+    assert [r.token_ids for r in fixed] == want
+    assert all(1 <= t <= block for r in fixed for t in r.acceptance_lengths)
+    policy = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-5] * len(GRID)), block)
+    assert [r.token_ids for r in SpeculativeDecoder(target, drafter, "auto", policy=policy).generate(requests)] == want
+    graphed = SpeculativeDecoder(target, drafter, block, cuda_graphs="rehearse").generate(requests)  # CUDA graphs' path
+    assert [r.acceptance_lengths for r in graphed] == [r.acceptance_lengths for r in fixed]
+    for r, req in zip(fixed, requests):
+        tokens, taus = reference_generate(target, drafter, list(req.prompt_ids), req.max_new_tokens, block)
+        assert tokens == list(r.token_ids) and taus == list(r.acceptance_lengths)
+
+
+def _run_auto(target, drafter):
+    """One request under ``auto`` through the in-process step engines -> its policy state and the policy."""
+    from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation
+    from trtllm_dflash.runtime.protocol import GenerateRequest
+    from trtllm_dflash.runtime.sampling import SamplingParams
+    from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
+
+    block = drafter.spec.block_size
+    policy = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-5] * len(GRID)), block)
+    state = policy.new_sequence()
+    steps = BatchedLocalSteps(TargetVerifier(target, drafter.spec.target_layer_ids, 1, 64, block),
+                              KVInjector(drafter), BlockDrafter(drafter, TargetHead.of(target), 1, 64))
+
+    async def update(_):
+        pass
+
+    asyncio.run(run_generation(steps, GenerateRequest((1, 17, 33), 12, SamplingParams(), (), False), "auto", 0,
+                               update, policy=policy, state=state))
+    return state, policy
+
+
+def test_confidence_forecast_sets_the_plan(tiny_dirs):
+    """The confidence head's estimates of a request's latest block are its next plan's acceptance prior: a confident
+    forecast verifies more drafts than a doubtful one; a drafter without the head leaves the plan to the counts and
+    the training-log prior, as before."""
+    target, zlab = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
+    state, policy = _run_auto(target, _dspark_drafter(target.spec))
+    assert state.forecast is not None and 1 <= len(state.forecast) <= policy.max_k
+    assert all(0.0 < p < 1.0 for p in state.forecast)
+
+    plans = {}
+    for name, forecast in (("confident", [0.97] * policy.max_k), ("doubtful", [0.9, 0.05] + [0.02] * 4)):
+        s = policy.new_sequence()
+        s.drafted, s.forecast = 1, forecast
+        plans[name] = policy.decide([s])[0]
+    assert plans["confident"] == policy.max_k and plans["doubtful"] <= 1, plans
+
+    plain_state, plain_policy = _run_auto(target, zlab)  # the z-lab drafter: no confidence head, no forecast
+    assert plain_state.forecast is None
+    again = plain_policy.new_sequence()
+    assert plain_policy.drafter_expectation(again) == again.acceptance.expected_accepted_all(
+        plain_policy.drafter_prior())
+
+
+def test_drafts_depend_on_the_markov_chain(tiny_dirs):
+    """Each position's bias follows the draft chosen before it: drafting with the head differs from drafting
+    without it, and the top-k alternatives' best is the greedy chain."""
+    target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
+    drafter = _dspark_drafter(target.spec, "gated", anchor=True)
+    spec = drafter.spec
+    taps = torch.randn(1, 10, spec.num_taps * spec.hidden_size, generator=torch.Generator().manual_seed(3),
+                       dtype=torch.float64)
+
+    def drafts(heads, top=1):
+        cache = drafter.new_cache(3, 64)
+        with torch.inference_mode():
+            drafter.inject(taps.expand(3, -1, -1), torch.tensor([10, 10, 10]), cache)
+            return draft_block(torch.tensor([3, 50, 200]), spec.block_size, spec.mask_token_id, target.embed,
+                               lambda e: drafter.draft(e, cache), target.logits, top, heads=heads)
+
+    greedy = drafts(drafter.dspark)
+    assert greedy.shape == (3, spec.block_size - 1) and not torch.equal(greedy, drafts(None))
+    assert torch.equal(drafts(drafter.dspark, top=4)[..., 0], greedy)
+
+
+def _config(**over):
+    """A speculators DSpark config.json as ``DSparkDraftModel.save_pretrained`` writes it, trimmed."""
+    cfg = {
+        "architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark", "speculators_version": "0.9.0",
+        "block_size": 8, "draft_vocab_size": 32000, "mask_token_id": 151669, "aux_hidden_state_layer_ids": [2, 18],
+        "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
+        "enable_confidence_head": True, "confidence_head_with_markov": True,
+        "transformer_layer_config": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+                                     "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 8},
+        "speculators_config": {"algorithm": "dspark", "verifier": {"name_or_path": "Qwen/Qwen3-1.7B"}},
+    }
+    return cfg | over
+
+
+def test_config_translation():
+    spec = DrafterSpec.from_hf_config(_config())
+    assert spec.dspark == DSparkSpec(256, "vanilla", True, True) and spec.anchor_predicts
+    assert (spec.block_size, spec.trained_block_size, spec.draft_vocab_size) == (9, 8, 32000)
+    trimmed = {k: v for k, v in _config().items() if k not in ("markov_rank", "sample_from_anchor")}
+    assert DrafterSpec.from_hf_config(trimmed) == spec  # DSparkSpeculatorConfig's defaults
+    dflash_like = DrafterSpec.from_hf_config(_config(sample_from_anchor=False, markov_head_type="rnn"))
+    assert (dflash_like.block_size, dflash_like.anchor_predicts, dflash_like.dspark.markov_head_type) == (8, False,
+                                                                                                          "rnn")
+
+
+@pytest.mark.parametrize("over, field, value, fix", [
+    (dict(markov_head_type="lstm"), "drafter.markov_head_type", "lstm", "vanilla, gated or rnn"),
+    (dict(markov_rank=0), "drafter.confidence_head_with_markov", True, "confidence_head_with_markov false"),
+    (dict(markov_rank=-1), "drafter.markov_rank", -1, None),
+    (dict(speculators_model_type="dflash"), "drafter.markov_rank", 256, '"dspark"'),
+    (dict(conv_kernel_size=4), "drafter.conv_kernel_size", 4, "DSpark or DFlash drafter"),
+    (dict(speculators_model_type="dflash", markov_rank=0, enable_confidence_head=False, sample_from_anchor=True,
+          architectures=["DFlashDraftModel"]), "drafter.sample_from_anchor", True, "sample_from_anchor false"),
+])
+def test_config_refusals(over, field, value, fix):
+    with pytest.raises(ConfigError) as e:
+        DrafterSpec.from_hf_config(_config(**over))
+    assert (e.value.field, e.value.value) == (field, value), str(e.value)
+    assert fix is None or fix in e.value.fix, str(e.value)
+
+
+@pytest.mark.parametrize("head_type, anchor, draft_vocab", [("rnn", True, 64), ("gated", False, None)])
+def test_own_writer_round_trip(tiny_dirs, tmp_path, head_type, anchor, draft_vocab):
+    """A DSpark drafter written in speculators' layout by our writer loads back with the same spec, the same
+    tensors (heads under ``dspark.``) and the same drafts and confidence."""
+    tdir = tiny_dirs["llama"][0]
+    target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
+    model = _dspark_drafter(target.spec, head_type, anchor, draft_vocab)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", model, target.spec, tdir, dtype=torch.float64)
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= names
+    _, loaded = load_pair(tdir, out, dtype=torch.float64)
+    assert loaded.spec == model.spec
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    taps = torch.randn(1, 9, model.spec.num_taps * model.spec.hidden_size, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1))
+
+    def drafts(drafter):
+        cache = drafter.new_cache(1, 64)
+        with torch.inference_mode():
+            drafter.inject(taps, torch.tensor([9]), cache)
+            return draft_block(torch.tensor([11]), drafter.spec.block_size, drafter.spec.mask_token_id, target.embed,
+                               lambda e: drafter.draft(e, cache), target.logits, own_head=drafter.draft_head,
+                               heads=drafter.dspark, scores=True)
+
+    (want, want_conf), (got, got_conf) = drafts(model), drafts(loaded)
+    assert torch.equal(got, want) and torch.equal(got_conf, want_conf)
+
+
+def test_routes_without_the_heads_refuse_dspark(tiny_dirs, tmp_path):
+    """The z-lab layout and the TensorRT-LLM checkpoint converter have no Markov or confidence head: refused by
+    name, never converted as the backbone alone."""
+    from trtllm_dflash.convert.checkpoint import convert
+
+    tdir = tiny_dirs["llama"][0]
+    target_spec = TargetSpec.load(tdir)
+    drafter = _dspark_drafter(target_spec, draft_vocab=None)
+    with pytest.raises(ConfigError, match="Markov or confidence head"):
+        drafter.spec.to_hf_config(target=target_spec)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", drafter, target_spec, tdir, dtype=torch.float32)
+    with pytest.raises(ConfigError) as e:
+        convert(tdir, out, tmp_path / "ckpt", dtype="float32")
+    assert (e.value.field, e.value.value) == ("drafter.speculators_model_type", "dspark")
+    assert "DSparkDecodingConfig" in e.value.fix

@@ -126,6 +126,47 @@ def test_llmapi_validation(tiny_dirs, tmp_path):
         RepoConfig(str(t), str(d), "torch", 8, checkpoint_dir=str(t)).validate()
 
 
+def _dspark_dir(tiny_dirs, tmp_path, **over) -> Path:
+    """A full-vocabulary speculators DSpark drafter directory for the tiny Qwen3 target: its DFlash twin written by
+    our writer, the config turned into the DSpark one speculators' save_pretrained writes (the repository reads the
+    config only)."""
+    import torch
+
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.models import speculators
+
+    t, d = tiny_dirs["qwen3"]
+    target, zlab = load_pair(t, d)
+    out = speculators.write_speculators_drafter(tmp_path / "dspark", zlab, target.spec, t, dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update({"architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark", "block_size": 7,
+                "sample_from_anchor": True, "markov_rank": 32, "markov_head_type": "gated",
+                "enable_confidence_head": True, "confidence_head_with_markov": True, **over})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("head_type", FACTS["DSparkDecodingConfig"]["markov_head_type"])
+def test_dspark_maps_to_dspark_decoding_config(tiny_dirs, tmp_path, head_type):
+    """A DSpark drafter's repository carries DSparkDecodingConfig: its trained block (7; an anchor-predicting block
+    drafts 7 tokens, so max_draft_len 7), the Markov head's rank and type, every key one TensorRT-LLM records."""
+    t = str(tiny_dirs["qwen3"][0])
+    drafter = _dspark_dir(tiny_dirs, tmp_path, markov_head_type=head_type)
+    llm = make_repo(RepoConfig(t, str(drafter), "trtllm-pytorch", 8, max_seq_len=256, checkpoint_dir=t),
+                    tmp_path / "llm")
+    spec = yaml.safe_load((llm / "tensorrt_llm_dflash" / "1" / "model.yaml").read_text())["speculative_config"]
+    ds, dsc = DrafterSpec.load(drafter), FACTS["DSparkDecodingConfig"]
+    assert spec == {"decoding_type": "DSpark", "max_draft_len": 7, "speculative_model": str(drafter.resolve()),
+                    "target_layer_ids": list(ds.target_layer_ids), "mask_token_id": ds.mask_token_id,
+                    "block_size": 7, "markov_rank": 32, "markov_head_type": head_type}
+    assert set(spec) <= set(dsc["fields"]) and spec["decoding_type"] == dsc["decoding_type"]
+    assert spec["markov_head_type"] in dsc["markov_head_type"]
+    with pytest.raises(ConfigError) as e:  # the engine drafter has no Markov head: refused, not degraded
+        RepoConfig(t, str(drafter), "trtllm-engine", 8, engines_dir=str(tmp_path), max_seq_len=256).validate()
+    assert (e.value.field, e.value.value) == ("drafter.speculators_model_type", "dspark")
+    assert "trtllm-pytorch" in e.value.fix
+
+
 def test_cli_trtllm_pytorch_defaults_target_to_checkpoint(tiny_dirs, tmp_path, capsys):
     from trtllm_dflash.cli import main
 

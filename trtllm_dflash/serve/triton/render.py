@@ -174,7 +174,10 @@ class RepoConfig:
                 drafter.draft_vocab_size, f"is a reduced draft vocabulary, which --backend {self.backend} cannot map to "
                 "the target's ids (its drafter has no head of its own)", "use --backend torch, or a full-vocabulary "
                 "drafter")
-        if self.backend == "trtllm-pytorch":
+        require(drafter.dspark is None or self.backend != "trtllm-engine", "drafter.speculators_model_type",
+                "dspark", "the TensorRT-LLM engine drafter has no Markov or confidence head",
+                "use --backend torch, or --backend trtllm-pytorch (TensorRT-LLM's own DSpark)")
+        if self.backend == "trtllm-pytorch" and drafter.dspark is None:
             from trtllm_dflash.models.speculators import is_speculators_dir
 
             require(not is_speculators_dir(self.drafter_dir), "--drafter", self.drafter_dir,
@@ -274,7 +277,8 @@ def _llmapi_files(cfg: RepoConfig, drafter) -> dict[str, str]:
 
     base = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size)
     spec = model_yaml(cfg.checkpoint_dir, cfg.max_batch_size, cfg.drafter_dir, cfg.block(drafter) - 1,
-                      drafter.target_layer_ids, drafter.mask_token_id)
+                      drafter.target_layer_ids, drafter.mask_token_id, dspark=drafter.dspark,
+                      trained_block_size=drafter.trained_block_size)
     out = {"tensorrt_llm_dflash": dump_yaml(spec), "tensorrt_llm_baseline": dump_yaml(base)}
     for model, text in out.items():
         require("${" not in text, f"{model}/1/model.yaml", "${", "contains a placeholder")

@@ -26,6 +26,7 @@ from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.trtllm.compat import Options, request_options, response_outputs
+from trtllm_dflash.specs import DSparkSpec
 
 LLMAPI_MODEL_PY_SOURCE = ("NVIDIA's container: triton_backend/all_models/llmapi/tensorrt_llm/1/model.py and "
                           "helpers.py of TensorRT-LLM >= 1.3 (copied into <model>/1/ by the trtllm-pytorch Dockerfile)")
@@ -55,9 +56,12 @@ UNAVAILABLE_INPUTS = {
 def model_yaml(checkpoint_dir: str, max_batch_size: int, drafter_dir: str | None = None,
                max_draft_len: int | None = None, target_layer_ids: tuple[int, ...] = (),
                mask_token_id: int | None = None, free_gpu_memory_fraction: float = 0.9,
-               tensor_parallel_size: int = 1) -> dict[str, Any]:
+               tensor_parallel_size: int = 1, dspark: DSparkSpec | None = None,
+               trained_block_size: int | None = None) -> dict[str, Any]:
     """The llmapi model's ``1/model.yaml``: LLM() arguments plus ``triton_config``. With ``drafter_dir`` it carries
-    DFlash's ``speculative_config`` (fields of DFlashDecodingConfig); without, it is the autoregressive baseline."""
+    DFlash's ``speculative_config`` (fields of DFlashDecodingConfig), or with ``dspark`` (a DSpark drafter's heads,
+    ``trained_block_size`` its config's block_size) DSpark's (``dspark_fields``); without, it is the autoregressive
+    baseline."""
     cfg: dict[str, Any] = {
         "model": str(Path(checkpoint_dir).resolve()),
         "backend": "pytorch",
@@ -77,7 +81,20 @@ def model_yaml(checkpoint_dir: str, max_batch_size: int, drafter_dir: str | None
             "target_layer_ids": [int(i) for i in target_layer_ids],
             "mask_token_id": int(mask_token_id),
         }
+        if dspark is not None:
+            cfg["speculative_config"] |= dspark_fields(dspark, trained_block_size)
     return cfg
+
+
+def dspark_fields(dspark: DSparkSpec, trained_block_size: int | None) -> dict[str, Any]:
+    """What a DSpark drafter adds to the DFlash fields of ``speculative_config``, as TensorRT-LLM's
+    DSparkDecodingConfig names them (tests/data/trtllm_llmapi/llmapi_facts.json): its decoding type, the trained
+    block (speculators' ``block_size``), the Markov head's rank and type. The confidence head has no field in
+    TensorRT-LLM 1.3 (1.4's confidence scheduling reads calibration files of its own), so it is not mapped."""
+    require(trained_block_size is not None and trained_block_size >= 1, "drafter.block_size", trained_block_size,
+            "must be >= 1 (DSparkDecodingConfig.block_size)")
+    return {"decoding_type": "DSpark", "block_size": int(trained_block_size), "markov_rank": int(dspark.markov_rank),
+            "markov_head_type": dspark.markov_head_type}
 
 
 def dump_yaml(cfg: dict[str, Any]) -> str:

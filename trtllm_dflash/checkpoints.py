@@ -123,9 +123,14 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
 def use_draft_vocab(target: TargetModel, drafter: DrafterModel, drafter_dir, choice: str | Path | None = "auto"):
     """Give a loaded full-vocabulary ``drafter`` the draft vocabulary ``choice`` names (``load_pair``'s
     ``draft_vocab``): a head of those rows of ``target``'s LM head (``models.draft_vocab.derived_head``)."""
+    from trtllm_dflash.errors import ConfigError
     from trtllm_dflash.models import draft_vocab as dv
 
     path = resolve_draft_vocab(choice, drafter_dir, drafter.spec)
+    if path is not None and drafter.dspark is not None and drafter.dspark.markov_head is not None:
+        raise ConfigError("--draft-vocab", str(path), "a DSpark drafter's Markov head biases the vocabulary it was "
+                          "trained over; a head derived from the target's rows would not match it",
+                          "pass --draft-vocab full (or remove the file from the drafter directory)")
     if path is not None:
         drafter.draft_head = dv.derived_head(target.lm_head.weight, dv.read(path, target.spec.vocab_size))
     return drafter

@@ -215,6 +215,19 @@ def test_confidence_forecast_sets_the_plan(tiny_dirs):
         plans[name] = policy.decide([s])[0]
     assert plans["confident"] == policy.max_k and plans["doubtful"] <= 1, plans
 
+    # end to end: the same drafter made sure, then doubtful, of every position plans long, then short blocks
+    chosen = {}
+    for logit in (8.0, -8.0):
+        drafter = _dspark_drafter(target.spec)
+        with torch.no_grad():
+            drafter.dspark.confidence_head.proj.weight.zero_()
+            drafter.dspark.confidence_head.proj.bias.fill_(logit)
+        state, _ = _run_auto(target, drafter)
+        chosen[logit] = state.chosen[1:]  # after the first draft, whose plan had no forecast yet
+    # (the random drafter's misses then pull the confident plan down, at the forecast's strength of 8 observations)
+    assert chosen[8.0][0] == policy.max_k and max(chosen[-8.0]) <= 1 and sum(chosen[8.0]) > sum(chosen[-8.0]), chosen
+
+    assert _run_auto(target, _dspark_drafter(target.spec, confidence=False))[0].forecast is None
     plain_state, plain_policy = _run_auto(target, zlab)  # the z-lab drafter: no confidence head, no forecast
     assert plain_state.forecast is None
     again = plain_policy.new_sequence()

@@ -503,9 +503,9 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
         require(not archs, f"{prefix}.architectures", archs, "names a DSpark / DFlash2 model class",
                 "set speculators_model_type to the drafter's own type, or use a plain DFlash drafter")
     else:
-        require(cfg.get("conv_kernel_size") in (None, 0) and cfg.get("selector_rank") in (None, 0),
-                f"{prefix}.conv_kernel_size", cfg.get("conv_kernel_size", cfg.get("selector_rank")),
-                "belongs to DFlash2, which this runtime does not implement", "use a DSpark or DFlash drafter")
+        for key in ("conv_kernel_size", "selector_rank"):
+            require(cfg.get(key) in (None, 0), f"{prefix}.{key}", cfg.get(key),
+                    "belongs to DFlash2, which this runtime does not implement", "use a DSpark or DFlash drafter")
     layer = cfg.get("transformer_layer_config")
     require(isinstance(layer, dict), f"{prefix}.transformer_layer_config", layer, "must be a JSON object",
             "re-save the drafter with speculators' save_pretrained")
@@ -537,7 +537,8 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
             "speculators gives o_proj a bias too when set; this runtime's drafter has none",
             "use a drafter trained with attention_bias false")
     # DSparkSpeculatorConfig's default is True (DeepSpec's convention), DFlashSpeculatorConfig's False
-    anchor = cfg.get("sample_from_anchor", kind == "dspark")
+    anchor = cfg.get("sample_from_anchor")
+    anchor = kind == "dspark" if anchor is None else anchor
     require(isinstance(anchor, bool), f"{prefix}.sample_from_anchor", anchor, "must be true or false")
     require(not anchor or kind == "dspark", f"{prefix}.sample_from_anchor", anchor,
             "an anchor-predicting DFlash drafter is not loaded (speculators itself warns that inference engines may "

@@ -276,6 +276,7 @@ def test_config_translation():
     assert (spec.block_size, spec.trained_block_size, spec.draft_vocab_size) == (9, 8, 32000)
     trimmed = {k: v for k, v in _config().items() if k not in ("markov_rank", "sample_from_anchor")}
     assert DrafterSpec.from_hf_config(trimmed) == spec  # DSparkSpeculatorConfig's defaults
+    assert DrafterSpec.from_hf_config(_config(sample_from_anchor=None)) == spec
     dflash_like = DrafterSpec.from_hf_config(_config(sample_from_anchor=False, markov_head_type="rnn"))
     assert (dflash_like.block_size, dflash_like.anchor_predicts, dflash_like.dspark.markov_head_type) == (8, False,
                                                                                                           "rnn")
@@ -287,6 +288,8 @@ def test_config_translation():
     (dict(markov_rank=-1), "drafter.markov_rank", -1, None),
     (dict(speculators_model_type="dflash"), "drafter.markov_rank", 256, '"dspark"'),
     (dict(conv_kernel_size=4), "drafter.conv_kernel_size", 4, "DSpark or DFlash drafter"),
+    (dict(selector_rank=8), "drafter.selector_rank", 8, "DSpark or DFlash drafter"),
+    (dict(sample_from_anchor="yes"), "drafter.sample_from_anchor", "yes", None),
     (dict(speculators_model_type="dflash", markov_rank=0, enable_confidence_head=False, sample_from_anchor=True,
           architectures=["DFlashDraftModel"]), "drafter.sample_from_anchor", True, "sample_from_anchor false"),
 ])

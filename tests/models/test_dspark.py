@@ -37,7 +37,8 @@ NO_PEER = "no peer venv: run build_scripts/peer_speculators.sh (speculators 0.9.
 
 
 def _dspark_drafter(target: TargetSpec, head_type: str = "vanilla", anchor: bool = True,
-                    draft_vocab: int | None = None, confidence: bool = True, seed: int = 0) -> DrafterModel:
+                    draft_vocab: int | None = None, confidence: bool = True, seed: int = 0,
+                    dtype: torch.dtype = torch.float64) -> DrafterModel:
     """A random DSpark drafter for ``target`` (trained block 6; Markov weights large enough to change drafts)."""
     spec = drafter_spec_for(target, num_layers=2, block_size=6, mask_token_id=5)
     heads = DSparkSpec(markov_rank=8, markov_head_type=head_type, confidence_head=confidence,
@@ -45,7 +46,7 @@ def _dspark_drafter(target: TargetSpec, head_type: str = "vanilla", anchor: bool
     spec = replace(spec, num_target_layers=None, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
                    dspark=heads, anchor_predicts=anchor, block_size=6 + int(anchor))
     torch.manual_seed(seed)
-    model = DrafterModel(spec, dtype=torch.float64)
+    model = DrafterModel(spec, dtype=dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -171,6 +172,8 @@ def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
     assert all(1 <= t <= block for r in fixed for t in r.acceptance_lengths)
     policy = AdaptivePolicy(CostModel([1e-3] * len(GRID), [1e-5] * len(GRID)), block)
     assert [r.token_ids for r in SpeculativeDecoder(target, drafter, "auto", policy=policy).generate(requests)] == want
+    # the calibrated policy times draft passes down to no drafts at all (a forward over the bonus alone)
+    assert [r.token_ids for r in SpeculativeDecoder(target, drafter, "auto").generate(requests)] == want
     graphed = SpeculativeDecoder(target, drafter, block, cuda_graphs="rehearse").generate(requests)  # CUDA graphs' path
     assert [r.acceptance_lengths for r in graphed] == [r.acceptance_lengths for r in fixed]
     for r, req in zip(fixed, requests):
@@ -353,3 +356,35 @@ def test_routes_without_the_heads_refuse_dspark(tiny_dirs, tmp_path):
         load_pair(tdir, out)
     assert (e.value.field, e.value.value) == ("--draft-vocab", str(vocab_file)) and "full" in e.value.fix
     assert load_pair(tdir, out, draft_vocab="full")[1].draft_head is None
+
+
+def test_triton_drafter_model_drafts_with_the_heads(tiny_dirs, tmp_path, capsys):
+    """make-repo --backend torch with a DSpark drafter: the Triton drafter step model loads its heads and drafts the
+    tokens, and keeps the confidence, of the in-process draft (both through ``draft_block``)."""
+    from trtllm_dflash.cli import main
+    from trtllm_dflash.serve.settings import ModelSettings
+    from trtllm_dflash.serve.triton.handlers import DrafterStepModel
+    from trtllm_dflash.serve.triton.render import config_parameters
+
+    tdir = tiny_dirs["llama"][0]
+    target, _ = load_pair(*tiny_dirs["llama"])
+    drafter = _dspark_drafter(target.spec, "rnn", anchor=True, draft_vocab=64, dtype=torch.float32)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", drafter, target.spec, tdir, dtype=torch.float32)
+    assert main(["make-repo", "--target", str(tdir), "--drafter", str(out), "--out", str(tmp_path / "repo"),
+                 "--max-seq-len", "64", "--max-sequences", "2"]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "repo" / "drafter" / "config.pbtxt").read_text()
+    served = DrafterStepModel(ModelSettings.from_parameters(config_parameters(text))).drafter
+    assert served.drafter.dspark is not None and served.scored
+    spec = drafter.spec
+    taps = torch.randn(1, 9, spec.num_taps * spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    k, v = drafter.context_kv(taps, torch.arange(9)[None])  # [L, 1, 9, kv, d]
+    got = served.draft([0], [k[:, 0]], [v[:, 0]], [11], spec.block_size)
+    cache = drafter.new_cache(1, 64)
+    with torch.inference_mode():
+        drafter.inject(taps, torch.tensor([9]), cache)
+        want, conf = draft_block(torch.tensor([11]), spec.block_size, spec.mask_token_id, target.embed,
+                                 lambda e: drafter.draft(e, cache), target.logits, own_head=drafter.draft_head,
+                                 heads=drafter.dspark, scores=True)
+    assert torch.equal(got, want)
+    assert served.forecast(0) == pytest.approx(conf[0].tolist(), abs=1e-6)  # float32, the same modules

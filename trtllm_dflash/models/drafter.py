@@ -206,7 +206,7 @@ def draft_block(
     the drafter's own logits [b, B−1, draft_vocab] and mapped to target ids; ``head`` is then unused. With ``heads``
     the Markov bias is added position by position as the drafts are chosen (``DSparkHeads.chain``)."""
     anchor = heads is not None and heads.anchor_predicts
-    slots = block_size - 1 if anchor else block_size
+    slots = max(block_size - 1, 1) if anchor else block_size  # at least the bonus (a timed pass of no drafts)
     block = torch.full((bonus.shape[0], slots), mask_token_id, dtype=torch.long, device=bonus.device)
     block[:, 0] = bonus
     # slots 1..B−1 made contiguous first: with b > 1 rows the [:, 1:] view's rows do not merge into one matrix, and
@@ -218,7 +218,7 @@ def draft_block(
         return (drafts, None) if scores else drafts
     with own_head.drafting() if own_head is not None else contextlib.nullcontext():
         hidden = forward(embed(block))  # [b, S, hidden]
-        predicting = (hidden if anchor else hidden[:, 1:]).contiguous()  # [b, B−1, hidden]
+        predicting = (hidden[:, : block_size - 1] if anchor else hidden[:, 1:]).contiguous()  # [b, B−1, hidden]
         logits = (own_head if own_head is not None else head)(predicting)  # [b, B−1, draft_vocab or vocab]
     to_target = own_head.to_target if own_head is not None else (lambda ids: ids)
     if heads is None:

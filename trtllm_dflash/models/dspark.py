@@ -103,9 +103,11 @@ class DSparkHeads(nn.Module):
         """The block's drafts chosen left to right with the Markov bias of each position's previous token, and each
         position's confidence (module docstring)."""
         markov, conf = self.markov_head, self.confidence_head
-        if markov is None:  # no dependence between positions: one product for the whole block
+        if markov is None or hidden.shape[1] == 0:  # no dependence between positions (or no position at all)
             ids = logits.argmax(-1) if top == 1 else logits.topk(top, dim=-1).indices
-            return ids, (conf(hidden) if conf is not None else None)
+            if conf is None:
+                return ids, None
+            return ids, conf(hidden) if markov is None else hidden.new_zeros(hidden.shape[:2])
         b, num, _ = hidden.shape
         state = None
         if markov.head_type == "rnn":

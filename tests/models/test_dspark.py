@@ -159,7 +159,8 @@ def test_against_speculators(tiny_dirs, tmp_path, head_type, anchor, draft_vocab
 @pytest.mark.parametrize("head_type, anchor, draft_vocab", [("vanilla", True, 64), ("gated", False, None),
                                                             ("rnn", True, None)])
 def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
-    """A DSpark drafter in the in-process decoder (fixed and auto blocks, eager and through rehearsed CUDA graphs) and
+    """A DSpark drafter in the in-process decoder (fixed and auto blocks, the tree verify, eager and through rehearsed
+    CUDA graphs) and
     the reference loop: the target's own greedy tokens; every loop accepts the same lengths (one draft_block for
     all)."""
     target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
@@ -174,6 +175,8 @@ def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
     assert [r.token_ids for r in SpeculativeDecoder(target, drafter, "auto", policy=policy).generate(requests)] == want
     # the calibrated policy times draft passes down to no drafts at all (a forward over the bonus alone)
     assert [r.token_ids for r in SpeculativeDecoder(target, drafter, "auto").generate(requests)] == want
+    # the tree verify: the drafter's runner-ups per position, ranked on the greedy chain's Markov bias
+    assert [r.token_ids for r in SpeculativeDecoder(target, drafter, block, tree=True).generate(requests)] == want
     graphed = SpeculativeDecoder(target, drafter, block, cuda_graphs="rehearse").generate(requests)  # CUDA graphs' path
     assert [r.acceptance_lengths for r in graphed] == [r.acceptance_lengths for r in fixed]
     for r, req in zip(fixed, requests):

@@ -160,9 +160,8 @@ def test_against_speculators(tiny_dirs, tmp_path, head_type, anchor, draft_vocab
                                                             ("rnn", True, None)])
 def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
     """A DSpark drafter in the in-process decoder (fixed and auto blocks, the tree verify, eager and through rehearsed
-    CUDA graphs) and
-    the reference loop: the target's own greedy tokens; every loop accepts the same lengths (one draft_block for
-    all)."""
+    CUDA graphs) and the reference loop: the target's own greedy tokens; every loop accepts the same lengths (one
+    draft_block for all)."""
     target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
     drafter = _dspark_drafter(target.spec, head_type, anchor, draft_vocab)
     requests = [Request((1, 17, 33, 4, 99), 24), Request((7, 8), 24)]

@@ -48,15 +48,13 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        assets = prepare_demo_assets()
-        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    args.target, args.drafter = pair_or_demo(args.target, args.drafter)
     target = None
     decoders = {}
     for v in args.vocabs:

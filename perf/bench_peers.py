@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.commands.common import make_decoder
     from trtllm_dflash.runtime.mode import DecodeMode
@@ -325,9 +325,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
-    if args.target is None:
-        assets = prepare_demo_assets()
-        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    args.target, args.drafter = pair_or_demo(args.target, args.drafter)
     out_dir = args.out_dir or REPO / "perf" / "results" / "peers" / time.strftime("%Y-%m-%d", time.gmtime())
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs"

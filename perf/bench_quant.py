@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.convert import agreement as ag
     from trtllm_dflash.convert import convert, load_trtllm_drafter, load_trtllm_target
     from trtllm_dflash.convert.hf_export import load_hf_export
@@ -78,9 +78,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
 
     torch.set_num_threads(args.threads)
-    if args.target is None:
-        assets = prepare_demo_assets()
-        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    args.target, args.drafter = pair_or_demo(args.target, args.drafter)
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

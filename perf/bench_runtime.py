@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.commands.common import make_decoder
@@ -124,9 +124,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.target is None:
-        assets = prepare_demo_assets()
-        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    args.target, args.drafter = pair_or_demo(args.target, args.drafter)
     vocabs = list(dict.fromkeys(args.draft_vocab.split(",")))
     target, drafter = load_pair(args.target, args.drafter, dtype=getattr(torch, args.dtype), device=args.device,
                                 draft_vocab=vocabs[0])

@@ -214,7 +214,7 @@ def loop_metrics(url) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from trtllm_dflash.assets import prepare_demo_assets
+    from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
@@ -222,9 +222,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.serve.triton.server import TritonServer, server_command
     from trtllm_dflash.specs import DrafterSpec
 
-    if args.target is None:
-        assets = prepare_demo_assets()
-        args.target, args.drafter = assets["target"], args.drafter or assets["drafter"]
+    args.target, args.drafter = pair_or_demo(args.target, args.drafter)
     block = args.block_size or DrafterSpec.load(args.drafter).block_size
     conc = [int(c) for c in args.concurrency.split(",")]
     texts = [p.text for p in load_prompts(args.dataset, args.prompts)]

@@ -101,3 +101,12 @@ def prepare_demo_assets(root: Path | None = None) -> dict[str, str | bool]:
     target = prepare_demo_target(root)
     drafter, trained = prepare_demo_drafter(target, root)
     return {"target": str(target), "drafter": str(drafter), "drafter_trained": trained}
+
+
+def pair_or_demo(target: str | None, drafter: str | None) -> tuple[str, str | None]:
+    """``(target, drafter)`` as given, or with no target the demo target and (unless given) the demo drafter: what
+    every benchmark defaults to."""
+    if target is not None:
+        return target, drafter
+    assets = prepare_demo_assets()
+    return assets["target"], drafter or assets["drafter"]

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         return 2
     from trtllm_dflash.models.drafter import DrafterModel
     from trtllm_dflash.models.target import TargetModel
-    from trtllm_dflash.plugin import drafter_ops
+    from trtllm_dflash.plugin import dispatch
     from trtllm_dflash.plugin.dispatch import Impl, accept_greedy
     from trtllm_dflash.plugin.kv_inject import InjectWeights
 
@@ -180,11 +180,11 @@ def main(argv=None) -> int:
         n = torch.tensor([committed], device=dev)
 
         def inject():
-            drafter_ops.inject(drafter, weights, taps, n, dcache, impl=Impl.AUTO)
+            dispatch.inject(drafter, weights, taps, n, dcache, impl=Impl.AUTO)
             dcache.lengths.fill_(ctx)  # keep the context length fixed across repetitions
 
         def draft():
-            h = drafter_ops.draft(drafter, target.embed(block), dcache, impl=Impl.AUTO)
+            h = dispatch.draft(drafter, target.embed(block), dcache, impl=Impl.AUTO)
             return target.logits(h[:, 1:]).argmax(-1)
 
         def verify():

@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.plugin import accept as A
     from trtllm_dflash.plugin import block_attention as BA
     from trtllm_dflash.plugin import kv_inject as KI
+    from trtllm_dflash.plugin import triton_kernels as TK
     from trtllm_dflash.plugin.ragged import RaggedBatch
 
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
             vb = torch.randn_like(kb)
             qb = RaggedBatch.from_lengths([B] * batch, device=dev)
             nbytes = esize * (2 * batch * ctx * NKV * HD + 2 * q.numel() + 2 * kb.numel())
-            for impl, fn in (("triton", BA.block_attention_triton), ("torch", BA.block_attention_reference)):
+            for impl, fn in (("triton", TK.block_attention_triton), ("torch", BA.block_attention_reference)):
                 record("block_attention", batch, ctx, impl,
                        timed(lambda: fn(q, kb, vb, kc, vc, qb, rows, ctx_lens), 10 if impl == "torch" else None),
                        nbytes)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
             start = torch.full((batch,), ctx, device=dev)
             weight_bytes = esize * (w.fc.numel() + w.kv.numel())
             act_bytes = esize * (taps.numel() + 2 * batch * B * L * 2 * NKV * HD)  # taps in, GEMM out, cache in/out
-            for impl, fn in (("triton", KI.kv_inject_triton), ("torch", KI.kv_inject_reference)):
+            for impl, fn in (("triton", TK.kv_inject_triton), ("torch", KI.kv_inject_reference)):
                 record("kv_inject", batch, ctx, impl,
                        timed(lambda: fn(taps, qb, start, rows, w, cos, sin, kcache, vcache)),
                        weight_bytes + act_bytes)
@@ -112,13 +113,13 @@ def main(argv=None) -> int:
         logits = torch.randn(batch * B, VOCAB, device=dev, generator=g).to(dtype)
         drafts = torch.randint(0, VOCAB, (batch * (B - 1),), device=dev)
         cu = (torch.arange(batch + 1, device=dev) * (B - 1)).int()
-        for impl, argmax, acc in (("triton", A.greedy_samples_triton, A.accept_triton),
+        for impl, argmax, acc in (("triton", TK.greedy_samples_triton, TK.accept_triton),
                                   ("torch", A.greedy_samples_reference, A.accept_reference)):
             record("accept_greedy", batch, None, impl,
                    timed(lambda: acc(drafts, cu, argmax(logits), B - 1)), esize * logits.numel())
         probs = torch.softmax(logits.float(), -1)
         u = torch.rand(batch * B, device=dev)
-        for impl, fn in (("triton", A.inverse_cdf_triton), ("torch", A.inverse_cdf_reference)):
+        for impl, fn in (("triton", TK.inverse_cdf_triton), ("torch", A.inverse_cdf_reference)):
             record("inverse_cdf", batch, None, impl, timed(lambda: fn(probs, u)), 2 * 4 * probs.numel())
 
     out = dict(device=torch.cuda.get_device_name(), dtype=args.dtype, block_size=B, copy_gbps=round(copy_gbps, 1),

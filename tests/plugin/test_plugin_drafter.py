@@ -2,7 +2,7 @@
 
 Tiny random checkpoints are written by the project's own writers and loaded with ``load_pair``. Each scenario runs
 ragged injections (rows commit different numbers of tokens, some 0) and then a draft, once through ``DrafterModel``
-and once through ``plugin.drafter_ops`` with the torch references and with the Triton kernels (CPU interpreter).
+and once through ``plugin.dispatch`` with the torch references and with the Triton kernels (CPU interpreter).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch  # noqa: E402
 from trtllm_dflash.checkpoints import (  # noqa: E402
     drafter_spec_for, load_pair, random_drafter_state, write_drafter, write_tiny_target,
 )
-from trtllm_dflash.plugin import drafter_ops  # noqa: E402
+from trtllm_dflash.plugin import dispatch  # noqa: E402
 from trtllm_dflash.plugin import kv_inject as KI  # noqa: E402
+from trtllm_dflash.plugin import triton_kernels as TK  # noqa: E402
 from trtllm_dflash.plugin.dispatch import Impl  # noqa: E402
 from trtllm_dflash.plugin.ragged import RaggedBatch  # noqa: E402
 from trtllm_dflash.specs import TargetSpec  # noqa: E402
@@ -63,8 +64,8 @@ def _scenario(target, drafter, block_size, impl):
     kh = spec.num_taps * spec.hidden_size
     cache = drafter.new_cache(num_rows=4, max_len=64)
     inject = drafter.inject if impl is None else (
-        lambda taps, n, c, rows=None: drafter_ops.inject(drafter, weights, taps, n, c, rows, impl))
-    draft = drafter.draft if impl is None else (lambda e, c, rows=None: drafter_ops.draft(drafter, e, c, rows, impl))
+        lambda taps, n, c, rows=None: dispatch.inject(drafter, weights, taps, n, c, rows, impl))
+    draft = drafter.draft if impl is None else (lambda e, c, rows=None: dispatch.draft(drafter, e, c, rows, impl))
     weights = KI.InjectWeights.from_drafter(drafter)
     # prefill: real target taps of ragged prompts (row 1 empty)
     ids = torch.randint(6, target.spec.vocab_size, (4, 9), generator=g)
@@ -102,7 +103,7 @@ def test_draft_with_empty_context(pairs):
     block[:, 0] = torch.tensor([3, 4])
     ref = drafter.draft(target.embed(block), drafter.new_cache(2, 32))
     for impl in (Impl.TORCH, Impl.TRITON):
-        out = drafter_ops.draft(drafter, target.embed(block), drafter.new_cache(2, 32), impl=impl)
+        out = dispatch.draft(drafter, target.embed(block), drafter.new_cache(2, 32), impl=impl)
         torch.testing.assert_close(out, ref, **TOL)
 
 
@@ -115,7 +116,7 @@ def test_flat_kv_inject_equals_context_kv(pairs):
     batch = RaggedBatch.make_dummy(lens)
     taps = torch.randn(batch.num_tokens, spec.num_taps * spec.hidden_size, generator=g)
     w = KI.InjectWeights.from_drafter(drafter)
-    for fn in (KI.kv_inject_reference, KI.kv_inject_triton):
+    for fn in (KI.kv_inject_reference, TK.kv_inject_triton):
         cache = drafter.new_cache(3, 32)
         fn(taps, batch, starts, rows, w, drafter.rotary.cos, drafter.rotary.sin, cache.k, cache.v)
         for i, (n, s, r) in enumerate(zip(lens, starts.tolist(), rows.tolist())):

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from trtllm_dflash.plugin import accept as A  # noqa: E402
 from trtllm_dflash.plugin import block_attention as BA  # noqa: E402
 from trtllm_dflash.plugin import kv_inject as KI  # noqa: E402
+from trtllm_dflash.plugin import triton_kernels as TK  # noqa: E402
 from trtllm_dflash.plugin.ragged import RaggedBatch  # noqa: E402
 
 from conftest import on_device  # noqa: E402
@@ -71,7 +72,7 @@ def test_kv_inject_matches_reference(seqlens, num_kv, head_dim):
     caches = [torch.full(shape, 7.0) for _ in range(4)]  # sentinel: untouched slots must stay 7
     KI.kv_inject_reference(x, batch, start, rows, w, cos, sin, caches[0], caches[1])
     dev = on_device(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
-    KI.kv_inject_triton(*dev)
+    TK.kv_inject_triton(*dev)
     torch.testing.assert_close(dev[7].cpu(), caches[0], **FP32_TOL)
     torch.testing.assert_close(dev[8].cpu(), caches[1], **FP32_TOL)
     written = (caches[0] != 7.0).any(-1).any(-1).sum().item()  # (layer, row, pos) slots written
@@ -83,7 +84,7 @@ def test_kv_inject_bf16_cache():
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(4)]
     KI.kv_inject_reference(x, batch, start, rows, w, cos, sin, caches[0], caches[1])
     dev = on_device(x, batch, start, rows, w, cos, sin, caches[2], caches[3])
-    KI.kv_inject_triton(*dev)
+    TK.kv_inject_triton(*dev)
     torch.testing.assert_close(dev[7].cpu().float(), caches[0].float(), **BF16_TOL)
     torch.testing.assert_close(dev[8].cpu().float(), caches[1].float(), **BF16_TOL)
 
@@ -110,7 +111,7 @@ def test_block_attention_gqa_and_block_sizes(group, block):
     # three sequences: normal context, context 0, and an empty one (no queries) in the middle of a batch
     case = _attn_case([block, 0, block, block], [37, 5, 0, 70], num_heads=8, num_kv=8 // group, seed=group + block)
     ref = BA.block_attention_reference(*case)
-    out = BA.block_attention_triton(*on_device(case)).cpu()
+    out = TK.block_attention_triton(*on_device(case)).cpu()
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
@@ -118,27 +119,27 @@ def test_block_attention_gqa_and_block_sizes(group, block):
 def test_block_attention_causal_and_window(causal, window):
     case = _attn_case([16, 3, 16], [50, 0, 9], num_heads=4, num_kv=1, head_dim=32, seed=3)
     ref = BA.block_attention_reference(*case, causal=causal, window=window)
-    out = BA.block_attention_triton(*on_device(case), causal=causal, window=window).cpu()
+    out = TK.block_attention_triton(*on_device(case), causal=causal, window=window).cpu()
     torch.testing.assert_close(out, ref, **FP32_TOL)
 
 
 def test_block_attention_bf16():
     case = _attn_case([16, 0, 5], [33, 2, 0], num_heads=8, num_kv=2, head_dim=32, dtype=torch.bfloat16, seed=5)
     ref = BA.block_attention_reference(*case)
-    out = BA.block_attention_triton(*on_device(case)).cpu()
+    out = TK.block_attention_triton(*on_device(case)).cpu()
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
 
 
 def test_block_attention_no_mask_means_bidirectional():
     """Changing a later block key must change an earlier query's output (it would not under a causal mask)."""
     q, kb, vb, kc, vc, batch, rows, ctx = on_device(_attn_case([4], [3], num_heads=2, num_kv=2))
-    before = BA.block_attention_triton(q, kb, vb, kc, vc, batch, rows, ctx)
+    before = TK.block_attention_triton(q, kb, vb, kc, vc, batch, rows, ctx)
     vb2 = vb.clone()
     vb2[3] += 1.0
-    after = BA.block_attention_triton(q, kb, vb2, kc, vc, batch, rows, ctx)
+    after = TK.block_attention_triton(q, kb, vb2, kc, vc, batch, rows, ctx)
     assert not torch.allclose(before[0], after[0])
-    causal = BA.block_attention_triton(q, kb, vb2, kc, vc, batch, rows, ctx, causal=True)
-    torch.testing.assert_close(causal[0], BA.block_attention_triton(q, kb, vb, kc, vc, batch, rows, ctx,
+    causal = TK.block_attention_triton(q, kb, vb2, kc, vc, batch, rows, ctx, causal=True)
+    torch.testing.assert_close(causal[0], TK.block_attention_triton(q, kb, vb, kc, vc, batch, rows, ctx,
                                                                     causal=True)[0])
 
 
@@ -165,7 +166,7 @@ def test_accept_worked_example():
     """drafts [7, 8, 9], samples [7, 8, 5, 4] -> a = 2, emitted 7, 8, 5 (runtime/sampling.py's example)."""
     d, cu, x = torch.tensor([7, 8, 9]), torch.tensor([0, 3], dtype=torch.int32), torch.tensor([7, 8, 5, 4])
     expected = A.AcceptOutput.make_dummy([[7, 8, 5]], 4)
-    for fn in (A.accept_reference, A.accept_triton):
+    for fn in (A.accept_reference, TK.accept_triton):
         out = fn(*on_device(d, cu, x), 3)
         for got, want in zip((out.accepted_lengths, out.bonus_ids, out.emitted_ids),
                              (expected.accepted_lengths, expected.bonus_ids, expected.emitted_ids)):
@@ -179,7 +180,7 @@ def test_accept_matches_reference_and_runtime(num_drafts):
     drafts, cu, targets = _accept_case(num_drafts, vocab=5, seed=len(num_drafts))
     width = max(num_drafts)
     ref = A.accept_reference(drafts, cu, targets, width)
-    out = A.accept_triton(*on_device(drafts, cu, targets), width)
+    out = TK.accept_triton(*on_device(drafts, cu, targets), width)
     assert torch.equal(out.accepted_lengths.cpu(), ref.accepted_lengths)
     assert torch.equal(out.bonus_ids.cpu(), ref.bonus_ids)
     assert torch.equal(out.emitted_ids.cpu(), ref.emitted_ids)
@@ -197,7 +198,7 @@ def test_greedy_samples_match_torch_argmax_with_ties():
     logits[2, [3, 7]] = 100.0  # tie inside a tile
     logits[3] = 0.0  # all equal -> 0
     logits[4, -1] = 100.0  # the last element
-    assert torch.equal(A.greedy_samples_triton(on_device(logits)).cpu(), logits.argmax(-1))
+    assert torch.equal(TK.greedy_samples_triton(on_device(logits)).cpu(), logits.argmax(-1))
 
 
 def test_inverse_cdf_matches_reference_exactly():
@@ -208,5 +209,5 @@ def test_inverse_cdf_matches_reference_exactly():
     u = torch.rand(64, generator=g)
     u[1], u[2] = 0.0, 1.0 - 2**-24  # the extreme fp32 uniforms
     ref = A.inverse_cdf_reference(probs, u)
-    assert torch.equal(A.inverse_cdf_triton(*on_device(probs, u)).cpu(), ref)
+    assert torch.equal(TK.inverse_cdf_triton(*on_device(probs, u)).cpu(), ref)
     assert ref[0] == 4999 and bool((probs.gather(1, ref[:, None]) > 0).all())

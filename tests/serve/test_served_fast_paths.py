@@ -29,7 +29,7 @@ TOL = {"atol": 1e-4, "rtol": 1e-4}  # float32 kernel arithmetic (the kernel test
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts of the drafting plugin's kernel entry points called (the KV injection and the block attention)."""
-    from trtllm_dflash.plugin import block_attention, kv_inject
+    from trtllm_dflash.plugin import triton_kernels
 
     calls = {"kv_inject": 0, "block_attention": 0}
 
@@ -42,8 +42,8 @@ def kernel_calls(monkeypatch):
 
         monkeypatch.setattr(module, name, wrapper)
 
-    counted(kv_inject, "kv_inject_triton", "kv_inject")
-    counted(block_attention, "block_attention_triton", "block_attention")
+    counted(triton_kernels, "kv_inject_triton", "kv_inject")
+    counted(triton_kernels, "block_attention_triton", "block_attention")
     return calls
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from trtllm_dflash.runtime.coalesce import StepCoalescer
+from trtllm_dflash.runtime.loop import StepCoalescer
 
 
 class Recorder:

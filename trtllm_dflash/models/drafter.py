@@ -85,7 +85,7 @@ class DrafterModel(nn.Module):
         self.draft_head = None
         if spec.draft_vocab_size is not None:
             self.draft_head = DraftVocabHead(h, spec.draft_vocab_size, spec.vocab_size)
-            # every draft forward (``draft`` and the plugin path's ``drafter_ops.draft``) ends in ``norm``: checking
+            # every draft forward (``draft`` and the plugin path's ``plugin.dispatch.draft``) ends in ``norm``: checking
             # there catches any caller that would use the target's head on this drafter (draft_vocab.py)
             self.norm.register_forward_pre_hook(lambda _m, _x: self.draft_head.check_armed())
         self.dspark = None

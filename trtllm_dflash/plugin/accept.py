@@ -44,7 +44,7 @@ class AcceptOutput:
         return cls(torch.tensor([len(t) - 1 for t in emitted]), torch.tensor([t[-1] for t in emitted]), out)
 
 
-def _check_drafts(draft_ids, cu_num_drafts, num_target_rows) -> None:
+def check_drafts(draft_ids, cu_num_drafts, num_target_rows) -> None:
     require(draft_ids.dim() == 1 and cu_num_drafts.dim() == 1, "draft_ids/cu_num_drafts ndim",
             (draft_ids.dim(), cu_num_drafts.dim()), "must both be 1-D (flat drafts, cumulative offsets)")
     num_seqs = cu_num_drafts.shape[0] - 1
@@ -71,7 +71,7 @@ def accept_reference(
     target_ids: torch.Tensor,  # [total_drafts + num_seqs] int64 x_0..x_{n_i} of every sequence, flat
     max_num_drafts: int,  # host int >= every n_i; width of emitted_ids is max_num_drafts + 1
 ) -> AcceptOutput:
-    _check_drafts(draft_ids, cu_num_drafts, target_ids.shape[0])
+    check_drafts(draft_ids, cu_num_drafts, target_ids.shape[0])
     cu = cu_num_drafts.tolist()
     num_seqs = len(cu) - 1
     acc = torch.zeros(num_seqs, dtype=torch.long, device=target_ids.device)
@@ -85,26 +85,3 @@ def accept_reference(
         emitted[i, : a + 1] = x[: a + 1]
     bonus = emitted.gather(1, acc[:, None])[:, 0]
     return AcceptOutput(acc, bonus, emitted)
-
-
-def accept_triton(draft_ids, cu_num_drafts, target_ids, max_num_drafts) -> AcceptOutput:
-    from trtllm_dflash.plugin import triton_kernels
-
-    _check_drafts(draft_ids, cu_num_drafts, target_ids.shape[0])
-    acc, bonus, emitted = triton_kernels.accept_rows(draft_ids.long().contiguous(), cu_num_drafts.int().contiguous(),
-                                                     target_ids.long().contiguous(), max_num_drafts,
-                                                     PLACEHOLDER_TOKEN_ID)
-    return AcceptOutput(acc, bonus, emitted)
-
-
-def greedy_samples_triton(logits: torch.Tensor) -> torch.Tensor:
-    from trtllm_dflash.plugin import triton_kernels
-
-    return triton_kernels.argmax_rows(logits.contiguous())
-
-
-def inverse_cdf_triton(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    from trtllm_dflash.plugin import triton_kernels
-
-    require(uniforms.shape == probs.shape[:1], "uniforms.shape", tuple(uniforms.shape), f"must be [{probs.shape[0]}]")
-    return triton_kernels.inverse_cdf_rows(probs.contiguous(), uniforms, CDF_SCALE)

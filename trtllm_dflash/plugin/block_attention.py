@@ -22,7 +22,7 @@ from trtllm_dflash.models.layers import widen
 from trtllm_dflash.plugin.ragged import RaggedBatch
 
 
-def _check(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window) -> None:
+def check(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window) -> None:
     require(q.dim() == 3 and k_block.dim() == 3, "q/k_block ndim", (q.dim(), k_block.dim()),
             "must be [tokens, heads, head_dim]")
     nh, nkv = q.shape[1], k_block.shape[1]
@@ -50,7 +50,7 @@ def block_attention_reference(
     sm_scale: float | None = None,  # default head_dim ** -0.5 (the drafter's)
 ) -> torch.Tensor:  # [Tq, num_heads, hd]
     """Plain torch reference (one sequence at a time, fp32 math): the CPU path and the kernels' oracle."""
-    _check(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window)
+    check(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window)
     nh, hd = q.shape[1], q.shape[2]
     group = nh // k_block.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(hd)
@@ -73,19 +73,4 @@ def block_attention_reference(
         s = torch.einsum("qhd,khd->hqk", widen(q[lo:hi]), k) * scale  # [nh, n, ctx + n]
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
-    return out
-
-
-def block_attention_triton(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, causal=False, window=None,
-                           sm_scale=None) -> torch.Tensor:
-    """Same contract as ``block_attention_reference``; one Triton program per (sequence, kv head, query tile)."""
-    from trtllm_dflash.plugin import triton_kernels
-
-    _check(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window)
-    out = torch.empty_like(q)
-    if q.shape[0] == 0:
-        return out
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    triton_kernels.block_attention(q, k_block, v_block, k_cache, v_cache, batch.cu_seqlens, batch.max_seqlen, rows,
-                                   ctx_lens, scale, causal, window, out)
     return out

@@ -80,7 +80,7 @@ def context_features(taps: torch.Tensor, w: InjectWeights) -> torch.Tensor:
     return rms_norm(taps.to(w.fc.dtype) @ w.fc.T, w.hidden_norm, w.eps)
 
 
-def _check(taps, batch, start_pos, rows, w, k_cache, v_cache) -> None:
+def check(taps, batch, start_pos, rows, w, k_cache, v_cache) -> None:
     require(taps.dim() == 2 and taps.shape[1] == w.fc.shape[1], "taps.shape", tuple(taps.shape),
             f"must be [num_tokens, {w.fc.shape[1]}] (num_taps * hidden)")
     require(start_pos.shape == (batch.num_seqs,) and rows.shape == (batch.num_seqs,), "start_pos/rows shape",
@@ -101,8 +101,8 @@ def kv_inject_reference(
     k_cache: torch.Tensor,  # [L, num_rows, max_len, n_kv, hd], written in place
     v_cache: torch.Tensor,  # [L, num_rows, max_len, n_kv, hd], written in place
 ) -> None:
-    """Plain torch reference of ``kv_inject_triton`` (and the CPU path)."""
-    _check(taps, batch, start_pos, rows, w, k_cache, v_cache)
+    """Plain torch reference of ``triton_kernels.kv_inject_triton`` (and the CPU path)."""
+    check(taps, batch, start_pos, rows, w, k_cache, v_cache)
     t = taps.shape[0]
     if t == 0:
         return
@@ -115,18 +115,3 @@ def kv_inject_reference(
     k = rotate(k, cos[pos][:, None, None, :], sin[pos][:, None, None, :])
     k_cache[:, row, pos] = k.transpose(0, 1).to(k_cache.dtype)  # [L, T, n_kv, hd]
     v_cache[:, row, pos] = kv[:, :, 1].transpose(0, 1).to(v_cache.dtype)
-
-
-def kv_inject_triton(taps, batch, start_pos, rows, w, cos, sin, k_cache, v_cache) -> None:
-    """Same contract as ``kv_inject_reference``; k_norm + RoPE + cache store run as one Triton kernel."""
-    from trtllm_dflash.plugin import triton_kernels
-
-    _check(taps, batch, start_pos, rows, w, k_cache, v_cache)
-    t = taps.shape[0]
-    if t == 0:
-        return
-    kv = context_features(taps, w) @ w.kv.T  # [T, L·2·n_kv·hd]: the one fused GEMM
-    seq = batch.token_seq_ids(t)  # [T]
-    pos = start_pos.long()[seq] + batch.token_offsets(t)  # [T]
-    row = rows.long()[seq]  # [T]
-    triton_kernels.knorm_rope_store(kv, row, pos, w.k_norm, w.eps, cos, sin, k_cache, v_cache)

@@ -1,4 +1,8 @@
-"""The OpenAI Triton kernels behind the drafting ops, and thin launchers (shape checks live in the op modules).
+"""The OpenAI Triton kernels behind the drafting ops, their launchers, and the ops' kernel entry points.
+
+The entry points at the end (``kv_inject_triton``, ``block_attention_triton``, ``accept_triton``, ...) take the op
+modules' contracts (``kv_inject``, ``block_attention``, ``accept``: shapes, checks, torch references) and run the
+kernels; ``dispatch`` chooses between them and the references. Importing this module imports Triton.
 
 Conventions shared by every kernel:
 - Arithmetic is fp32 whatever the storage dtype: values are upcast right after ``tl.load`` and cast to the output
@@ -15,11 +19,17 @@ Conventions shared by every kernel:
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from trtllm_dflash.errors import require
+from trtllm_dflash.plugin.accept import CDF_SCALE, PLACEHOLDER_TOKEN_ID, AcceptOutput, check_drafts
+from trtllm_dflash.plugin.block_attention import check as check_attention
+from trtllm_dflash.plugin.kv_inject import check as check_inject, context_features
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -378,3 +388,49 @@ def accept_rows(draft_ids, cu_num_drafts, target_ids, max_num_drafts, placeholde
         _accept_kernel[(num_seqs,)](draft_ids, cu_num_drafts, target_ids, max_num_drafts + 1, acc, bonus, emitted,
                                     PLACEHOLDER=placeholder, BLOCK=max(16, _pow2(max_num_drafts + 1)))
     return acc, bonus, emitted
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The ops' kernel entry points: the op modules' contracts, checked, on the launchers above
+
+
+def kv_inject_triton(taps, batch, start_pos, rows, w, cos, sin, k_cache, v_cache) -> None:
+    """Same contract as ``kv_inject_reference``; k_norm + RoPE + cache store run as one Triton kernel."""
+    check_inject(taps, batch, start_pos, rows, w, k_cache, v_cache)
+    t = taps.shape[0]
+    if t == 0:
+        return
+    kv = context_features(taps, w) @ w.kv.T  # [T, L·2·n_kv·hd]: the one fused GEMM
+    seq = batch.token_seq_ids(t)  # [T]
+    pos = start_pos.long()[seq] + batch.token_offsets(t)  # [T]
+    row = rows.long()[seq]  # [T]
+    knorm_rope_store(kv, row, pos, w.k_norm, w.eps, cos, sin, k_cache, v_cache)
+
+
+def block_attention_triton(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, causal=False, window=None,
+                           sm_scale=None) -> torch.Tensor:
+    """Same contract as ``block_attention_reference``; one Triton program per (sequence, kv head, query tile)."""
+    check_attention(q, k_block, v_block, k_cache, v_cache, batch, rows, ctx_lens, window)
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    block_attention(q, k_block, v_block, k_cache, v_cache, batch.cu_seqlens, batch.max_seqlen, rows, ctx_lens, scale,
+                    causal, window, out)
+    return out
+
+
+def accept_triton(draft_ids, cu_num_drafts, target_ids, max_num_drafts) -> AcceptOutput:
+    check_drafts(draft_ids, cu_num_drafts, target_ids.shape[0])
+    acc, bonus, emitted = accept_rows(draft_ids.long().contiguous(), cu_num_drafts.int().contiguous(),
+                                      target_ids.long().contiguous(), max_num_drafts, PLACEHOLDER_TOKEN_ID)
+    return AcceptOutput(acc, bonus, emitted)
+
+
+def greedy_samples_triton(logits: torch.Tensor) -> torch.Tensor:
+    return argmax_rows(logits.contiguous())
+
+
+def inverse_cdf_triton(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    require(uniforms.shape == probs.shape[:1], "uniforms.shape", tuple(uniforms.shape), f"must be [{probs.shape[0]}]")
+    return inverse_cdf_rows(probs.contiguous(), uniforms, CDF_SCALE)

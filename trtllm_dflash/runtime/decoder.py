@@ -37,8 +37,7 @@ import torch
 from trtllm_dflash.errors import ConfigError, require
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.plugin import drafter_ops
-from trtllm_dflash.plugin.dispatch import Impl, resolve
+from trtllm_dflash.plugin.dispatch import Impl, draft_pass, resolve
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.loop import BatchedLocalSteps, Update, run_generation
@@ -178,7 +177,7 @@ class SpeculativeDecoder:
         return self.injector.weights if self.injector is not None else None
 
     def _draft(self, block_embeds, dcache, rows, static: bool = False):
-        return drafter_ops.draft_pass(self.drafter, block_embeds, dcache, rows, self.kernels, static)
+        return draft_pass(self.drafter, block_embeds, dcache, rows, self.kernels, static)
 
     def _new_cache(self, model, rows: int, max_len: int):
         """A cache for a batch: the graphs' pooled one (``StepGraphs.cache``) when graphs are on, else a new one."""

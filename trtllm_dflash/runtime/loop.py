@@ -14,13 +14,12 @@ verify is a plain autoregressive step), and the step's draft / verify / other ti
 KV injection is lazy: the taps of committed tokens wait until the sequence next drafts, then one ``kv_inject`` call
 projects all of them, so k = 0 steps cost no injection and the drafter always receives its whole context.
 
-Where the step client batches the live sequences' calls (``StepClient.plan``: the BLS model's step coalescer), the
-``auto`` decision is made for them together (``plan_together``): one
-``decide`` over every sequence's state, and every sequence verifies the step's common K + 1 slots (a row with fewer
-proposals pads with −1, which never matches), so their verifies stay one batched call; the step's timing reaches the
-cost model once, for all its rows. Decided one by one, each sequence priced its verify as if alone, chose its own
-width, and the coalescer sent one target forward per distinct width: 16 concurrent MT-Bench streams on our CPU
-served at 0.55x the baseline's tokens/s.
+Where the step client batches the live sequences' calls (``StepClient.plan``: the step coalescer below), the
+``auto`` decision is made for them together (``plan_together``): one ``decide`` over every sequence's state, and every
+sequence verifies the step's common K + 1 slots (a row with fewer proposals pads with −1, which never matches), so
+their verifies stay one batched call; the step's timing reaches the cost model once, for all its rows. Decided one by
+one, each sequence would price its verify as if alone and choose its own width, and the coalescer would send one
+target forward per distinct width (``docs/adaptive.md`` has the measurement).
 
 With a ``tree`` (``runtime.tree.TreeShape``; at a fixed block size every step, under ``auto`` where the policy's
 ``choose_tree`` says it pays) a step drafts the drafter's top
@@ -32,10 +31,10 @@ keeps the longest accepted path, greedy or sampled (each node's sample drawn fro
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol
-
-import time
 
 import torch
 
@@ -46,7 +45,6 @@ from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
-from trtllm_dflash.runtime.coalesce import StepCoalescer
 from trtllm_dflash.runtime.protocol import GenerateRequest, StopMatcher
 
 
@@ -366,8 +364,128 @@ class LocalSteps:
             self.drafter.free(seq_id)
 
 
+# -- step coalescing ------------------------------------------------------------------------------------------------
+# Each request's ``run_generation`` awaits its own verify / inject / draft calls. A loop model instance's coalescer
+# holds each call until a barrier: every live sequence waits on a step call and no batched call is in flight (the
+# sequences then step together, as the rows of an in-process batch do). It then sends the calls of the EARLIEST phase
+# any sequence waits on (``KINDS``; a sequence in another phase, e.g. one that just started, catches up and the phases
+# merge; within a step the drafting sequences inject and draft while the others' verify waits, so the step's verifies
+# stay one call), as one request per shape group, and hands each sequence its own row of the results. Sending first
+# the kind the fewest sequences wait on would split a step in two for good as soon as one sequence verified prompt
+# lookup while the rest drafted. A live sequence that does not reach a step call within ``max_wait_s`` holds the
+# others no longer than that; ``enabled=False`` sends every call at once on its own.
+#
+# A sequence's ``start`` (its prefill) is a step call too, sent at the barrier before the step's other calls: a
+# sequence joins the next step, and a prefill never computes while the loop's draft or inject call does (so a CPU step
+# model may give every request of a coalescing loop every core: ``serve.triton.handlers.CpuThreads``). The coalescer
+# knows nothing about Triton: ``send(kind, key, calls)`` makes the batched call (``bls.TritonSteps``, or
+# ``BatchedLocalSteps`` in-process). A ``plan`` call is no model call: the ``auto`` decision of the waiting sequences'
+# next step, made for them together (``plan_together``), so that they then draft and verify as one batch.
+
+KINDS = ("start", "plan", "inject", "draft", "verify")  # a step's phases, in the order a sequence goes through them
+
+
+@dataclass
+class Call:
+    kind: str
+    key: tuple  # calls of one key go into one request (same block length, ...)
+    args: tuple
+    future: asyncio.Future
+    since: float
+
+
+@dataclass
+class StepCoalescer:
+    send: Callable[[str, tuple, list[Call]], Awaitable[list]]  # -> one result per call, in order
+    enabled: bool = True
+    max_rows: int = 64  # rows per request (the step models' max_batch_size)
+    max_wait_s: float = 0.05
+    live: int = 0  # sequences between their start and their free
+    flights: int = 0  # batched requests in flight
+    pending: dict[str, list[Call]] = field(default_factory=lambda: {k: [] for k in KINDS})
+    _check_soon: bool = False
+    _timer: asyncio.TimerHandle | None = None
+
+    def join(self) -> None:
+        """A sequence started: the barrier now waits for it too."""
+        self.live += 1
+
+    def leave(self) -> None:
+        """A sequence ended (finished, cancelled or failed): the barrier stops waiting for it."""
+        self.live -= 1
+        self._schedule()
+
+    async def submit(self, kind: str, key: tuple, *args):
+        loop = asyncio.get_running_loop()
+        call = Call(kind, key, args, loop.create_future(), loop.time())
+        self.pending[kind].append(call)
+        self._schedule()
+        return await call.future
+
+    def _schedule(self) -> None:
+        if not self._check_soon:  # after the other coroutines woken with this one have run to their next call
+            self._check_soon = True
+            asyncio.get_running_loop().call_soon(self._check)
+
+    def _check(self) -> None:
+        self._check_soon = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting = [c for calls in self.pending.values() for c in calls if not c.future.done()]
+        if not waiting:
+            return
+        if not self.enabled:
+            for kind, calls in self.pending.items():
+                self.pending[kind] = []
+                for call in calls:
+                    self._launch(kind, call.key, [call])
+            return
+        if self.flights:
+            return  # the flight's end checks again
+        loop = asyncio.get_running_loop()
+        age = loop.time() - min(c.since for c in waiting)
+        if len(waiting) < self.live and age < self.max_wait_s:
+            self._timer = loop.call_later(self.max_wait_s - age, self._check)
+            return
+        kind = next(k for k in KINDS if self.pending[k])  # the earliest phase: the others wait for it to catch up
+        calls, self.pending[kind] = self.pending[kind], []
+        groups: dict[tuple, list[Call]] = {}
+        for call in calls:
+            if not call.future.done():  # a cancelled caller's call is dropped
+                groups.setdefault(call.key, []).append(call)
+        for key, group in groups.items():
+            for i in range(0, len(group), self.max_rows):
+                self._launch(kind, key, group[i:i + self.max_rows])
+        if not self.flights:
+            self._schedule()
+
+    def _launch(self, kind: str, key: tuple, calls: list[Call]) -> None:
+        self.flights += 1
+        asyncio.get_running_loop().create_task(self._fly(kind, key, calls))
+
+    async def _fly(self, kind: str, key: tuple, calls: list[Call]) -> None:
+        try:
+            results = await self.send(kind, key, calls)
+        except Exception as exc:  # every caller of the batch gets the error
+            for call in calls:
+                if not call.future.done():
+                    call.future.set_exception(exc)
+        except BaseException:  # cancelled (the model is stopping): so are its callers
+            for call in calls:
+                call.future.cancel()
+            raise
+        else:
+            for call, result in zip(calls, results):
+                if not call.future.done():
+                    call.future.set_result(result)
+        finally:
+            self.flights -= 1
+            self._schedule()
+
+
 class CoalescedSteps:
-    """The step calls of a StepClient whose ``coalescer`` (``runtime.coalesce.StepCoalescer(self._send)``) batches
+    """The step calls of a StepClient whose ``coalescer`` (``StepCoalescer(self._send)``) batches
     the live sequences' calls: each call is submitted with its shape as the key (verify: block length, taps, tree;
     draft: block size, top), the ``plan`` calls are decided together here (``plan_together``), and ``_step(kind,
     key, calls)`` makes the batched step-model call. ``on_batch(kind, rows)``: told of every batched call."""

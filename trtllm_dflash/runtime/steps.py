@@ -32,8 +32,7 @@ from trtllm_dflash.models.drafter import DrafterModel, draft_block
 from trtllm_dflash.models.layers import KVCache, linear, stack_padded
 from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.models.weights import read_state_dict
-from trtllm_dflash.plugin import drafter_ops
-from trtllm_dflash.plugin.dispatch import Impl, resolve
+from trtllm_dflash.plugin.dispatch import Impl, draft_pass, resolve
 from trtllm_dflash.runtime.graphs import StepGraphs
 from trtllm_dflash.runtime.sampling import (History, SamplingParams, logprobs_buffer, tail, target_samples,
                                             verify_samples)
@@ -473,7 +472,7 @@ class BlockDrafter:
                  idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO, cuda_graphs: bool | str | StepGraphs = False,
                  cache: KVCache | None = None, rows_by_seq_id: bool = False, propose=None) -> None:
         """``kernels``: AUTO runs the draft pass's attention through the drafting plugin's Triton kernel on CUDA
-        (``plugin.drafter_ops.draft``) and the drafter's torch code elsewhere; ``cuda_graphs``: the whole draft (block
+        (``plugin.dispatch.draft``) and the drafter's torch code elsewhere; ``cuda_graphs``: the whole draft (block
         embedding, drafter, head, argmax) replays a CUDA graph per batch shape. ``cache`` and ``rows_by_seq_id`` as
         ``TargetVerifier``'s. ``propose(seq_ids, bonus, rows, num_drafts, top)``: what makes the drafts once the
         context is appended (default ``block``; the in-process decoder routes it through its own ``propose``, which
@@ -556,7 +555,7 @@ class BlockDrafter:
         def run(ids: torch.Tensor, r: torch.Tensor | None):  # drafts, or (drafts, confidence) for a scored drafter
             static = self.graphs is not None
             return draft_block(ids, num_drafts + 1, self.drafter.spec.mask_token_id, lambda x: self.head.embed[x],
-                               lambda e: drafter_ops.draft_pass(self.drafter, e, cache, r, self.kernels, static),
+                               lambda e: draft_pass(self.drafter, e, cache, r, self.kernels, static),
                                self.logits, top, own_head=self.drafter.draft_head, heads=self.drafter.dspark,
                                scores=self.scored)
 

@@ -7,7 +7,7 @@
 ``DFlashDrafterForTRTLLM``   block_ids, position_ids [n, B], ctx_k/ctx_v [L, n, S, n_kv, hd], ctx_lens [n]
                              -> draft_ids [n, B-1]: the target's embedding, per layer QKV + q/k norm + RoPE and
                              ``dflash::block_attention`` over the context plus the block, final norm, the target's LM
-                             head, argmax of positions 1..B-1 (plugin/drafter_ops.draft math).
+                             head, argmax of positions 1..B-1 (plugin/dispatch.draft math).
 
 Parameter names are the converter's (convert/weight_map.py ``DRAFTER_GLOBAL`` / ``DRAFTER_LAYER``: ``drafter.*``),
 so ``PretrainedModel.from_checkpoint`` loads the rank file as written; the drafter borrows ``vocab_embedding.weight``

@@ -1,9 +1,9 @@
 """The decoupled BLS model: one coroutine per request runs ``loop.run_generation`` over async BLS calls.
 
 ``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
-once; its step coalescer (``runtime/coalesce.py``, parameter ``coalesce``) sends the live sequences' verify / inject /
-draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of C rows
-(continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
+once; its step coalescer (``runtime/loop.py``'s ``StepCoalescer``, parameter ``coalesce``) sends the live sequences'
+verify / inject / draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of
+C rows (continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
 error response (INVALID_ARGUMENT for bad input) and the final flag.
 
 The same class is the user-facing entry point (``dflash`` / ``baseline``, ``frontend: on``): it then tokenizes and
@@ -29,10 +29,9 @@ from trtllm_dflash.errors import DFlashError, require
 from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
-from trtllm_dflash.runtime.coalesce import Call, StepCoalescer
 from trtllm_dflash.serve.trtllm.compat import Options, response_outputs
 from trtllm_dflash.serve.triton.lifecycle import StubWatch
-from trtllm_dflash.runtime.loop import CoalescedSteps, Update, run_generation
+from trtllm_dflash.runtime.loop import Call, CoalescedSteps, StepCoalescer, Update, run_generation
 from trtllm_dflash.runtime.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
 from trtllm_dflash.runtime.steps import SLOTS_EXHAUSTED
 from trtllm_dflash.serve.trtllm.token_model import Row

@@ -1,11 +1,13 @@
 """The logic behind the python-backend models of the repository (the ``model.py`` files only delegate here).
 
-The step models run the torch step engines (``steps.py``) or, when rendered with ``backend: trtllm-engine``, the
-TensorRT-LLM engines (``trtllm_engine.py``); only their construction differs, the Triton I/O below is the same.
+The step models run the torch step engines (``runtime/steps.py``) or, when rendered with ``backend: trtllm-engine``,
+the TensorRT-LLM engines (``serve/trtllm/engine.py``); only their construction differs, the Triton I/O below is the
+same.
 
 Step-model protocol (tensors carry a leading batch dimension: one row per sequence; START and STATS take one row,
-VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step coalescer sends the live sequences'
-calls of one kind as one request, see ``runtime/coalesce.py``; every row of a request has the same mode):
+VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step coalescer (``runtime/loop.py``'s
+``StepCoalescer``) sends the live sequences' calls of one kind as one request; every row of a request has the same
+mode):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
                                      (keep_prefill INT32 [1] n: n siblings will fork from it; fork_of UINT64 [1]:

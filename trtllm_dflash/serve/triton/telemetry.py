@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 
-from trtllm_dflash.runtime.coalesce import KINDS
+from trtllm_dflash.runtime.loop import KINDS
 
 PARTS = ("draft", "verify", "overhead")
 FLUSH_S = 0.25  # counts reach Triton at most this late (and at every request's end): each metric call is an IPC

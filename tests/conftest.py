@@ -66,13 +66,13 @@ def on_device(*items):
     return moved if len(moved) != 1 else moved[0]
 
 
-def write_tiny_smol(out, smollm2_target):
+def write_tiny_smol(out, smollm2_target, num_layers: int = 4):
     """A tiny random Llama with SmolLM2's tokenizer and chat template (prompts, chat template and the evaluation sets go
     through the same code as with the real target)."""
     from pathlib import Path
     import shutil
 
-    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=4,
+    write_tiny_target(out, family="llama", seed=0, vocab_size=49152, hidden_size=64, num_layers=num_layers,
                       max_position_embeddings=1024)
     for f in Path(smollm2_target).iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors", ".complete"):

@@ -207,7 +207,7 @@ def _run_auto(target, drafter):
 def test_confidence_forecast_sets_the_plan(tiny_dirs):
     """The confidence head's estimates of a request's latest block are its next plan's acceptance prior: a confident
     forecast verifies more drafts than a doubtful one; a drafter without the head leaves the plan to the counts and
-    the training-log prior, as before."""
+    the training-log prior."""
     target, zlab = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
     state, policy = _run_auto(target, _dspark_drafter(target.spec))
     assert state.forecast is not None and 1 <= len(state.forecast) <= policy.max_k
@@ -391,3 +391,56 @@ def test_triton_drafter_model_drafts_with_the_heads(tiny_dirs, tmp_path, capsys)
                                  heads=drafter.dspark, scores=True)
     assert torch.equal(got, want)
     assert served.forecast(0) == pytest.approx(conf[0].tolist(), abs=1e-6)  # float32, the same modules
+
+
+@pytest.mark.slow
+def test_served_auto_loop_gets_the_confidence(smollm2, tmp_path):
+    """Through a real Triton server (``make-repo --block-size auto``, torch backend): the drafter step model returns
+    the confidence head's estimates with each drafted block (the in-process draft's, over gRPC), the repository's
+    ``auto`` settings tell the loop to ask for them, and the served DSpark loop stays lossless."""
+    pytest.importorskip("tritonclient.grpc")
+    import json
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from conftest import grpc_inputs, write_tiny_smol
+    from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
+    from trtllm_dflash.serve.triton.render import ADAPTIVE_FILE, RepoConfig, make_repo
+    from trtllm_dflash.serve.triton.server import TritonServer
+
+    tdir = write_tiny_smol(tmp_path / "tiny-smol", smollm2["target"], num_layers=6)  # room for the drafter's taps
+    target_spec = TargetSpec.load(tdir)
+    drafter = _dspark_drafter(target_spec, dtype=torch.float32)
+    ddir = speculators.write_speculators_drafter(tmp_path / "dspark", drafter, target_spec, tdir, dtype=torch.float32)
+    repo = make_repo(RepoConfig(str(tdir), str(ddir), block_size="auto", max_seq_len=256, max_sequences=4),
+                     tmp_path / "repo")
+    assert json.loads((repo / "dflash_bls" / "1" / ADAPTIVE_FILE).read_text())["confidence"] is True
+
+    spec = drafter.spec
+    taps = torch.randn(1, 9, spec.num_taps * spec.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        k, v = drafter.context_kv(taps, torch.arange(9)[None])  # [L, 1, 9, kv, d]
+    cache = drafter.new_cache(1, 64)
+    target = load_pair(tdir, ddir, dtype=torch.float32)[0]
+    with torch.inference_mode():
+        drafter.inject(taps, torch.tensor([9]), cache)
+        want, conf = draft_block(torch.tensor([11]), spec.block_size, spec.mask_token_id, target.embed,
+                                 lambda e: drafter.draft(e, cache), target.logits, own_head=drafter.draft_head,
+                                 heads=drafter.dspark, scores=True)
+    with TritonServer(repo, log_path=tmp_path / "server.log") as server:
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        draft = {"mode": np.zeros((1, 1), np.int32), "seq_id": np.full((1, 1), 77, np.uint64),
+                 "ctx_k": np.ascontiguousarray(k.transpose(0, 1).numpy()),
+                 "ctx_v": np.ascontiguousarray(v.transpose(0, 1).numpy()),
+                 "bonus": np.full((1, 1), 11, np.int32), "ctx_len": np.full((1, 1), 9, np.int32),
+                 "block_size": np.full((1, 1), spec.block_size, np.int32)}
+        out = c.infer("drafter", grpc_inputs(draft), outputs=[grpcclient.InferRequestedOutput(n)
+                                                               for n in ("drafts", "confidence")])
+        c.infer("drafter", grpc_inputs({"mode": np.full((1, 1), 2, np.int32), "seq_id": draft["seq_id"]}))
+        with DFlashClient(server.grpc_url) as client:
+            answers = {m: client.generate(m, GenerateParams("Write a haiku about rain.", 24)).token_ids
+                       for m in ("dflash", "baseline")}
+    assert out.as_numpy("drafts").tolist() == want.tolist()
+    np.testing.assert_allclose(out.as_numpy("confidence"), conf.numpy(), atol=1e-6)
+    assert answers["dflash"] == answers["baseline"] and answers["dflash"]

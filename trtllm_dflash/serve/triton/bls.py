@@ -71,6 +71,10 @@ class TritonSteps(CoalescedSteps):
         self.watch = StubWatch()
         self.coalescer = StepCoalescer(self._send, enabled=settings.coalesce, max_rows=settings.step_max_batch_size)
         self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
+        # a DSpark drafter's confidence head (make-repo's ``auto`` settings say so): the drafter model returns its
+        # estimates for each drafted block, kept per sequence as the policy's forecast for its next step
+        self.scored = False
+        self.forecasts: dict[int, list[float]] = {}
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
         # then go target_verify -> kv_inject -> drafter without touching the host (see ``_rows``).
         self.memory = {}
@@ -232,18 +236,28 @@ class TritonSteps(CoalescedSteps):
         ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
         block, top = key
         choices = {} if top == 1 else {"top": column([top] * n, np.int32)}  # a repository rendered before: no input
-        out = await self._rows(self.drafter, ["drafts"], mode=column([0] * n, np.int32), seq_id=seqs,
+        out = await self._rows(self.drafter, ["drafts", "confidence"] if self.scored else ["drafts"],
+                               mode=column([0] * n, np.int32), seq_id=seqs,
                                ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
                                ctx_len=column([k.shape[1] for k in ks], np.int32),
                                bonus=column([c.args[3] for c in calls], np.int32),
                                block_size=column([block] * n, np.int32), **choices, **self._coalesced(n))
         drafts = out["drafts"].cpu().numpy()
+        if self.scored:
+            for c, row in zip(calls, out["confidence"].tolist()):
+                self.forecasts[c.args[0]] = row
         return (drafts if top == 1 else drafts.reshape(n, block - 1, top)).tolist()
+
+    def forecast(self, seq_id: int) -> list[float] | None:
+        """The drafter's confidence estimates [K] for the sequence's latest drafted block (``BlockDrafter.forecast``,
+        returned by the drafter model); None without a confidence head or before the sequence's first draft."""
+        return self.forecasts.get(seq_id)
 
     async def free(self, seq_id, drafter):
         """Free the sequence in both stateful models; a model that cannot answer (it died) is skipped, so the
         request's own error is what the client sees and the other model's slot is still freed."""
         self.coalescer.leave()
+        self.forecasts.pop(seq_id, None)
         for model in (self.target, self.drafter) if drafter else (self.target,):
             try:
                 await self._rows(model, ["num_active"], mode=np.array([[FREE]], np.int32),
@@ -328,8 +342,27 @@ class RequestSteps:
         return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
                                                attempts=self.attempts)
 
-    def __getattr__(self, name):  # verify, inject, draft, free
-        return getattr(self._steps, name)
+    # the rest of the StepClient is the shared TritonSteps' (the calls of every sequence meet in its coalescer)
+    async def plan(self, policy, tree, state, lookup_len, last_step):
+        return await self._steps.plan(policy, tree, state, lookup_len, last_step)
+
+    def ended(self, policy, tree, last_step) -> None:
+        self._steps.ended(policy, tree, last_step)
+
+    async def verify(self, seq_id, block, want_taps, parents=None):
+        return await self._steps.verify(seq_id, block, want_taps, parents)
+
+    async def inject(self, taps, start):
+        return await self._steps.inject(taps, start)
+
+    async def draft(self, seq_id, k, v, bonus, block_size, top=1):
+        return await self._steps.draft(seq_id, k, v, bonus, block_size, top)
+
+    def forecast(self, seq_id: int) -> list[float] | None:
+        return self._steps.forecast(seq_id)
+
+    async def free(self, seq_id, drafter):
+        await self._steps.free(seq_id, drafter)
 
 
 def parse_request(pb_utils, request) -> GenerateRequest:
@@ -348,12 +381,16 @@ def parse_request(pb_utils, request) -> GenerateRequest:
                             bool(scalar(pb_utils, request, "stream", False, bool)), min_tokens)
 
 
-def load_policy(path: str):
-    """The ``--block-size auto`` policy of a dflash_bls model from the settings make-repo wrote next to it."""
+def load_adaptive(path: str) -> dict:
+    """The ``--block-size auto`` settings make-repo wrote next to a dflash_bls model (``render.adaptive_settings``)."""
     from trtllm_dflash.errors import read_json
 
-    fix = "re-render the repository with `trtllm-dflash make-repo --block-size auto`"
-    return policy_from_settings(read_json(path, fix))
+    return read_json(path, "re-render the repository with `trtllm-dflash make-repo --block-size auto`")
+
+
+def load_policy(path: str):
+    """The ``--block-size auto`` policy of a dflash_bls model from the settings make-repo wrote next to it."""
+    return policy_from_settings(load_adaptive(path))
 
 
 def policy_from_settings(doc: dict):
@@ -382,11 +419,13 @@ class LoopModel:
         s = ModelSettings.of(params)
         self.pb = pb_utils
         self.block_size = s.block_size
-        self.policy = load_policy(s.adaptive) if s.adaptive_block else None
+        doc = load_adaptive(s.adaptive) if s.adaptive_block else None
+        self.policy = policy_from_settings(doc) if doc is not None else None
         self.ngram = s.ngram
         longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
         self.tree, self.datastore = load_tree(s, longest, self.ngram)
         self.steps = TritonSteps(pb_utils, s)
+        self.steps.scored = bool(doc and doc.get("confidence"))
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
         self.frontend = self.tokens = None

@@ -402,6 +402,7 @@ class DrafterStepModel:
         s = ModelSettings.of(params)
         self.threads = CpuThreads(s)
         self.tree_capable = not s.engine_backend
+        self.scored = False
         if s.engine_backend:
             from trtllm_dflash.serve.trtllm.engine import EngineBlockDrafter, load_engine_set
             from trtllm_dflash.specs import DrafterSpec
@@ -414,6 +415,7 @@ class DrafterStepModel:
         head = TargetHead(s.target_dir, device=_device())
         self.drafter = BlockDrafter(drafter, head, s.max_sequences, s.max_seq_len, s.idle_timeout_s,
                                     cuda_graphs=s.cuda_graphs)
+        self.scored = self.drafter.scored  # a DSpark confidence head: its estimates go back with the drafts
 
     def execute(self, pb_utils, requests) -> list:
         self.drafter.expire()
@@ -421,6 +423,7 @@ class DrafterStepModel:
         # (block, top) -> rows
         groups: dict[tuple[int, int], list[tuple[int, int, int, torch.Tensor, torch.Tensor, int]]] = {}
         drafts: dict[int, list] = {}  # request -> drafts per row
+        confidence: dict[int, list] = {}  # request -> a DSpark drafter's confidence estimates per row
         coalesced = False
         for i, req in enumerate(requests):
             try:
@@ -461,13 +464,18 @@ class DrafterStepModel:
                 args = ([s for _, _, s, *_ in items], [k for *_, k, _, _ in items], [v for *_, v, _ in items],
                         [b for *_, b in items], block)
                 out = self.drafter.draft(*args) if top == 1 else self.drafter.draft(*args, top)
-                for (i, j, *_), d in zip(items, out):
+                for (i, j, s, *_), d in zip(items, out):
                     drafts[i][j] = d
+                    if self.scored:
+                        confidence.setdefault(i, [None] * len(drafts[i]))[j] = self.drafter.forecast(s)
             except Exception as exc:
                 for i, *_ in items:
                     responses[i] = error_response(pb_utils, exc)
         for i, ds in drafts.items():
             if responses[i] is None:
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("drafts", torch.stack(ds).reshape(len(ds), -1).cpu().numpy().astype(np.int32))])
+                out = torch.stack(ds).reshape(len(ds), -1).cpu().numpy().astype(np.int32)
+                outputs = [pb_utils.Tensor("drafts", out)]
+                if i in confidence and None not in confidence[i]:  # [rows, K]: a request's rows share a block size
+                    outputs.append(pb_utils.Tensor("confidence", np.array(confidence[i], np.float32)))
+                responses[i] = pb_utils.InferenceResponse(output_tensors=outputs)
         return responses

@@ -322,8 +322,11 @@ def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
                                       draft_vocab=cfg.draft_vocab or "full")
     decoder = SpeculativeDecoder(target, drafter_model, block)
     policy = calibrated_policy(decoder, max_rows=1)
+    # a DSpark drafter's confidence head on the torch step models: the drafter model returns its estimates and the
+    # loop feeds them to the policy as each sequence's forecast (the TensorRT-LLM engines return drafts only)
+    scored = cfg.backend == "torch" and drafter.dspark is not None and drafter.dspark.confidence_head
     return {"max_block_size": block, "prior": prior_from_training_log(cfg.drafter_dir, block - 1),
-            "cost": policy.cost.to_json(), "ngram": cfg.ngram}
+            "cost": policy.cost.to_json(), "ngram": cfg.ngram, "confidence": bool(scored)}
 
 
 def make_repo(cfg: RepoConfig, out: str | Path, force: bool = False, templates: Path = TEMPLATES) -> Path:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What checking a request's stop sequences costs per new token: ``runtime.protocol.StopMatcher`` (stops indexed by
-their last token) against comparing every stop at every new token (what an earlier version did), same cuts.
+their last token) against comparing every stop at every new token (the naive scan), same cuts.
 
     python perf/bench_stops.py --stops 1024 --out perf/results/reliability/stops.json
 

@@ -16,7 +16,7 @@ The policy's cost model is pulled toward each step's true cost as the decoder pu
 Steps cost more as the rows' contexts grow (``CostModel.context``: each row's prompt and the tokens it has so far).
 Variants: the lookup's acceptance from the sequence's history (``NGRAM_PRIOR``, the decoder's earlier forecast) or
 from the match's features (``Lookup.prior``), each with and without a static batch's row weights (``batch_weights``);
-and "match+weights" with a belief blind to the context (α = β = 0, as the cost model was before it counted context).
+and "match+weights" with a belief blind to the context (α = β = 0: a cost model that ignores context).
 """
 
 from __future__ import annotations

@@ -257,8 +257,8 @@ def test_cpu_step_threads_follow_the_load():
 
 def test_a_coalescing_loops_one_row_requests_get_every_core():
     """A step coalescer runs one stage at a time, so its requests get every core at any load: several rows, or one
-    row that says ``coalesced`` (a step where one sequence drafts, a sequence's start). An earlier version counted
-    such a row as overlapping: with 16 DFlash sequences live every prefill ran on one thread."""
+    row that says ``coalesced`` (a step where one sequence drafts, a sequence's start). Counted as overlapping, such a
+    row would run every prefill on one thread with 16 DFlash sequences live."""
     from types import SimpleNamespace
 
     import numpy as np

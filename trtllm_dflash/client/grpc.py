@@ -224,7 +224,7 @@ class DFlashClient:
             if on_chunk is not None:
                 on_chunk(chunk)
         end = time.perf_counter()
-        for seq in done:  # one sequence: its request's end (the final flag), as before several were possible
+        for seq in done:  # one sequence: its request's end (the final flag); several: each keeps its own end
             seq.end = end if len(done) == 1 or not seq.end else seq.end
         return done
 

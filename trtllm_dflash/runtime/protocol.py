@@ -83,8 +83,8 @@ def decode_stops(flat: list[int]) -> tuple[tuple[int, ...], ...]:
 
 class StopMatcher:
     """A request's stop sequences, indexed by their last token: each new token is compared with the stops that end in
-    it, not with every stop. An earlier version compared every stop at every new token: one request with 20,000 stop
-    words slowed every stream of its loop model (which runs all of them on one thread)."""
+    it, not with every stop. Comparing every stop at every new token would let one request with 20,000 stop words slow
+    every stream of its loop model (which runs all of them on one thread)."""
 
     def __init__(self, stops: tuple[tuple[int, ...], ...], min_tokens: int = 0) -> None:
         """``min_tokens``: a stop ending within the first that many tokens does not count (``GenerateRequest``)."""

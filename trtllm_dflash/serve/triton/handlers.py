@@ -52,9 +52,8 @@ class CpuThreads:
     second stage: target_verify counts only DFlash sequences and keeps every core for it. A request from a loop
     model's step coalescer (several rows, or the ``coalesced`` input: its one-row drafts and its sequences' starts,
     which it sends at the step barrier too) comes from a loop that runs one stage at a time for all its sequences:
-    every core again. Counting such a one-row request as overlapping, as an earlier version did, ran every prefill
-    on one thread with 16 DFlash sequences live: 16 served MT-Bench streams ran at 0.81-0.87x the baseline's
-    tokens/s with the very same steps. ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
+    every core again (counted as overlapping, such a one-row request would run every prefill on one thread with 16
+    DFlash sequences live). ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
     """
 
     def __init__(self, params: ModelSettings | dict[str, str]) -> None:

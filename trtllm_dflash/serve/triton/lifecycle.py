@@ -127,9 +127,9 @@ class StubWatch:
     loaded yet, being reloaded, or not a python model). A BLS call remembers the stubs serving it when it starts and
     is failed when all of them have exited (``died``); ``serve`` reports a model whose stubs all exited.
 
-    One scan serves every model because a scan per model (what an earlier version did: `serve` read every process's
-    /proc entry once per python model every second) cost ~2.7 % of a core at niceness 0 on a machine with ~90
-    processes, growing with the process count."""
+    One scan serves every model because a scan per model (every process's /proc entry read once per python model
+    every second) costs ~2.7 % of a core at niceness 0 on a machine with ~90 processes, growing with the process
+    count."""
 
     EMPTY_PERIOD_S = 1.0
 

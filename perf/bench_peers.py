@@ -9,7 +9,9 @@ tokenized once here and handed to vLLM as token ids), greedy, up to ``--max-new-
 
 - vLLM (``.peers/vllm``, build_scripts/peer_vllm.sh): its offline ``LLM`` API in a worker process of the peer's own
   environment (perf/peers/vllm_offline.py; vLLM cannot import into this project's .venv), autoregressive (``ar``) and
-  DFlash with ``num_speculative_tokens`` = block size - 1 (``dflash-16``); path ``offline``.
+  DFlash with ``num_speculative_tokens`` = block size - 1 (``dflash-16``); path ``offline``. ``--vllm-variants``
+  adds engines set up otherwise, one factor each (path ``offline-eager``: no torch.compile; ``offline-nobind``: OpenMP
+  threads not pinned; ``offline-gomp``: GNU OpenMP, no Intel OpenMP preload), to find what makes vLLM's steps cheap.
 - trtllm-dflash in-process (``runtime.decoder`` through ``commands.common.make_decoder``) and served through Triton
   (``trtllm-dflash make-repo`` + ``serve``, the ``client.grpc`` client): ``ar`` (block size 1 / the ``baseline``
   ensemble), ``dflash-16`` (a fixed block of 16, no prompt lookup) and ``auto+ngram`` (the adaptive policy with prompt
@@ -50,6 +52,9 @@ PEER_VENV = REPO / ".peers" / "vllm"
 WORKER = REPO / "perf" / "peers" / "vllm_offline.py"
 INSTALL_HINT = "bash build_scripts/peer_vllm.sh"
 BLOCK = 16  # the fixed block of dflash-16 (the shipped drafter's trained block size)
+# vLLM set up otherwise, one factor at a time (``--vllm-variants``; path ``offline-<variant>``): its eager mode (no
+# torch.compile), its OpenMP threads left unbound, GNU OpenMP instead of Intel OpenMP preloaded
+VLLM_VARIANTS = ("default", "eager", "nobind", "gomp")
 OURS, VLLM = "trtllm-dflash", "vllm"
 
 
@@ -69,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
     p.add_argument("--peer-venv", type=Path, default=PEER_VENV, help=f"the peer's environment (default {PEER_VENV})")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine (default 1)")
+    p.add_argument("--vllm-variants", default="default",
+                   help="comma list of vLLM set-ups, each its own engines (path offline-<variant>): default, eager "
+                        "(enforce_eager: no torch.compile), nobind (VLLM_CPU_OMP_THREADS_BIND=nobind), gomp (no Intel "
+                        "OpenMP preload) (default: default)")
+    p.add_argument("--vllm-modes", default=f"ar,dflash-{BLOCK}", help=f"vLLM modes (default ar,dflash-{BLOCK})")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="where peers.jsonl, peers.png and the logs go (default perf/results/peers/<UTC date>)")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.jsonl",
@@ -77,6 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dataset_list = [d for d in args.datasets.split(",") if d]
     args.concurrencies = sorted({int(c) for c in args.concurrency.split(",")})
     args.path_list = [x for x in args.paths.split(",") if x]
+    args.variant_list = [v for v in args.vllm_variants.split(",") if v]
+    args.vllm_mode_list = [m for m in args.vllm_modes.split(",") if m]
+    if not set(args.variant_list) <= set(VLLM_VARIANTS) or not args.variant_list:
+        p.error(f"--vllm-variants {args.vllm_variants!r}: a comma list of {', '.join(VLLM_VARIANTS)}")
+    if not set(args.vllm_mode_list) <= {"ar", f"dflash-{BLOCK}"} or not args.vllm_mode_list:
+        p.error(f"--vllm-modes {args.vllm_modes!r}: a comma list of ar and dflash-{BLOCK}")
     if not set(args.path_list) <= {"in-process", "triton", "offline"} or not args.path_list:
         p.error(f"--paths {args.paths!r}: a comma list of in-process, triton and offline")
     if not set(args.dataset_list) <= {"humaneval", "mtbench"} or not args.dataset_list:
@@ -107,20 +123,24 @@ class Tally:
 class VllmSide:
     """A vLLM engine in the peer's environment, driven line by line (perf/peers/vllm_offline.py)."""
 
-    def __init__(self, args, mode: str, log_dir: Path) -> None:
+    def __init__(self, args, mode: str, log_dir: Path, variant: str = "default") -> None:
         self.mode = mode
         cmd = [str(args.peer_venv / "bin" / "python"), str(WORKER), "--target", args.target,
                "--max-num-seqs", str(max(args.concurrencies)),
                "--max-model-len", "2048"]
         if mode != "ar":
             cmd += ["--drafter", args.drafter, "--num-speculative-tokens", str(BLOCK - 1)]
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
-               "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib)}
+        if variant == "eager":
+            cmd.append("--enforce-eager")
+        bind = "nobind" if variant == "nobind" else f"0-{args.threads - 1}"
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_cache_gib)}
+        if variant == "nobind":
+            env["OMP_NUM_THREADS"] = str(args.threads)  # unbound, but as many threads as the other sides
         iomp = args.peer_venv / "lib" / "libiomp5.so"  # intel-openmp, in the peer's lock
-        if iomp.is_file():  # vLLM's CPU guide: speculative decoding without Intel OpenMP preloaded is much slower
+        if iomp.is_file() and variant != "gomp":  # vLLM's CPU guide: preload Intel OpenMP for speculative decoding
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
         env.pop("PYTHONPATH", None)  # nothing of .venv may leak into the peer's interpreter
-        self.log = open(log_dir / f"vllm-{mode}.log", "w")
+        self.log = open(log_dir / f"vllm-{mode}{'' if variant == 'default' else '-' + variant}.log", "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=REPO)
@@ -348,10 +368,11 @@ def main(argv=None) -> int:
         with tqdm(total=len(args.path_list), desc="bench_peers: starting engines", file=sys.stderr,
                   disable=None) as bar:
             if "offline" in args.path_list:
-                for mode in ("ar", f"dflash-{BLOCK}"):
-                    side = VllmSide(args, mode, log_dir)
-                    closers.append(side.close)
-                    sides[(VLLM, "offline", mode)] = side
+                for variant in args.variant_list:
+                    for mode in args.vllm_mode_list:
+                        side = VllmSide(args, mode, log_dir, variant)
+                        closers.append(side.close)
+                        sides[(VLLM, "offline" if variant == "default" else f"offline-{variant}", mode)] = side
                 bar.update(1)
             stops = None
             if "in-process" in args.path_list or "triton" in args.path_list:

@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", help="weights and activations (default float32, as ours on CPU)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences the engine batches (default 8)")
     p.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM's eager mode: no torch.compile graphs")
     args = p.parse_args(argv)
     out = protocol_stream()
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     if args.drafter:
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.target, speculative_config=spec, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, seed=0, disable_log_stats=False)
+              max_model_len=args.max_model_len, seed=0, disable_log_stats=False, enforce_eager=args.enforce_eager)
     emit(out, {"ready": True, "version": vllm.__version__, "torch": torch.__version__,
           "startup_s": round(time.perf_counter() - t0, 2), "torch_threads": torch.get_num_threads()})
 

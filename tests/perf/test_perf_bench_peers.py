@@ -30,6 +30,13 @@ def test_bad_paths_exit_2():
     assert run.returncode == 2 and "--paths 'in-process,nope'" in run.stderr
 
 
+def test_bad_vllm_variants_and_modes_exit_2_naming_the_choices():
+    for flag, value, choices in (("--vllm-variants", "eager,fast", "default, eager, nobind, gomp"),
+                                 ("--vllm-modes", "ar,dflash-8", "ar and dflash-16")):
+        run = subprocess.run([sys.executable, str(SCRIPT), flag, value], capture_output=True, text=True)
+        assert run.returncode == 2 and f"{flag} {value!r}" in run.stderr and choices in run.stderr, run.stderr
+
+
 def test_first_difference_names_prompt_index_and_tokens():
     bp = perf_script("bench_peers")
     assert bp.first_difference({"a": (1, 2, 3)}, {"a": (1, 2, 3)}) is None

@@ -128,6 +128,9 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
         f"--metrics-port={metrics_port}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}", f"--log-verbose={log_verbose}",
         # every model loaded at start, and reloadable one by one (TritonServer.reload: a step model whose stub died)
         "--model-control-mode=explicit", "--load-model=*",
+        # the configs are complete (make-repo writes every field): no auto-complete stub per python model, which would
+        # import the package (and torch) once more per model before its instance loads
+        "--disable-auto-complete-config",
         # distinct shared-memory names, so several servers (tests, demo) can run side by side
         f"--backend-config=python,shm-region-prefix-name={shm_prefix(grpc_port)}",
     ]

@@ -92,11 +92,12 @@ def python_stubs(parent: int | None = None) -> dict[str, set[int]]:
     """{model: pids} of every live python-stub process started by ``parent`` (default: this process's parent), in one
     pass over /proc. A stub's argv[1] is ``<repository>/<model>/1/model.py``.
 
-    Only instance stubs count. While loading a model the server first runs an auto-complete stub, which reads the
-    config and exits; argv[8] names a stub, the model's name for that one and ``<model>_<group>_<n>`` for an instance
-    (python_backend src/stub_launcher.cc, Launch). Counted as alive, its exit before the instance stub started looked
-    like every step model gone at once, and a loop model's ``watch_parent`` ended its own stub mid-initialize (CI:
-    "Stub process 'dflash_0_0' is not healthy", server not started)."""
+    Only instance stubs count. While loading a model, a server with auto-complete on (tritonserver's default; ``serve``
+    turns it off) first runs an auto-complete stub, which reads the config and exits; argv[8] names a stub, the
+    model's name for that one and ``<model>_<group>_<n>`` for an instance (python_backend src/stub_launcher.cc,
+    Launch). Counted as alive, its exit before the instance stub started would look like every step model gone at
+    once, and a loop model's ``watch_parent`` would end its own stub mid-initialize ("Stub process 'dflash_0_0' is
+    not healthy", server not started)."""
     parent = os.getppid() if parent is None else parent
     out: dict[str, set[int]] = {}
     for entry in Path("/proc").iterdir():

@@ -76,7 +76,7 @@ def test_training_sample_and_inference_step_agree(smollm2, one_thread):
     assert s["lossless"] and 0.0 < s["position1_accuracy"] <= 1.0
     # the two readings of acceptance tell roughly the same story (the all-anchor mean vs the decoder's own steps):
     # only roughly, since the all-anchor mean also counts the anchors inside long accepted runs that the decoder jumps
-    # over, so it runs ahead when acceptance is uneven (session-22 drafter on these two prompts: 2.27 vs 1.62; the
+    # over, so it runs ahead when acceptance is uneven (an earlier drafter on these two prompts: 2.27 vs 1.62; the
     # exact check is the one above, at the decoder's own anchors)
     ratio = s["expected_tau_all_anchors"] / s["inference_tau"]
     assert s["inference_tau"] >= 1.0 and 0.8 < ratio < 1.6, s

@@ -13,11 +13,9 @@ from trtllm_dflash.specs import DrafterSpec
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFTER / "model.safetensors").is_file(), reason="no shipped drafter")
 
-# B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: measured 2.221 over 86 steps (session-36 drafter; the
-# session-22 drafter, trained on a GPU, the same 2.221); session-18 drafter: 2.054 (worse on these 3
-# prompts, better on all 164 HumanEval / 80 MT-Bench prompts; session-17: 2.207; session-16: 2.148; session-15: 2.133;
-# session-14: 1.959; session-12: 1.864; session-11: 1.750; session-10: 1.610; session-9: 1.647, better on these 3
-# prompts, worse on all 164 HumanEval / 80 MT-Bench prompts; session-8: 1.528; step-800: 1.350)
+# B = 16, first 3 HumanEval prompts, 64 new tokens, greedy: the shipped drafter measures 2.221 over 86 steps; the
+# earlier drafters of its training line measured 1.35-2.21 here (three prompts rank drafters poorly: some that scored
+# lower here did better on all 164 HumanEval / 80 MT-Bench prompts), so the floor only catches a broken drafter
 TAU_FLOOR = 1.50
 
 
@@ -30,7 +28,7 @@ def test_shipped_drafter_files_and_config():
     log = json.loads((SHIPPED_DRAFTER / "training_log.json").read_text())
     assert log["records"] and log["held_out"]
     # the held-out loss, not the last training record: a record averages the steps since the one before, and the
-    # last one of a run can hold a single noisy batch (the session-12 run's: 5.10 after 4.35)
+    # last one of a run can hold a single noisy batch (one run's ended at 5.10 after 4.35)
     assert log["held_out"][-1]["loss"] < log["held_out"][0]["loss"]
     for name in ("config.json", "training_config.json", "training_log.json"):  # provenance, not the trainer's machine
         text = (SHIPPED_DRAFTER / name).read_text()

@@ -120,9 +120,32 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
     return target, drafter
 
 
+def load_drafter(target_dir: str | Path, drafter_dir: str | Path, dtype=torch.float32, device="cpu",
+                 draft_vocab: str | Path | None = "auto", lm_head: torch.Tensor | None = None) -> DrafterModel:
+    """The drafter of a pair alone, checked against the target's spec as ``load_pair`` checks it: for the processes
+    that never run the target (the Triton drafter and kv_inject step models), which then hold no copy of it.
+    ``lm_head`` ([V, H], e.g. ``runtime.steps.TargetHead``'s) is needed only for a draft vocabulary derived from the
+    target's head; without it ``draft_vocab`` must resolve to the drafter's own vocabulary ("full")."""
+    from trtllm_dflash.errors import require
+
+    target_spec = TargetSpec.load(target_dir)
+    drafter_spec = DrafterSpec.load(drafter_dir)
+    check_pair(target_spec, drafter_spec)
+    path = resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)
+    require(path is None or lm_head is not None, "draft_vocab", str(path),
+            "a draft vocabulary derived from the target's head needs that head (lm_head)", "pass lm_head")
+    drafter = DrafterModel.from_pretrained(drafter_dir, dtype=dtype, device=device,
+                                           max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS)
+    return _apply_draft_vocab(lm_head, target_spec.vocab_size, drafter, drafter_dir, draft_vocab)
+
+
 def use_draft_vocab(target: TargetModel, drafter: DrafterModel, drafter_dir, choice: str | Path | None = "auto"):
     """Give a loaded full-vocabulary ``drafter`` the draft vocabulary ``choice`` names (``load_pair``'s
     ``draft_vocab``): a head of those rows of ``target``'s LM head (``models.draft_vocab.derived_head``)."""
+    return _apply_draft_vocab(target.lm_head.weight, target.spec.vocab_size, drafter, drafter_dir, choice)
+
+
+def _apply_draft_vocab(lm_head, vocab_size: int, drafter: DrafterModel, drafter_dir, choice):
     from trtllm_dflash.errors import ConfigError
     from trtllm_dflash.models import draft_vocab as dv
 
@@ -132,7 +155,7 @@ def use_draft_vocab(target: TargetModel, drafter: DrafterModel, drafter_dir, cho
                           "trained over; a head derived from the target's rows would not match it",
                           "pass --draft-vocab full (or remove the file from the drafter directory)")
     if path is not None:
-        drafter.draft_head = dv.derived_head(target.lm_head.weight, dv.read(path, target.spec.vocab_size))
+        drafter.draft_head = dv.derived_head(lm_head, dv.read(path, vocab_size))
     return drafter
 
 

@@ -150,3 +150,37 @@ def test_make_repo_renders_the_graphs_into_the_step_models_that_build_them(tiny_
     with pytest.raises(ConfigError, match="--cuda-graphs"):
         RepoConfig(tdir, ddir, "trtllm-pytorch", block_size=4, max_seq_len=64, checkpoint_dir=tdir,
                    cuda_graphs="on").validate()
+
+
+def test_drafter_and_kv_inject_step_models_hold_no_copy_of_the_target(tiny_dirs, tmp_path, monkeypatch):
+    """The drafter step model reads the target's embedding and LM head alone (not its layers) and kv_inject nothing
+    of the target, so neither process holds a copy of it; the head the drafter drafts through is the target's."""
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.errors import ArtifactError
+    from trtllm_dflash.models import weights
+    from trtllm_dflash.models.target import TargetModel
+    from trtllm_dflash.serve.triton.handlers import DrafterStepModel, KVInjectModel
+    from trtllm_dflash.serve.triton.render import RepoConfig, config_parameters, make_repo
+
+    tdir, ddir = map(str, tiny_dirs["qwen3"])
+    repo = make_repo(RepoConfig(tdir, ddir, block_size=4, max_seq_len=64, max_sequences=2), tmp_path / "repo")
+    read = []
+    real_read = weights.read_state_dict
+
+    def spy(model_dir, names=None):
+        state = real_read(model_dir, names)
+        read.append((str(model_dir), sorted(state)))
+        return state
+
+    monkeypatch.setattr("trtllm_dflash.runtime.steps.read_state_dict", spy)
+    monkeypatch.setattr(TargetModel, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("target loaded")))
+    params = {m: config_parameters((repo / m / "config.pbtxt").read_text()) for m in ("drafter", "kv_inject")}
+    served = DrafterStepModel(params["drafter"]).drafter
+    KVInjectModel(params["kv_inject"])
+    monkeypatch.undo()
+    target, _ = load_pair(tdir, ddir)
+    head = ["model.embed_tokens.weight"] + ([] if target.spec.tie_word_embeddings else ["lm_head.weight"])
+    assert read == [(tdir, sorted(head))]
+    assert torch.equal(served.head.lm_head, target.lm_head.weight.detach())
+    with pytest.raises(ArtifactError, match="no tensor 'nope'"):
+        weights.read_state_dict(tdir, ("nope",))

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -19,8 +19,10 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model_dir`` (``model.safetensors``, or the shards named by ``model.safetensors.index.json``)."""
+def read_state_dict(model_dir: str | Path, names: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of ``model_dir`` (``model.safetensors``, or the shards named by ``model.safetensors.index.json``);
+    with ``names``, only those (read from their shards alone; a missing name is an ArtifactError naming it), so a
+    process that needs two tensors of a large target does not hold the rest."""
     model_dir = Path(model_dir)
     index = model_dir / INDEX
     if index.is_file():
@@ -35,15 +37,24 @@ def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
         raise ArtifactError(
             model_dir, f"no {SINGLE} or {INDEX}", "the directory must hold Hugging Face safetensors weights"
         )
+    if names is not None and index.is_file():
+        files = sorted({weight_map[n] for n in names if n in weight_map})
     state: dict[str, torch.Tensor] = {}
     for name in files:
         path = model_dir / name
         if not path.is_file():
             raise ArtifactError(path, "shard named in the index is missing", "re-download the checkpoint")
         try:
-            state.update(load_file(str(path)))
+            if names is None:
+                state.update(load_file(str(path)))
+                continue
+            with safe_open(str(path), framework="pt") as f:
+                state.update({n: f.get_tensor(n) for n in names if n in f.keys()})
         except (SafetensorError, OSError, ValueError) as exc:
             raise ArtifactError(path, f"unreadable safetensors ({exc})", "re-download or re-create the file") from exc
+    missing = [n for n in names or () if n not in state]
+    if missing:
+        raise ArtifactError(model_dir, f"no tensor {missing[0]!r} in the checkpoint", "pass the target's own directory")
     return state
 
 

@@ -454,7 +454,8 @@ class TargetHead:
         from trtllm_dflash.specs import TargetSpec
 
         spec = TargetSpec.load(target_dir)
-        state = read_state_dict(target_dir)
+        names = ("model.embed_tokens.weight",) + (() if spec.tie_word_embeddings else ("lm_head.weight",))
+        state = read_state_dict(target_dir, names)  # these two tensors only, not the target's layers
         self.embed = state["model.embed_tokens.weight"].to(dtype=dtype, device=device)  # [V, H]
         head = self.embed if spec.tie_word_embeddings else state["lm_head.weight"]
         self.lm_head = head.to(dtype=dtype, device=device)  # [V, H]

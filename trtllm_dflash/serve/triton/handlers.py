@@ -356,7 +356,7 @@ class TargetVerifyModel:
 
 class KVInjectModel:
     def __init__(self, params: ModelSettings | dict[str, str]) -> None:
-        from trtllm_dflash.checkpoints import load_pair
+        from trtllm_dflash.checkpoints import load_drafter
         from trtllm_dflash.runtime.steps import KVInjector
 
         s = ModelSettings.of(params)
@@ -367,7 +367,7 @@ class KVInjectModel:
             self.inject = EngineKVInjector(load_engine_set(s.engine_dir, s.block_size))
             self.dtype, self.device = self.inject.dtype, "cuda"
             return
-        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device(), draft_vocab="full")
+        drafter = load_drafter(s.target_dir, s.drafter_dir, device=_device(), draft_vocab="full")  # no target copy
         self.inject = KVInjector(drafter)
         self.dtype, self.device = drafter.dtype, _device()
 
@@ -395,7 +395,7 @@ class KVInjectModel:
 
 class DrafterStepModel:
     def __init__(self, params: ModelSettings | dict[str, str]) -> None:
-        from trtllm_dflash.checkpoints import load_pair
+        from trtllm_dflash.checkpoints import load_drafter
         from trtllm_dflash.runtime.steps import BlockDrafter, TargetHead
 
         s = ModelSettings.of(params)
@@ -410,8 +410,9 @@ class DrafterStepModel:
                                               DrafterSpec.load(s.drafter_dir), s.max_sequences, s.max_seq_len,
                                               s.idle_timeout_s)
             return
-        _, drafter = load_pair(s.target_dir, s.drafter_dir, device=_device(), draft_vocab=s.draft_vocab or "full")
-        head = TargetHead(s.target_dir, device=_device())
+        head = TargetHead(s.target_dir, device=_device())  # the target's embedding and LM head, not its layers
+        drafter = load_drafter(s.target_dir, s.drafter_dir, device=_device(), draft_vocab=s.draft_vocab or "full",
+                               lm_head=head.lm_head)
         self.drafter = BlockDrafter(drafter, head, s.max_sequences, s.max_seq_len, s.idle_timeout_s,
                                     cuda_graphs=s.cuda_graphs)
         self.scored = self.drafter.scored  # a DSpark confidence head: its estimates go back with the drafts

@@ -1,10 +1,10 @@
 """Drafter-directory hygiene: every drafter directory this project ships or writes loads unchanged wherever a z-lab
 DFlash drafter loads (z-lab's reference code through transformers, vLLM's ``"method": "dflash"``, SGLang). A z-lab
 drafter holds one config (config.json) and one weight file (model.safetensors); vLLM's default loader takes every
-top-level ``*.safetensors`` of the directory as weights and stops at the first tensor its model lacks (our retrieval
-datastore's ``tokens`` once did: ``There is no module or parameter named 'tokens' in DFlashQwen3Model``), and other
-loaders glob ``*.bin``/``*.pt`` the same way, so nothing else in a drafter directory may look like weights or a config
-those loaders read. The datastore lives beside the weights as ``runtime.datastore.DATASTORE_FILE``."""
+top-level ``*.safetensors`` of the directory as weights and stops at the first tensor its model lacks (a retrieval
+datastore saved as safetensors stops it: ``There is no module or parameter named 'tokens' in DFlashQwen3Model``),
+and other loaders glob ``*.bin``/``*.pt`` the same way, so nothing else in a drafter directory may look like weights or
+a config those loaders read. The datastore lives beside the weights as ``runtime.datastore.DATASTORE_FILE``."""
 
 from __future__ import annotations
 

@@ -343,8 +343,8 @@ def test_verify_takes_its_rows_in_slot_order_and_answers_in_the_callers(tiny_mod
 
 def test_token_ids_outside_the_vocabulary_are_named_and_hold_no_slot(tiny_models):
     """A client of dflash_bls or target_verify sends token ids itself: one outside the vocabulary is refused naming
-    it, before a slot is taken (it used to fail inside the embedding after ``start`` had taken one, and the slot
-    stayed taken until the idle time-out)."""
+    it, before a slot is taken (failing inside the embedding after ``start`` had taken one would leave the slot taken
+    until the idle time-out)."""
     target, drafter = tiny_models["llama"]
     vocab = target.spec.vocab_size
     v = TargetVerifier(target, drafter.spec.target_layer_ids, 2, 64, 8)

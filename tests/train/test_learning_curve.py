@@ -107,8 +107,8 @@ def test_learning_curve_end_to_end(tiny_smol, tmp_path):
         for key in ("tree_datastore_tau", "tree_datastore_steps"):  # runtime.datastore's proposals as well
             assert ev["replay"][ds][key] == ev["decode"][ds][key]
     assert ev["decode"]["datastore_tokens"] > 0
-    # evaluated again: the kept result is printed (not silence); another drafter of the same name is refused, where
-    # the kept file, named by the drafter's name, used to pass for its result
+    # evaluated again: the kept result is printed (not silence); another drafter of the same name is refused, so the
+    # kept file, named by the drafter's name, cannot pass for its result
     again = json.loads(_curve(work, tiny_smol, "eval", "--drafters", last, *evargs).splitlines()[-1])
     assert again["cached"] and {k: again[k] for k in ev["replay"]} == ev["replay"]
     twin = tmp_path / "twin" / Path(last).name

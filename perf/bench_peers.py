@@ -55,6 +55,11 @@ BLOCK = 16  # the fixed block of dflash-16 (the shipped drafter's trained block 
 # vLLM set up otherwise, one factor at a time (``--vllm-variants``; path ``offline-<variant>``): its eager mode (no
 # torch.compile), its OpenMP threads left unbound, GNU OpenMP instead of Intel OpenMP preloaded
 VLLM_VARIANTS = ("default", "eager", "nobind", "gomp")
+
+
+def vllm_path(variant: str) -> str:
+    """A vLLM variant's ``path`` in the records (and its engines' log names): ``offline``, ``offline-eager``, ..."""
+    return "offline" if variant == "default" else f"offline-{variant}"
 OURS, VLLM = "trtllm-dflash", "vllm"
 
 
@@ -140,7 +145,7 @@ class VllmSide:
         if iomp.is_file() and variant != "gomp":  # vLLM's CPU guide: preload Intel OpenMP for speculative decoding
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
         env.pop("PYTHONPATH", None)  # nothing of .venv may leak into the peer's interpreter
-        self.log = open(log_dir / f"vllm-{mode}{'' if variant == 'default' else '-' + variant}.log", "w")
+        self.log = open(log_dir / f"vllm-{mode}{vllm_path(variant).removeprefix('offline')}.log", "w")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=REPO)
@@ -372,7 +377,7 @@ def main(argv=None) -> int:
                     for mode in args.vllm_mode_list:
                         side = VllmSide(args, mode, log_dir, variant)
                         closers.append(side.close)
-                        sides[(VLLM, "offline" if variant == "default" else f"offline-{variant}", mode)] = side
+                        sides[(VLLM, vllm_path(variant), mode)] = side
                 bar.update(1)
             stops = None
             if "in-process" in args.path_list or "triton" in args.path_list:

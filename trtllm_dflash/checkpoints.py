@@ -104,19 +104,14 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, dtype=torc
     ``draft_vocab`` (a full-vocabulary drafter only, ``models.draft_vocab``): "auto" drafts over the drafter
     directory's ``draft_vocab.json`` where it has one, "full" or None over the target's whole vocabulary, a path over
     that file's vocabulary. A drafter with a reduced vocabulary of its own (speculators) keeps its own."""
-    target_spec = TargetSpec.load(target_dir)
-    drafter_spec = DrafterSpec.load(drafter_dir) if drafter_dir is not None else None
-    if drafter_spec is not None:
-        check_pair(target_spec, drafter_spec)
-    resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)  # a bad choice is refused before anything loads
+    if drafter_dir is not None:  # a mismatched pair or a bad draft vocabulary is refused before anything loads
+        drafter_spec = DrafterSpec.load(drafter_dir)
+        check_pair(TargetSpec.load(target_dir), drafter_spec)
+        resolve_draft_vocab(draft_vocab, drafter_dir, drafter_spec)
     target = TargetModel.from_pretrained(target_dir, dtype=dtype, device=device)
     drafter = None
     if drafter_dir is not None:
-        drafter = DrafterModel.from_pretrained(
-            drafter_dir, dtype=dtype, device=device,
-            max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS,
-        )
-        use_draft_vocab(target, drafter, drafter_dir, draft_vocab)
+        drafter = load_drafter(target_dir, drafter_dir, dtype, device, draft_vocab, lm_head=target.lm_head.weight)
     return target, drafter
 
 
@@ -136,20 +131,22 @@ def load_drafter(target_dir: str | Path, drafter_dir: str | Path, dtype=torch.fl
             "a draft vocabulary derived from the target's head needs that head (lm_head)", "pass lm_head")
     drafter = DrafterModel.from_pretrained(drafter_dir, dtype=dtype, device=device,
                                            max_positions=target_spec.max_position_embeddings + SCRATCH_POSITIONS)
-    return _apply_draft_vocab(lm_head, target_spec.vocab_size, drafter, drafter_dir, draft_vocab)
+    return _apply_draft_vocab(lm_head, target_spec.vocab_size, drafter, path)
 
 
 def use_draft_vocab(target: TargetModel, drafter: DrafterModel, drafter_dir, choice: str | Path | None = "auto"):
     """Give a loaded full-vocabulary ``drafter`` the draft vocabulary ``choice`` names (``load_pair``'s
     ``draft_vocab``): a head of those rows of ``target``'s LM head (``models.draft_vocab.derived_head``)."""
-    return _apply_draft_vocab(target.lm_head.weight, target.spec.vocab_size, drafter, drafter_dir, choice)
+    path = resolve_draft_vocab(choice, drafter_dir, drafter.spec)
+    return _apply_draft_vocab(target.lm_head.weight, target.spec.vocab_size, drafter, path)
 
 
-def _apply_draft_vocab(lm_head, vocab_size: int, drafter: DrafterModel, drafter_dir, choice):
+def _apply_draft_vocab(lm_head, vocab_size: int, drafter: DrafterModel, path: Path | None) -> DrafterModel:
+    """``drafter`` drafting over the vocabulary file ``path`` (resolved: ``resolve_draft_vocab``) through those rows
+    of ``lm_head``; None leaves it as it is."""
     from trtllm_dflash.errors import ConfigError
     from trtllm_dflash.models import draft_vocab as dv
 
-    path = resolve_draft_vocab(choice, drafter_dir, drafter.spec)
     if path is not None and drafter.dspark is not None and drafter.dspark.markov_head is not None:
         raise ConfigError("--draft-vocab", str(path), "a DSpark drafter's Markov head biases the vocabulary it was "
                           "trained over; a head derived from the target's rows would not match it",

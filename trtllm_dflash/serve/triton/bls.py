@@ -59,7 +59,7 @@ class TritonSteps(CoalescedSteps):
     """StepClient over BLS calls to the target_verify / kv_inject / drafter models. Taps and K/V are handed to the
     loop as torch tensors (rows of a batched call's outputs; on a GPU they stay in device memory)."""
 
-    def __init__(self, pb_utils, settings: ModelSettings) -> None:
+    def __init__(self, pb_utils, settings: ModelSettings, scored: bool = False) -> None:
         self.pb = pb_utils
         self.target = settings.target_verify_model
         self.injector = settings.kv_inject_model
@@ -71,9 +71,9 @@ class TritonSteps(CoalescedSteps):
         self.watch = StubWatch()
         self.coalescer = StepCoalescer(self._send, enabled=settings.coalesce, max_rows=settings.step_max_batch_size)
         self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
-        # a DSpark drafter's confidence head (make-repo's ``auto`` settings say so): the drafter model returns its
-        # estimates for each drafted block, kept per sequence as the policy's forecast for its next step
-        self.scored = False
+        # ``scored``: a DSpark drafter's confidence head (make-repo's ``auto`` settings say so): the drafter model
+        # returns its estimates for each drafted block, kept per sequence as the policy's forecast for its next step
+        self.scored = scored
         self.forecasts: dict[int, list[float]] = {}
         # Where the step models run on a GPU, ask for their outputs in device memory: the taps and the injected K/V
         # then go target_verify -> kv_inject -> drafter without touching the host (see ``_rows``).
@@ -424,8 +424,7 @@ class LoopModel:
         self.ngram = s.ngram
         longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
         self.tree, self.datastore = load_tree(s, longest, self.ngram)
-        self.steps = TritonSteps(pb_utils, s)
-        self.steps.scored = bool(doc and doc.get("confidence"))
+        self.steps = TritonSteps(pb_utils, s, scored=bool(doc and doc.get("confidence")))
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False  # set by finalize: every live request ends before its next step
         self.frontend = self.tokens = None

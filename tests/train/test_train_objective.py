@@ -191,6 +191,40 @@ def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
     assert abs(losses[0.5] - (losses[0] + losses[1]) / 2) < 1e-6
 
 
+
+def test_total_variation_loss_against_the_targets_own_distribution(tmp_path):
+    """tv = 1 with the full distribution stored (k = V) is ½ Σ |p − q| against the target's softmax; with only the
+    top-k stored the mass q puts outside it counts in full; the mix with the hard labels is linear, and the term's
+    gradient reaches the drafter."""
+    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=5, block_size=4)
+    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
+    ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        hidden, taps = target(ids[None], target.new_cache(1, 14), tap_layers=drafter.spec.target_layer_ids)
+        t_logits = target.logits(hidden)[0]  # [S, V]: row j predicts token j + 1
+    pos = torch.tensor([3, 6, 9])[:, None] + torch.arange(1, 4)  # label positions
+    w = torch.exp(-(torch.arange(1, 4, dtype=torch.float64) - 1) / 2.0).expand(3, 3)
+    for k in (256, 5):
+        top = t_logits.topk(k, dim=-1)
+        batch = collate([Sample(ids, taps[0], 3, top.indices.int(), top.values)], [torch.tensor([3, 6, 9])], "cpu",
+                        dtype=torch.float64)
+        losses = {t: float(dflash_loss(drafter, target.embed, target.lm_head, batch, 2.0, tv=t).loss)
+                  for t in (0, 0.5, 1)}
+        with torch.no_grad():
+            h_ref = drafter_blocks(drafter, target.embed, batch)[:, 1:]  # [3, B − 1, H]
+            q = torch.softmax(target.lm_head(h_ref).double(), dim=-1)  # [3, B − 1, V]
+        p = torch.zeros_like(q)
+        rows = pos - 1
+        p.scatter_(-1, top.indices[rows].long(), torch.softmax(top.values[rows].double(), dim=-1))
+        tv = 0.5 * (p - q).abs().sum(-1)  # exact TV against the (renormalised top-k) target distribution
+        assert abs(losses[1] - float((tv * w).sum() / w.sum())) < 1e-6  # the loss reads the logits in float32
+        assert abs(losses[0.5] - (losses[0] + losses[1]) / 2) < 1e-6
+    drafter.requires_grad_(True)  # load_pair returns it frozen, for inference
+    dflash_loss(drafter, target.embed, target.lm_head, batch, 2.0, tv=0.9).loss.backward()
+    grads = [p_.grad for p_ in drafter.parameters()]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(float(g.abs().sum()) > 0 for g in grads)
+
 def test_a_time_box_advances_the_lr_schedule_with_the_clock():
     from trtllm_dflash.train.trainer import lr_at, scheduled_step
 

@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="self-distillation weight in [0, 1]: cross-entropy against the target's top-k next-token "
                         "distribution stored by train/regen.py, mixed with the hard labels (needs --loss-vocab full "
                         "and data with top-k logits; default 0 = hard labels only)")
+    p.add_argument("--tv", type=float, default=0.0,
+                   help="total-variation weight in [0, 1 - distill]: the distance to the target's top-k next-token "
+                        "distribution (what acceptance depends on), mixed with the hard labels (e.g. --tv 0.9 keeps "
+                        "0.1 CE; needs --loss-vocab full and data with top-k logits; default 0)")
     p.add_argument("--autocast", choices=("none", "bf16"), default="none",
                    help="run the objective under bf16 autocast (weights and AdamW stay fp32; perf/bench_trainer.py "
                         "measures speed and the loss/gradient against fp32; default none)")

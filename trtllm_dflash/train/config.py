@@ -50,6 +50,7 @@ class TrainConfig:
     log_every: int
     ckpt_every: int
     distill: float = 0.0  # self-distillation weight (objective.dflash_loss)
+    tv: float = 0.0  # total-variation weight against the target's top-k distribution (objective.dflash_loss)
     autocast: str = "none"  # "none" | "bf16": the objective under torch.autocast (weights and optimizer stay fp32)
 
     @classmethod
@@ -89,6 +90,11 @@ class TrainConfig:
         require(0.0 <= self.distill <= 1.0, "distill", self.distill, "must be in [0, 1]")
         require(self.distill == 0 or self.loss_vocab == "full", "distill", self.distill,
                 "needs the full-vocabulary loss", "pass --loss-vocab full or --distill 0")
+        require(0.0 <= self.tv <= 1.0 - self.distill, "tv", self.tv,
+                f"must be in [0, 1 - distill = {1.0 - self.distill:g}] (the hard-label CE keeps 1 - distill - tv)",
+                "lower --tv or --distill")
+        require(self.tv == 0 or self.loss_vocab == "full", "tv", self.tv,
+                "needs the full-vocabulary loss", "pass --loss-vocab full or --tv 0")
         require(self.autocast in ("none", "bf16"), "autocast", self.autocast, "must be 'none' or 'bf16'")
         require(self.loss_negatives >= 0, "loss_negatives", self.loss_negatives, "must be >= 0")
         require(self.mask_token_id >= 0, "mask_token_id", self.mask_token_id, "must be >= 0")

@@ -323,8 +323,9 @@ def cmd_train(args) -> None:
         name += f"-after-{args.skip}"
     if args.init != "target":  # continued training (a drafter directory) or the random-init ablation
         name += "-from-" + Path(args.init).name
-    if args.loss_vocab != "data" or args.distill:  # the objective's ablations run beside the default, not over it
-        name += f"-{args.loss_vocab}-vocab" + (f"-distill{args.distill:g}" if args.distill else "")
+    if args.loss_vocab != "data" or args.distill or args.tv:  # the objective's ablations run beside the default
+        name += (f"-{args.loss_vocab}-vocab" + (f"-distill{args.distill:g}" if args.distill else "")
+                 + (f"-tv{args.tv:g}" if args.tv else ""))
     target_dir, target, _, _ = load_target(args)
     paths, tokens, data_cpu = prefix_shards(work / args.source, args.size, args.skip)
     p = argparse.ArgumentParser()
@@ -332,7 +333,7 @@ def cmd_train(args) -> None:
     cfg = TrainConfig.from_args(p.parse_args([
         "--target", str(target_dir), "--out", str(work / "train" / name / "export"),
         "--work-dir", str(work / "train" / name), *RECIPE, "--loss-vocab", args.loss_vocab,
-        "--distill", str(args.distill), "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
+        "--distill", str(args.distill), "--tv", str(args.tv), "--init", args.init, "--lr", str(args.lr), "--epochs", str(args.epochs),
         "--num-layers", str(args.num_layers), "--target-layer-ids", *map(str, args.tap_layers),
         "--samples-per-step", str(args.samples_per_step), "--anchors-per-sample", str(args.anchors_per_sample),
         "--seed", str(args.seed), "--threads", str(args.threads), "--log-every", "20",
@@ -367,7 +368,7 @@ def cmd_train(args) -> None:
             "train_cpu_s": cpu_since(c0), "train_wall_s": round(time.monotonic() - w0, 1),
             "samples_per_step": cfg.samples_per_step, "anchors_per_sample": cfg.anchors_per_sample,
             "epochs": args.epochs, "threads": args.threads, "taps_dtype": args.taps_dtype, "init": args.init,
-            "autocast": args.autocast, "loss_vocab": args.loss_vocab, "distill": args.distill,
+            "autocast": args.autocast, "loss_vocab": args.loss_vocab, "distill": args.distill, "tv": args.tv,
             **({"skip": args.skip} if args.skip else {}),
         })
 
@@ -677,10 +678,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(float32: the faster choice on a CPU without bf16 units)")
     q.add_argument("--loss-vocab", choices=["data", "full"], default="data",
                    help="softmax over the data's tokens plus 8192 random others (default: the CPU economy) or the "
-                        "whole vocabulary (what --distill needs)")
+                        "whole vocabulary (what --distill and --tv need)")
     q.add_argument("--distill", type=float, default=0.0, metavar="W",
                    help="self-distillation weight in [0, 1]: cross-entropy to the target's stored top-k distribution, "
                         "mixed with the hard labels' (1 - W); needs --loss-vocab full")
+    q.add_argument("--tv", type=float, default=0.0, metavar="W",
+                   help="total-variation weight in [0, 1 - distill]: the distance to the target's stored top-k "
+                        "distribution, mixed with the hard labels' CE (e.g. 0.9 keeps 0.1 CE); needs --loss-vocab full")
     q = sub.add_parser("eval", help="τ of every trained drafter (or --drafters) on the evaluation prompts")
     q.add_argument("--drafters", nargs="*", default=None)
     q.add_argument("--datasets", default="humaneval,mtbench")

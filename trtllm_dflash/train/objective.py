@@ -229,10 +229,14 @@ def loss_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:  #
 
 
 def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: float,
-                vocab: torch.Tensor | None = None, packed: bool = True, distill: float = 0.0) -> StepMetrics:
-    """``distill`` in [0, 1]: weight of self-distillation, the cross-entropy against the target's own next-token
-    distribution renormalised over its stored top-k (``batch.topk_*``), mixed with the hard-label cross-entropy
-    (1 − distill); needs the full vocabulary (``vocab=None``).
+                vocab: torch.Tensor | None = None, packed: bool = True, distill: float = 0.0,
+                tv: float = 0.0) -> StepMetrics:
+    """The per-slot term is ``(1 − distill − tv) · CE(hard label) + distill · CE(p, q) + tv · TV(p, q)``, where q is
+    the drafter's softmax and p the target's own next-token distribution renormalised over its stored top-k
+    (``batch.topk_*``): ``distill`` weighs self-distillation, ``tv`` the total-variation distance
+    ½ Σ |p − q| = ½ (Σ_top-k |p_i − q_i| + 1 − Σ_top-k q_i) (p is zero outside its top-k). TV is 1 minus the chance
+    that a draft sampled from q equals one sampled from p, the quantity speculative acceptance depends on; the
+    small-target trainers weight it 0.9 with 0.1 CE. Both soft terms need the full vocabulary (``vocab=None``).
 ``lm_head``: the target's frozen head, a Linear. ``vocab`` [V'] (sorted token ids, every label among them)
     restricts the softmax to those candidates — a CPU economy, since the head over all slots dominates the cost; the
     drafter's inference argmax still runs over the full vocabulary, so held-out metrics use ``vocab=None``.
@@ -252,14 +256,20 @@ def dflash_loss(drafter: DrafterModel, embed, lm_head, batch: Batch, gamma: floa
         logits = F.linear(hidden[:, 1:], lm_head.weight[vocab]).float()  # [b, B − 1, V']
         labels = torch.searchsorted(vocab, labels)  # token id -> candidate index
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-    if distill > 0:
+    if distill > 0 or tv > 0:
         if batch.topk_ids is None or vocab is not None:
-            raise ValueError("distill > 0 needs top-k target logits in the data and the full-vocabulary loss")
+            raise ValueError("distill or tv > 0 needs top-k target logits in the data and the full-vocabulary loss")
         rows = (label_pos - 1).clamp(max=batch.ids.shape[1] - 1)  # row j holds the prediction of token j + 1
         t_ids = batch.topk_ids[owner[:, None], rows]  # [b, B − 1, k]
-        t_p = torch.softmax(batch.topk_logits[owner[:, None], rows], dim=-1).nan_to_num(0.0)
-        logq = torch.log_softmax(logits, dim=-1).gather(-1, t_ids)  # [b, B − 1, k]
-        ce = (1 - distill) * ce - distill * (t_p * logq).sum(-1)
+        t_p = torch.softmax(batch.topk_logits[owner[:, None], rows], dim=-1).nan_to_num(0.0)  # padding rows: 0
+        logq = torch.log_softmax(logits, dim=-1)  # [b, B − 1, V]
+        soft = torch.zeros_like(ce)
+        if distill > 0:
+            soft = soft - distill * (t_p * logq.gather(-1, t_ids)).sum(-1)
+        if tv > 0:
+            q_top = logq.gather(-1, t_ids).exp()  # [b, B − 1, k]
+            soft = soft + tv * 0.5 * ((t_p - q_top).abs().sum(-1) + (1 - q_top.sum(-1)).clamp(min=0))
+        ce = (1 - distill - tv) * ce + soft
     w = loss_weights(bs, gamma, anchors.device)[None, :] * labelled  # [b, B − 1]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
     with torch.no_grad():

@@ -44,7 +44,7 @@ HELD_OUT_ANCHORS = 16
 # recipes (threads, device, autocast, paths, the step count and the checkpoint cadence may change between the two
 # halves; --init matters only at step 0)
 RECIPE_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "samples_per_step", "anchors_per_sample",
-               "lr", "warmup", "weight_decay", "gamma", "loss_vocab", "loss_negatives", "distill", "seed")
+               "lr", "warmup", "weight_decay", "gamma", "loss_vocab", "loss_negatives", "distill", "tv", "seed")
 
 
 def check_same_recipe(ck: dict, cfg: TrainConfig, ckpt_path: Path) -> None:
@@ -329,7 +329,7 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
         batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
         with autocast:
             m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g),
-                            distill=cfg.distill)
+                            distill=cfg.distill, tv=cfg.tv)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -77,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="which paths to run (comma list of in-process, triton, offline; default all)")
     p.add_argument("--target", default=None, help="default: the demo target (trtllm-dflash demo-assets)")
     p.add_argument("--drafter", default=None, help="default: the demo drafter")
+    p.add_argument("--draft-vocab", default="full", metavar="FILE|auto|full",
+                   help="what our paths draft over (`trtllm-dflash generate --draft-vocab`); default full: the "
+                        "target's whole vocabulary, as vLLM drafts, so that τ compares like for like; auto: the "
+                        "drafter directory's draft_vocab.json, this toolkit's own default")
     p.add_argument("--peer-venv", type=Path, default=PEER_VENV, help=f"the peer's environment (default {PEER_VENV})")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine (default 1)")
     p.add_argument("--vllm-variants", default="default",
@@ -218,7 +222,8 @@ class TritonServerProcess:
         t0 = time.perf_counter()
         subprocess.run([cli, "make-repo", "--target", args.target, "--drafter", args.drafter, "--out", str(repo),
                         "--block-size", block_size, "--ngram" if ngram else "--no-ngram",
-                        "--torch-threads", str(args.threads), "--max-sequences", str(max(args.concurrencies) + 2)],
+                        "--draft-vocab", args.draft_vocab, "--torch-threads", str(args.threads),
+                        "--max-sequences", str(max(args.concurrencies) + 2)],
                        check=True, capture_output=True, text=True)
         ports = [free_port() for _ in range(3)]
         self.err = open(log_dir / f"triton-{repo.name}.stderr", "w")
@@ -382,7 +387,7 @@ def main(argv=None) -> int:
             stops = None
             if "in-process" in args.path_list or "triton" in args.path_list:
                 t0 = time.perf_counter()
-                target, drafter = load_pair(args.target, args.drafter)
+                target, drafter = load_pair(args.target, args.drafter, draft_vocab=args.draft_vocab)
                 stops = set(stop_token_ids(tok, target.spec.eos_token_ids))
                 decoders = {"ar": SpeculativeDecoder(target, None, 1),
                             f"dflash-{BLOCK}": make_decoder(target, drafter, DecodeMode(BLOCK), args.drafter),
@@ -450,6 +455,7 @@ def main(argv=None) -> int:
             "threads": vllm_threads if system == VLLM else args.threads,
             "tokens_per_second": round(num_tokens / t.seconds, 3), "num_new_tokens": num_tokens,
             "seconds": round(t.seconds, 3), "tau": tau,
+            **({"draft_vocab": args.draft_vocab} if system == OURS and mode != "ar" else {}),
             **({"num_drafts": t.num_drafts, "num_draft_tokens": t.num_draft_tokens,
                 "num_accepted_tokens": t.num_accepted_tokens} if system == VLLM and mode != "ar" else {}),
             **({"num_steps": len(t.taus)} if system == OURS and mode != "ar" else {}),

@@ -70,6 +70,8 @@ def test_against_the_real_vllm_peer(smollm2, tmp_path):
         assert r["outputs_equal_ar"] is True, r  # greedy DFlash is lossless on both systems
         # float32 on both sides: the same greedy tokens (a near-tied argmax could flip one; first_difference says where)
         assert r["outputs_equal_other"] is True, r["first_difference"]
+    # ours draft over the target's whole vocabulary, as vLLM does (the shipped draft_vocab.json left out)
+    assert all(r["draft_vocab"] == "full" for r in records if r["system"] == "trtllm-dflash" and r["mode"] != "ar")
     vllm_dflash = [r for r in records if r["system"] == "vllm" and r["mode"] == "dflash-16"]
     assert all(r["num_drafts"] > 0 and r["num_draft_tokens"] == 15 * r["num_drafts"] for r in vllm_dflash)
     assert all(r["version"] == "0.32.0" for r in records if r["system"] == "vllm")

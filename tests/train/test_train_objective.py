@@ -167,15 +167,21 @@ def test_packed_block_attention_equals_the_per_block_copy(tmp_path):
             torch.testing.assert_close(g_packed, g_ref)
 
 
-def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
-    """distill = 1 with the full distribution stored (k = V) is the cross-entropy to the target's softmax; distill = 0
-    is the hard-label loss; the mix is linear."""
+def _tiny_target_logits(tmp_path):
+    """A tiny float64 pair, 14 random ids, the target's taps over them and its logits [S, V] (row j predicts j + 1)."""
     tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=5, block_size=4)
     target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
     ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         hidden, taps = target(ids[None], target.new_cache(1, 14), tap_layers=drafter.spec.target_layer_ids)
         t_logits = target.logits(hidden)[0]  # [S, V]: row j predicts token j + 1
+    return target, drafter, ids, taps, t_logits
+
+
+def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
+    """distill = 1 with the full distribution stored (k = V) is the cross-entropy to the target's softmax; distill = 0
+    is the hard-label loss; the mix is linear."""
+    target, drafter, ids, taps, t_logits = _tiny_target_logits(tmp_path)
     top = t_logits.topk(256, dim=-1)
     sample = Sample(ids, taps[0], 3, top.indices.int(), top.values)
     batch = collate([sample], [torch.tensor([3, 6, 9])], "cpu", dtype=torch.float64)
@@ -191,17 +197,11 @@ def test_self_distillation_loss_against_the_targets_own_distribution(tmp_path):
     assert abs(losses[0.5] - (losses[0] + losses[1]) / 2) < 1e-6
 
 
-
 def test_total_variation_loss_against_the_targets_own_distribution(tmp_path):
     """tv = 1 with the full distribution stored (k = V) is ½ Σ |p − q| against the target's softmax; with only the
     top-k stored the mass q puts outside it counts in full; the mix with the hard labels is linear, and the term's
     gradient reaches the drafter."""
-    tdir, ddir = make_tiny_pair(tmp_path, "llama", seed=5, block_size=4)
-    target, drafter = load_pair(tdir, ddir, dtype=torch.float64)
-    ids = torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        hidden, taps = target(ids[None], target.new_cache(1, 14), tap_layers=drafter.spec.target_layer_ids)
-        t_logits = target.logits(hidden)[0]  # [S, V]: row j predicts token j + 1
+    target, drafter, ids, taps, t_logits = _tiny_target_logits(tmp_path)
     pos = torch.tensor([3, 6, 9])[:, None] + torch.arange(1, 4)  # label positions
     w = torch.exp(-(torch.arange(1, 4, dtype=torch.float64) - 1) / 2.0).expand(3, 3)
     for k in (256, 5):

@@ -147,3 +147,22 @@ def test_make_repo_hands_the_draft_vocabulary_to_the_drafter_model(tmp_path, cap
     assert main([*common, "--out", str(tmp_path / "engine"), "--backend", "trtllm-engine", "--engines",
                  str(tmp_path), "--draft-vocab", str(ddir / dv.DRAFT_VOCAB_FILE)]) == 2
     assert "--draft-vocab" in capsys.readouterr().err
+
+
+def test_a_repository_config_drafts_over_what_load_pair_drafts_over(tmp_path):
+    """``RepoConfig`` built in code defaults to ``draft_vocab="auto"`` as ``load_pair`` and ``make-repo`` do: the
+    torch drafter model gets the drafter directory's file, the other backends (whose drafter keeps the target's head)
+    none; ``full`` names none anywhere."""
+    from trtllm_dflash.serve.triton.render import RepoConfig
+    from trtllm_dflash.specs import DrafterSpec
+
+    tdir, ddir = _pair_with_vocab(tmp_path, range(0, 256, 2))
+    spec = DrafterSpec.load(ddir)
+    torch_cfg = RepoConfig(str(tdir), str(ddir), block_size=4, max_seq_len=64, max_sequences=2)
+    assert torch_cfg.draft_vocab_file(spec) == str((ddir / dv.DRAFT_VOCAB_FILE).resolve())
+    assert torch_cfg.values(spec)["drafter"]["draft_vocab"] == torch_cfg.draft_vocab_file(spec)
+    assert load_pair(tdir, ddir)[1].draft_head.draft_vocab_size == 128
+    engine_cfg = RepoConfig(str(tdir), str(ddir), backend="trtllm-engine", block_size=4)
+    assert engine_cfg.draft_vocab_file(spec) == ""
+    full_cfg = RepoConfig(str(tdir), str(ddir), block_size=4, draft_vocab="full")
+    assert full_cfg.draft_vocab_file(spec) == ""

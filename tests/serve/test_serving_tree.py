@@ -163,15 +163,16 @@ PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"", "Wr
 
 @pytest.fixture(scope="module")
 def tree_server(smollm2, tmp_path_factory):
-    from trtllm_dflash.commands.serving import repo_datastore, repo_draft_vocab
+    from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
     from trtllm_dflash.serve.triton.server import TritonServer
+    from trtllm_dflash.specs import DrafterSpec
 
-    # the datastore and the draft vocabulary make-repo records by default, as load_pair applies them in-process
+    # the datastore make-repo records by default and the draft vocabulary (auto), as load_pair applies them in-process
     cfg = RepoConfig(smollm2["target"], smollm2["drafter"], block_size=16, max_seq_len=512, max_sequences=8,
-                     ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True),
-                     draft_vocab=repo_draft_vocab("auto", smollm2["drafter"], "torch"))
-    assert cfg.datastore and cfg.draft_vocab, "the shipped drafter has a datastore and a draft vocabulary"
+                     ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True))
+    assert cfg.datastore and cfg.draft_vocab_file(DrafterSpec.load(smollm2["drafter"])), \
+        "the shipped drafter has a datastore and a draft vocabulary"
     repo = make_repo(cfg, tmp_path_factory.mktemp("repo") / "repo")
     with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s

@@ -101,7 +101,7 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      tensorrt_llm_decoupled=args.tensorrt_llm_decoupled, trtllm_names=args.trtllm_names,
                      cuda_graphs=args.cuda_graphs,
                      datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram),
-                     draft_vocab=repo_draft_vocab(args.draft_vocab, args.drafter, args.backend))
+                     draft_vocab=args.draft_vocab)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0
@@ -118,19 +118,6 @@ def repo_datastore(choice: str, drafter_dir: str, tree: bool) -> str:
         path = drafter_datastore(drafter_dir) if tree else None
         return str(path) if path is not None else ""
     return choice
-
-
-def repo_draft_vocab(choice: str, drafter_dir: str, backend: str) -> str:
-    """``--draft-vocab`` as make-repo records it: a file path, or "" for the drafter's own vocabulary (auto: the
-    drafter directory's draft_vocab.json with the torch backend, whose drafter model applies it; an explicit file is
-    kept, for the repository check to refuse by name where it cannot apply)."""
-    from trtllm_dflash.checkpoints import resolve_draft_vocab
-    from trtllm_dflash.specs import DrafterSpec
-
-    if choice == "auto" and backend != "torch":
-        return ""
-    path = resolve_draft_vocab(choice, drafter_dir, DrafterSpec.load(drafter_dir))
-    return str(path.resolve()) if path is not None else ""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -129,7 +129,9 @@ class RepoConfig:
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
     tree: bool = False  # dflash verifies a tree per step (runtime.tree; torch backend)
     datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
-    draft_vocab: str = ""  # the drafter model drafts over this reduced vocabulary (models.draft_vocab; "" = its own)
+    # the drafter model drafts over a reduced vocabulary (models.draft_vocab): "auto" the drafter directory's
+    # draft_vocab.json with --backend torch (as load_pair drafts in-process), "full" or "" its own, or a file
+    draft_vocab: str = "auto"
     # the tensorrt_llm model streams (decoupled, the default); False: unary, as TensorRT-LLM's decoupled_mode false,
     # for clients that call ModelInfer (its example client without --streaming)
     tensorrt_llm_decoupled: bool = True
@@ -218,18 +220,26 @@ class RepoConfig:
         if self.datastore and not Path(self.datastore).is_file():
             raise ArtifactError(self.datastore, "missing (--datastore)", "pass a file from `trtllm-dflash datastore`, "
                                 "or --datastore none")
-        if self.draft_vocab:
-            from trtllm_dflash.checkpoints import resolve_draft_vocab
-
-            require(self.backend == "torch", "--draft-vocab", self.draft_vocab,
-                    f"applies to the torch drafter model, not --backend {self.backend} (its drafter keeps the "
-                    "target's full head)", "drop --draft-vocab (or pass full), or use --backend torch")
-            resolve_draft_vocab(self.draft_vocab, self.drafter_dir, drafter)
+        require(self.draft_vocab in ("", "full", "auto") or self.backend == "torch", "--draft-vocab",
+                self.draft_vocab, f"applies to the torch drafter model, not --backend {self.backend} (its drafter "
+                "keeps the target's full head)", "drop --draft-vocab (or pass full), or use --backend torch")
+        self.draft_vocab_file(drafter)
         if self.backend == "trtllm-engine":
             from trtllm_dflash.serve.trtllm.engine import load_engine_set
 
             load_engine_set(self.engines_dir, self.block(drafter), drafter.target_layer_ids)
         return target, drafter
+
+    def draft_vocab_file(self, drafter) -> str:
+        """The reduced vocabulary file the drafter model drafts over, or "" (its own): ``draft_vocab`` resolved as
+        ``checkpoints.resolve_draft_vocab`` resolves load_pair's, "auto" naming none for the backends whose drafter
+        keeps the target's full head."""
+        from trtllm_dflash.checkpoints import resolve_draft_vocab
+
+        if self.draft_vocab == "auto" and self.backend != "torch":
+            return ""
+        path = resolve_draft_vocab(self.draft_vocab, self.drafter_dir, drafter)
+        return str(path.resolve()) if path is not None else ""
 
     def values(self, drafter, adaptive_file: str = "") -> dict[str, dict[str, object]]:
         tap_layers, block = drafter.target_layer_ids, self.block(drafter)
@@ -243,7 +253,7 @@ class RepoConfig:
             "max_seq_len": self.max_seq_len, "max_sequences": self.max_sequences, "block_size": block,
             "queue_delay_us": self.queue_delay_us, "idle_timeout_s": self.idle_timeout_s,
             "torch_threads": self.torch_threads, "coalesce": "on" if self.coalesce else "off",
-            "cuda_graphs": self.cuda_graphs, "draft_vocab": self.draft_vocab,
+            "cuda_graphs": self.cuda_graphs, "draft_vocab": self.draft_vocab_file(drafter),
             "max_queue": self.max_queue, "queue_timeout_s": self.queue_timeout_s, "io_nice": self.io_nice,
             "tap_layers": ",".join(map(str, tap_layers)),
             "tree_nodes": self.tree_shape(drafter).size if self.tree else 0,
@@ -319,7 +329,7 @@ def adaptive_settings(cfg: RepoConfig, drafter) -> dict:
 
     block = cfg.block(drafter)
     target, drafter_model = load_pair(cfg.target_dir, cfg.drafter_dir, dtype=torch.float32,
-                                      draft_vocab=cfg.draft_vocab or "full")
+                                      draft_vocab=cfg.draft_vocab_file(drafter) or "full")
     decoder = SpeculativeDecoder(target, drafter_model, block)
     policy = calibrated_policy(decoder, max_rows=1)
     # a DSpark drafter's confidence head on the torch step models: the drafter model returns its estimates and the

@@ -413,8 +413,8 @@ def test_served_auto_loop_gets_the_confidence(smollm2, tmp_path):
     target_spec = TargetSpec.load(tdir)
     drafter = _dspark_drafter(target_spec, dtype=torch.float32)
     ddir = speculators.write_speculators_drafter(tmp_path / "dspark", drafter, target_spec, tdir, dtype=torch.float32)
-    repo = make_repo(RepoConfig(str(tdir), str(ddir), block_size="auto", max_seq_len=256, max_sequences=4),
-                     tmp_path / "repo")
+    repo = make_repo(RepoConfig(str(tdir), str(ddir), block_size="auto", max_seq_len=256, max_sequences=4,
+                                trtllm_names=False), tmp_path / "repo")
     assert json.loads((repo / "dflash_bls" / "1" / ADAPTIVE_FILE).read_text())["confidence"] is True
 
     spec = drafter.spec

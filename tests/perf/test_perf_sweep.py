@@ -84,7 +84,7 @@ def server(smollm2, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("perf")
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=512,
-                                max_sequences=20), root / "repo")
+                                max_sequences=20, trtllm_names=False), root / "repo")
     with TritonServer(repo, log_path=root / "server.log") as s:
         yield s
 

@@ -434,7 +434,8 @@ def test_triton_auto_equals_the_baseline_and_reports_metrics(smollm2, tmp_path_f
     from trtllm_dflash.serve.triton.server import TritonServer
 
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
-                                max_sequences=4, idle_timeout_s=60), tmp_path_factory.mktemp("repo") / "repo")
+                                max_sequences=4, idle_timeout_s=60, trtllm_names=False),
+                     tmp_path_factory.mktemp("repo") / "repo")
     with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as server, \
             DFlashClient(server.grpc_url) as client:
         for params in (GenerateParams("Write a Python function that adds two numbers.", 24),

@@ -115,7 +115,7 @@ def test_triton_concurrent_auto_streams_step_as_one_batch(smollm2, tmp_path):
 
     texts = [p.text for p in load_prompts("humaneval", 2)] + [p.text for p in load_prompts("mtbench", 2)]
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", ngram=True, max_seq_len=768,
-                                max_sequences=6), tmp_path / "repo")
+                                max_sequences=6, trtllm_names=False), tmp_path / "repo")
     with TritonServer(repo, log_path=tmp_path / "server.log") as server:
         out = {}
 

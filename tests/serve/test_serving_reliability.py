@@ -27,7 +27,7 @@ MAX_SEQUENCES, MAX_QUEUE = 16, 100
 def server(smollm2, tmp_path_factory):
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size=8, max_seq_len=256,
                                 max_sequences=MAX_SEQUENCES, max_queue=MAX_QUEUE, queue_timeout_s=120,
-                                idle_timeout_s=120), tmp_path_factory.mktemp("repo") / "repo")
+                                idle_timeout_s=120, trtllm_names=False), tmp_path_factory.mktemp("repo") / "repo")
     with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
         yield s
 

@@ -170,7 +170,8 @@ def tree_server(smollm2, tmp_path_factory):
 
     # the datastore make-repo records by default and the draft vocabulary (auto), as load_pair applies them in-process
     cfg = RepoConfig(smollm2["target"], smollm2["drafter"], block_size=16, max_seq_len=512, max_sequences=8,
-                     ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True))
+                     ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True),
+                     trtllm_names=False)
     assert cfg.datastore and cfg.draft_vocab_file(DrafterSpec.load(smollm2["drafter"])), \
         "the shipped drafter has a datastore and a draft vocabulary"
     repo = make_repo(cfg, tmp_path_factory.mktemp("repo") / "repo")
@@ -274,7 +275,8 @@ def test_triton_auto_with_a_tree_is_lossless(smollm2, tmp_path):
 
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
                                 max_sequences=4, ngram=True, tree=True,
-                                datastore=repo_datastore("auto", smollm2["drafter"], True)), tmp_path / "repo")
+                                datastore=repo_datastore("auto", smollm2["drafter"], True),
+                                trtllm_names=False), tmp_path / "repo")
     target, _ = load_pair(smollm2["target"], smollm2["drafter"])
     tok = load_tokenizer(smollm2["target"])
     stops = stop_token_ids(tok, target.spec.eos_token_ids)

@@ -137,10 +137,11 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     env = dict(os.environ)
     # The step models are torch processes sharing the cores. How their idle OpenMP threads wait sets the CPU speed:
     # a futex sleep after every op (OMP_WAIT_POLICY=PASSIVE) or a short spin (5k iterations, ~0.2 ms) costs a
-    # wake-up on many of a forward's ops (Triton c=1 at 0.88-0.90 of in-process, perf/results/README.md); libgomp's
-    # default (300k, ~10 ms) keeps one process's threads spinning while the next stage computes. 50k (~2 ms) spans
-    # the gaps inside a forward and sleeps between stages: c=1 at 0.92-1.0 of in-process. Concurrency is handled by
-    # the step models' thread count instead (handlers.CpuThreads: one thread each once DFlash sequences overlap).
+    # wake-up on many of a forward's ops (Triton c=1 at 0.88-0.90 of in-process,
+    # perf/results/bench-serving-cpu/README.md); libgomp's default (300k, ~10 ms) keeps one process's threads
+    # spinning while the next stage computes. 50k (~2 ms) spans the gaps inside a forward and sleeps between stages:
+    # c=1 at 0.92-1.0 of in-process. Concurrency is handled by the step models' thread count instead
+    # (handlers.CpuThreads: one thread each once DFlash sequences overlap).
     # A user-set OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = str(OMP_SPINCOUNT)

@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]  # the repository root (the GPU machi
 RUN_DEFAULTS = dict(num_prompts=24576, max_new_tokens=256, max_prompt_len=384, gen_batch_size=512, top_k=8,
                     steps=4000, samples_per_step=16, anchors_per_sample=128, num_layers=3, block_size=16, lr=6e-4,
                     seed=0, train_seconds=600, eval_limit=164, eval_batch_size=41, eval_max_new_tokens=256,
-                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, taps="online",
+                    speed_limit=8, device="cuda", ckpt_every=200, autocast="bf16", distill=0.0, tv=0.0, taps="online",
                     init="target")  # start's flags, planned for one 30-minute lease
 RUN_FLAGS = tuple(RUN_DEFAULTS)
 
@@ -414,6 +414,7 @@ def resolve_init(init: str) -> str:
 
 def start(carry: Path, home: Path, run_args: dict, resume_from: Path | None) -> dict:
     run_args = run_args | {"init": resolve_init(run_args.get("init", "target"))}
+    _train_config(home, run_args).validate()  # a bad training flag is refused here, not after the regeneration
     state = recv(carry, home)
     if resume_from is not None:
         state["resume_missing"] = stash_resume(resume_from, home)
@@ -658,7 +659,8 @@ def _train_config(home: Path, a: dict):
              str(a["ckpt_every"]), "--max-new-tokens", str(a["max_new_tokens"]), "--max-prompt-len",
              str(a["max_prompt_len"]), "--gen-batch-size", str(a["gen_batch_size"]), "--data",
              str(home / "prompts.jsonl.gz"), "--threads", str(os.cpu_count() or 1), "--log-every", "20",
-             "--autocast", a["autocast"], "--distill", str(a["distill"]), "--init", a.get("init", "target")]
+             "--autocast", a["autocast"], "--distill", str(a["distill"]), "--tv", str(a.get("tv", 0.0)),
+             "--init", a.get("init", "target")]
     return TrainConfig.from_args(p.parse_args(flags))
 
 

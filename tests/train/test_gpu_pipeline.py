@@ -263,3 +263,15 @@ def test_repository_paths_come_back_repository_relative():
     assert gp.repo_relative(text) == '{"init": "trtllm_dflash/data/drafters/d", "out": "/tmp/x"}'
     marked = '{"init": "trtllm_dflash/data/drafters/d", "out": "gpu-machine:/tmp/x"}'
     assert gp.gpu_portable(gp.repo_relative(text)) == marked
+
+
+def test_start_passes_the_tv_weight_on_and_refuses_a_bad_one_before_the_job(tmp_path):
+    """``start --tv W`` reaches the trainer's config (the total-variation objective, ``train --tv``); a weight the
+    trainer would refuse (here more than 1 - distill) exits 2 naming it before anything is received or started."""
+    cfg = gp._train_config(tmp_path, {**gp.RUN_DEFAULTS, "distill": 0.25, "tv": 0.5})
+    assert (cfg.distill, cfg.tv, cfg.loss_vocab) == (0.25, 0.5, "full")
+    assert gp._train_config(tmp_path, {k: v for k, v in gp.RUN_DEFAULTS.items() if k != "tv"}).tv == 0.0
+    home = tmp_path / "home"
+    r = _script("start", "--carry", tmp_path / "no-carry", "--home", home, *RUN, "--tv", "0.8")
+    assert r.returncode == 2 and "tv" in r.stderr and "0.8" in r.stderr, r.stderr
+    assert not (home / "run_args.json").exists() and not (home / "status.json").exists()

@@ -215,7 +215,6 @@ def loop_metrics(url) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from trtllm_dflash.assets import pair_or_demo
-    from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.decoder import Request
     from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
@@ -238,8 +237,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024, ngram=args.ngram,
                                     max_sequences=max(conc) + 2, torch_threads=args.torch_threads,
-                                    io_nice=args.io_nice, tree=args.tree,
-                                    datastore=repo_datastore("auto", args.drafter, args.tree)),
+                                    io_nice=args.io_nice, tree=args.tree),
                          Path(tmp) / "repo")
         env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
         results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")

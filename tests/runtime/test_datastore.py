@@ -151,3 +151,33 @@ def test_overlap_script_counts_the_responses_ngrams_found_in_the_store(tmp_path,
     res = overlap.main([str(greedy), "--datastore", str(tmp_path / "ds.safetensors"), "--n", "2"])[0]
     assert res["responses"] == 2 and res["over_half"] == 1 and res["most_covered"] == [["a", 0.667], ["b", 0.0]]
     assert res["mean_coverage"] == round((2 / 3) / 2, 4) and json.loads(capsys.readouterr().out) == res
+
+
+def test_a_repository_config_proposes_from_what_make_decoder_proposes_from(tmp_path):
+    """``RepoConfig`` built in code defaults to ``datastore="auto"`` as ``make-repo`` and ``make_decoder`` do: the
+    drafter directory's datastore where the tree has lookup chains (tree and ngram), none otherwise; "none" names none
+    anywhere, an explicit file is kept; the rendered tree takes the datastore's chains exactly when a file is named."""
+    from conftest import make_tiny_pair
+    from trtllm_dflash.commands.common import resolve_datastore
+    from trtllm_dflash.runtime.datastore import DATASTORE_FILE
+    from trtllm_dflash.serve.triton.render import RepoConfig
+    from trtllm_dflash.specs import DrafterSpec
+
+    tdir, ddir = make_tiny_pair(tmp_path, "qwen3", seed=2, block_size=8)
+    Datastore.from_sequences([[1, 2, 3, 4, 5]]).save(ddir / DATASTORE_FILE)
+    spec, stored = DrafterSpec.load(ddir), str((ddir / DATASTORE_FILE).resolve())
+
+    def cfg(**kw):
+        return RepoConfig(str(tdir), str(ddir), block_size=8, max_seq_len=64, max_sequences=2, **kw)
+
+    tree = cfg(tree=True, ngram=True)
+    assert tree.datastore_file() == stored and resolve_datastore("auto", ddir, True) is not None
+    assert tree.values(spec)["dflash"]["datastore"] == stored
+    assert tree.tree_shape(spec) == TreeShape.for_block(7, datastore=True)
+    for off in (cfg(tree=True), cfg(ngram=True), cfg(tree=True, ngram=True, datastore="none")):
+        assert off.datastore_file() == "" and off.values(spec)["dflash"]["datastore"] == ""
+    assert cfg(tree=True, ngram=True, datastore="none").tree_shape(spec) == TreeShape.for_block(7)
+    explicit = cfg(tree=True, ngram=True, datastore=str(ddir / DATASTORE_FILE))
+    assert explicit.datastore_file() == stored
+    with pytest.raises(ConfigError, match="--datastore=.*proposes for the tree's lookup chains only"):
+        cfg(tree=True, datastore=str(ddir / DATASTORE_FILE)).validate()

@@ -163,16 +163,14 @@ PROMPTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"", "Wr
 
 @pytest.fixture(scope="module")
 def tree_server(smollm2, tmp_path_factory):
-    from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
     from trtllm_dflash.serve.triton.server import TritonServer
     from trtllm_dflash.specs import DrafterSpec
 
-    # the datastore make-repo records by default and the draft vocabulary (auto), as load_pair applies them in-process
+    # the datastore and the draft vocabulary by default (auto), as make_decoder and load_pair apply them in-process
     cfg = RepoConfig(smollm2["target"], smollm2["drafter"], block_size=16, max_seq_len=512, max_sequences=8,
-                     ngram=True, tree=True, datastore=repo_datastore("auto", smollm2["drafter"], True),
-                     trtllm_names=False)
-    assert cfg.datastore and cfg.draft_vocab_file(DrafterSpec.load(smollm2["drafter"])), \
+                     ngram=True, tree=True, trtllm_names=False)
+    assert cfg.datastore_file() and cfg.draft_vocab_file(DrafterSpec.load(smollm2["drafter"])), \
         "the shipped drafter has a datastore and a draft vocabulary"
     repo = make_repo(cfg, tmp_path_factory.mktemp("repo") / "repo")
     with TritonServer(repo, log_path=tmp_path_factory.mktemp("log") / "server.log") as s:
@@ -268,15 +266,12 @@ def test_triton_auto_with_a_tree_is_lossless(smollm2, tmp_path):
     pytest.importorskip("tritonclient.grpc")
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.client.grpc import DFlashClient, GenerateParams
-    from trtllm_dflash.commands.serving import repo_datastore
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
     from trtllm_dflash.serve.triton.render import RepoConfig, make_repo
     from trtllm_dflash.serve.triton.server import TritonServer
 
     repo = make_repo(RepoConfig(smollm2["target"], smollm2["drafter"], block_size="auto", max_seq_len=512,
-                                max_sequences=4, ngram=True, tree=True,
-                                datastore=repo_datastore("auto", smollm2["drafter"], True),
-                                trtllm_names=False), tmp_path / "repo")
+                                max_sequences=4, ngram=True, tree=True, trtllm_names=False), tmp_path / "repo")
     target, _ = load_pair(smollm2["target"], smollm2["drafter"])
     tok = load_tokenizer(smollm2["target"])
     stops = stop_token_ids(tok, target.spec.eos_token_ids)

@@ -141,17 +141,25 @@ def drafter_datastore(drafter_dir):
     return path if path.is_file() else None
 
 
-def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
-    """The datastore a decoder proposes from: ``choice`` "auto" — the drafter directory's (``drafter_datastore``)
-    where there is one and the tree verify has lookup chains; "none" or None — no datastore; else a file to load."""
-    from trtllm_dflash.runtime.datastore import Datastore
+def datastore_path(choice: str | None, drafter_dir, tree_lookup: bool):
+    """The datastore file ``choice`` names: "auto" — the drafter directory's (``drafter_datastore``) where there is
+    one and the tree verify has lookup chains; "none", "" or None — none; else that file. The in-process decoders
+    (``resolve_datastore``) and the repository renderer (``RepoConfig.datastore_file``) both resolve it here."""
+    from pathlib import Path
 
-    if choice in (None, "none"):
+    if choice in (None, "", "none"):
         return None
     if choice == "auto":
-        path = drafter_datastore(drafter_dir) if tree_lookup else None
-        return Datastore.load(path) if path is not None else None
-    return Datastore.load(choice)
+        return drafter_datastore(drafter_dir) if tree_lookup else None
+    return Path(choice)
+
+
+def resolve_datastore(choice: str | None, drafter_dir, tree_lookup: bool):
+    """The datastore a decoder proposes from (``datastore_path``), loaded; None for none."""
+    from trtllm_dflash.runtime.datastore import Datastore
+
+    path = datastore_path(choice, drafter_dir, tree_lookup)
+    return Datastore.load(path) if path is not None else None
 
 
 def resolve_mode(args, drafter, backend: str = "torch"):

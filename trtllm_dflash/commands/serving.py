@@ -100,24 +100,11 @@ def make_repo_main(args: argparse.Namespace) -> int:
                      io_nice=args.io_nice, ngram=ngram, tree=args.tree,
                      tensorrt_llm_decoupled=args.tensorrt_llm_decoupled, trtllm_names=args.trtllm_names,
                      cuda_graphs=args.cuda_graphs,
-                     datastore=repo_datastore(args.datastore, args.drafter, args.tree and ngram),
+                     datastore=args.datastore,
                      draft_vocab=args.draft_vocab)
     out = make_repo(cfg, args.out, force=args.force)
     print(json.dumps({"repo": str(out), "models": sorted(p.name for p in out.iterdir() if p.is_dir())}))
     return 0
-
-
-def repo_datastore(choice: str, drafter_dir: str, tree: bool) -> str:
-    """``--datastore`` as make-repo records it: a file path, or "" for none (auto without a tree with lookup chains:
-    none; an explicit file there is kept, for the repository check to refuse by name)."""
-    from trtllm_dflash.commands.common import drafter_datastore
-
-    if choice == "none":
-        return ""
-    if choice == "auto":
-        path = drafter_datastore(drafter_dir) if tree else None
-        return str(path) if path is not None else ""
-    return choice
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

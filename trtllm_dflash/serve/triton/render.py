@@ -128,7 +128,9 @@ class RepoConfig:
     ngram: bool = False  # dflash also verifies prompt-lookup continuations (runtime.decoder's ``ngram``)
     io_nice: int = 19  # CPU: niceness of the server's and the non-computing models' threads (0 = all equal)
     tree: bool = False  # dflash verifies a tree per step (runtime.tree; torch backend)
-    datastore: str = ""  # with tree and ngram: a retrieval datastore file its lookup chains propose from ("" = none)
+    # with tree and ngram: the retrieval datastore its lookup chains propose from: "auto" the drafter directory's
+    # (as make_decoder proposes in-process), "none" or "" none, or a file
+    datastore: str = "auto"
     # the drafter model drafts over a reduced vocabulary (models.draft_vocab): "auto" the drafter directory's
     # draft_vocab.json with --backend torch (as load_pair drafts in-process), "full" or "" its own, or a file
     draft_vocab: str = "auto"
@@ -148,7 +150,7 @@ class RepoConfig:
         """The dflash loop's tree (``runtime.tree.tree_for``), or None without ``tree``."""
         from trtllm_dflash.runtime.tree import tree_for
 
-        return tree_for(self.block(drafter) - 1, self.ngram, bool(self.datastore)) if self.tree else None
+        return tree_for(self.block(drafter) - 1, self.ngram, bool(self.datastore_file())) if self.tree else None
 
     def block(self, drafter) -> int:
         """The (longest) block size the step models are built for."""
@@ -215,9 +217,10 @@ class RepoConfig:
         require(not self.tree or self.backend == "torch", "--tree", True,
                 f"runs in the BLS loop over the torch step models, not with --backend {self.backend}",
                 "drop --tree, or use --backend torch")
-        require(not self.datastore or (self.tree and self.ngram), "--datastore", self.datastore,
+        explicit = self.datastore not in ("", "none", "auto")
+        require(not explicit or (self.tree and self.ngram), "--datastore", self.datastore,
                 "proposes for the tree's lookup chains only", "add --tree (prompt lookup on), or --datastore none")
-        if self.datastore and not Path(self.datastore).is_file():
+        if explicit and not Path(self.datastore).is_file():
             raise ArtifactError(self.datastore, "missing (--datastore)", "pass a file from `trtllm-dflash datastore`, "
                                 "or --datastore none")
         require(self.draft_vocab in ("", "full", "auto") or self.backend == "torch", "--draft-vocab",
@@ -241,12 +244,20 @@ class RepoConfig:
         path = resolve_draft_vocab(self.draft_vocab, self.drafter_dir, drafter)
         return str(path.resolve()) if path is not None else ""
 
+    def datastore_file(self) -> str:
+        """The datastore file the tree's lookup chains propose from, or "" (none): ``datastore`` resolved as
+        ``commands.common.datastore_path`` resolves the in-process decoders' ("auto": the drafter directory's, with
+        tree and ngram)."""
+        from trtllm_dflash.commands.common import datastore_path
+
+        path = datastore_path(self.datastore, self.drafter_dir, self.tree and self.ngram)
+        return str(path.resolve()) if path is not None else ""
+
     def values(self, drafter, adaptive_file: str = "") -> dict[str, dict[str, object]]:
         tap_layers, block = drafter.target_layer_ids, self.block(drafter)
         ngram = "on" if self.ngram else "off"
         no_tree = {"tree": "off", "datastore": ""}
-        tree = {"tree": "on", "datastore": str(Path(self.datastore).resolve()) if self.datastore else ""} \
-            if self.tree else no_tree
+        tree = {"tree": "on", "datastore": self.datastore_file()} if self.tree else no_tree
         common = {
             "max_batch_size": self.max_batch_size, "instances": self.instances,
             "target_dir": str(Path(self.target_dir).resolve()), "drafter_dir": str(Path(self.drafter_dir).resolve()),

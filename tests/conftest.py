@@ -180,10 +180,65 @@ class OracleDecoder(SpeculativeDecoder):
         return out if top > 1 else out[..., 0]
 
 
-def run_cli(args, timeout=600):
-    """``python -m trtllm_dflash ARGS`` in a subprocess (text output captured)."""
-    return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def run_cli(args, timeout=600, fresh=False):
+    """``trtllm-dflash ARGS`` with its text output captured, as a ``CompletedProcess``: by default in this process
+    (``in_process`` over ``cli.main``, what the console script runs), which spares each call a fresh interpreter's
+    start (~4 s importing torch and transformers on 2 cores); ``fresh=True``: ``python -m trtllm_dflash ARGS`` in a
+    subprocess."""
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "trtllm_dflash", *args], capture_output=True, text=True,
+                              timeout=timeout)
+    from trtllm_dflash.cli import main
+
+    return in_process(main, ["trtllm-dflash"], args)
+
+
+def run_script(path: str, args):
+    """``python PATH ARGS`` for a script of this repository with a ``main(argv)`` (``perf/bench_runtime.py``), run
+    ``in_process`` from a fresh load of its file (``repo_script``)."""
+    return in_process(repo_script(path).main, [path], args)
+
+
+def in_process(main, argv0: list[str], args) -> subprocess.CompletedProcess:
+    """``main(ARGS)`` with stdout and stderr captured, as the ``CompletedProcess`` its command line would give. The
+    exit code is what ``sys.exit(main())`` would exit with: ``main``'s return value (0 if it is not an int), a
+    ``SystemExit``'s code (argparse: 2), or 1 with the traceback on stderr for any other exception. Root logging starts
+    unconfigured, as in a fresh interpreter, so the command's ``basicConfig`` writes to the captured stderr; logging,
+    the environment and torch's thread count are restored afterwards."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+
+    def stream():  # text over bytes, as a pipe: ``.buffer`` works, and isatty() is False (tqdm stays off)
+        return io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+
+    out, err = stream(), stream()
+    root = logging.getLogger()
+    handlers, level, env, threads = root.handlers[:], root.level, dict(os.environ), torch.get_num_threads()
+    root.handlers = []
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                result = main([str(a) for a in args])
+                code = result if isinstance(result, int) else 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers = handlers
+        root.setLevel(level)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+    text = [s.buffer.getvalue().decode("utf-8", errors="replace") for s in (out, err)]
+    return subprocess.CompletedProcess([*argv0, *map(str, args)], code, *text)
 
 
 def greedy_reference(target, prompts, max_new_tokens, stop=()):

@@ -5,18 +5,13 @@ the JSON + PNG report."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_tiny_smol
+from tests.conftest import run_cli, write_tiny_smol
 from trtllm_dflash.train import curve
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +20,7 @@ def tiny_smol(smollm2, tmp_path_factory):
 
 
 def _run_curve(work, target, *args):
-    return subprocess.run([sys.executable, "-m", "trtllm_dflash", "learning-curve", "--work", str(work), "--target",
-                           str(target), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    return run_cli(["learning-curve", "--work", str(work), "--target", str(target), *args])
 
 
 def _curve(work, target, *args):

@@ -237,7 +237,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repo(RepoConfig(args.target, args.drafter, block_size=block, max_seq_len=1024, ngram=args.ngram,
                                     max_sequences=max(conc) + 2, torch_threads=args.torch_threads,
-                                    io_nice=args.io_nice, tree=args.tree),
+                                    io_nice=args.io_nice, tree=args.tree,
+                                    trtllm_names=False),  # dflash and baseline only: no idle TRT-LLM-name stubs
                          Path(tmp) / "repo")
         env = server_command(repo, 0, 0, 0).env  # what the server's step-model processes will inherit
         results["server_openmp_env"] = {k: env[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")

@@ -2,22 +2,18 @@
 run, each line is lossless and self-consistent, ``--out`` holds exactly what was printed, and a bad ``--block-size`` exits 2."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from trtllm_dflash.runtime.tree import TreeShape
 
-SCRIPT = Path(__file__).parents[2] / "perf" / "bench_runtime.py"
+from conftest import run_script
 
 
 def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
-         "--block-size", "auto,8,8+ngram,8+tree,auto+tree", "--max-new-tokens", "12", "--threads", "1", "--target", smollm2["target"],
-         "--drafter", smollm2["drafter"], "--json", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+    run = run_script("perf/bench_runtime.py", ["--dataset", "humaneval", "--limit", "2", "--batch-size", "2",
+        "--block-size", "auto,8,8+ngram,8+tree,auto+tree", "--max-new-tokens", "12", "--threads", "1",
+        "--warmup-tokens", "0", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json", "--out",
+        str(out)])
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert out.read_text() == run.stdout
@@ -49,18 +45,16 @@ def test_two_block_sizes_share_the_ar_run(smollm2, tmp_path):
 
 def test_bad_block_size_exits_2(tmp_path):
     for bad in ("16,x", "1+ngram", "16,16"):
-        run = subprocess.run([sys.executable, str(SCRIPT), "--block-size", bad], capture_output=True, text=True)
+        run = run_script("perf/bench_runtime.py", ["--block-size", bad])
         assert run.returncode == 2 and f"--block-size '{bad}'" in run.stderr and "e.g. auto,16,16+ngram" in run.stderr
 
 
 def test_allow_mismatch_reports_identity_without_failing(smollm2):
     """bfloat16 (the GPU session's dtype): token identity with autoregressive decoding is reported, not required,
     under --allow-mismatch (a multi-token verify rounds differently from 1-token steps); the exit code is 0 either way."""
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", "humaneval", "--limit", "1", "--block-size", "16",
-         "--max-new-tokens", "24", "--threads", "1", "--dtype", "bfloat16", "--allow-mismatch", "--target",
-         smollm2["target"], "--drafter", smollm2["drafter"], "--json"],
-        capture_output=True, text=True, timeout=600)
+    run = run_script("perf/bench_runtime.py", ["--dataset", "humaneval", "--limit", "1", "--block-size", "16",
+        "--max-new-tokens", "24", "--threads", "1", "--warmup-tokens", "0", "--dtype", "bfloat16", "--allow-mismatch",
+        "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"])
     assert run.returncode == 0, run.stderr
     (line,) = [json.loads(x) for x in run.stdout.splitlines()]
     assert line["dtype"] == "bfloat16" and isinstance(line["lossless"], bool)
@@ -71,11 +65,10 @@ def test_sampled_decoders_are_token_identical_to_sampled_autoregressive(smollm2)
     """--temperature: every decoder samples with the same seed; the chain, prompt lookup and the tree must give the
     autoregressive sampled tokens (each position's token drawn from that position's noise); --logprobs: and their
     log-probabilities, to float rounding."""
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", "mtbench", "--limit", "2", "--batch-size", "2", "--block-size",
-         "8,8+ngram,8+tree", "--max-new-tokens", "16", "--threads", "1", "--temperature", "0.8", "--top-p", "0.95",
-         "--seed", "5", "--logprobs", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"],
-        capture_output=True, text=True, timeout=600)
+    run = run_script("perf/bench_runtime.py", ["--dataset", "mtbench", "--limit", "2", "--batch-size", "2",
+        "--block-size", "8,8+ngram,8+tree", "--max-new-tokens", "16", "--threads", "1", "--warmup-tokens", "0",
+        "--temperature", "0.8", "--top-p", "0.95", "--seed", "5", "--logprobs", "--target", smollm2["target"],
+        "--drafter", smollm2["drafter"], "--json"])
     assert run.returncode == 0, run.stderr
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     assert [x["block_size"] for x in lines] == [8, "8+ngram", "8+tree"]

@@ -3,18 +3,13 @@ returns the same tokens in-process and through both ensembles, its numbers are s
 concurrency has a throughput."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "perf" / "bench_serving.py"
+from conftest import run_script
 
 
 def test_paired_c1_is_lossless_and_consistent(smollm2):
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--prompts", "2", "--max-tokens", "6", "--concurrency", "1,2", "--rounds", "2",
-         "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"],
-        capture_output=True, text=True, timeout=900)
+    run = run_script("perf/bench_serving.py", ["--prompts", "2", "--max-tokens", "6", "--concurrency", "1,2",
+        "--rounds", "2", "--target", smollm2["target"], "--drafter", smollm2["drafter"], "--json"])
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     for model in ("dflash", "baseline"):
@@ -31,7 +26,7 @@ def test_paired_c1_is_lossless_and_consistent(smollm2):
 
 
 def test_bad_models_exits_2():
-    run = subprocess.run([sys.executable, str(SCRIPT), "--models", "dflash,nope"], capture_output=True, text=True)
+    run = run_script("perf/bench_serving.py", ["--models", "dflash,nope"])
     assert run.returncode == 2 and "--models 'dflash,nope'" in run.stderr and "e.g. dflash,baseline" in run.stderr
 
 
@@ -39,11 +34,9 @@ def test_ngram_repository_verifies_prompt_lookup_through_triton(smollm2):
     """make-repo --ngram reaches the dflash loop inside the real server: fewer draft calls than verify steps, and the
     same tokens as in-process decoding."""
     prompts = 2
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--prompts", str(prompts), "--max-tokens", "48", "--concurrency", "1",
-         "--models", "dflash", "--block-size", "16", "--ngram", "--target", smollm2["target"], "--drafter",
-         smollm2["drafter"], "--json"],
-        capture_output=True, text=True, timeout=900)
+    run = run_script("perf/bench_serving.py", ["--prompts", str(prompts), "--max-tokens", "48", "--concurrency", "1",
+        "--models", "dflash", "--block-size", "16", "--ngram", "--target", smollm2["target"], "--drafter",
+        smollm2["drafter"], "--json"])
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)
     assert out["ngram"] is True and out["paired_c1"]["dflash"]["identical_tokens"] is True

@@ -1,13 +1,8 @@
 """perf/ngram_acceptance.py: per-slot conditional acceptance of prompt lookup's proposals, counted by hand."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from conftest import perf_script
-
-SCRIPT = Path(__file__).parents[2] / "perf" / "ngram_acceptance.py"
+from conftest import perf_script, run_script
 
 
 def test_counts_by_hand(tmp_path):
@@ -20,10 +15,9 @@ def test_counts_by_hand(tmp_path):
     assert res["reached"] == [2, 1, 0, 0] and res["conditional_acceptance"] == [0.5, 0.0, None, None]
     greedy = tmp_path / "greedy.json"
     greedy.write_text(json.dumps([{"prompt_ids": [1, 2, 3], "token_ids": [1, 2, 3, 9]}]))
-    run = subprocess.run([sys.executable, str(SCRIPT), str(greedy), "--block-size", "5"], capture_output=True,
-                         text=True)
+    run = run_script("perf/ngram_acceptance.py", [str(greedy), "--block-size", "5"])
     assert run.returncode == 0 and json.loads(run.stdout)["reached"] == [2, 1, 0, 0]
-    run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nope")], capture_output=True, text=True)
+    run = run_script("perf/ngram_acceptance.py", [str(tmp_path / "nope")])
     assert run.returncode == 2 and "does not exist" in run.stderr
 
 

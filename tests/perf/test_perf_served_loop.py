@@ -3,16 +3,12 @@ settings) and the decoder answer the same prompt in turns, token-identical; ``--
 options exit 2."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "perf" / "bench_served_loop.py"
+from conftest import run_script
 
 
-def run(args, timeout=600):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def run(args):
+    return run_script("perf/bench_served_loop.py", args)
 
 
 def test_the_loop_and_the_decoder_answer_alike(smollm2, tmp_path):
@@ -33,7 +29,7 @@ def test_the_loop_and_the_decoder_answer_alike(smollm2, tmp_path):
 
 
 def test_bad_options_exit_2():
-    r = run(["--repeats", "0"], timeout=60)
+    r = run(["--repeats", "0"])
     assert r.returncode == 2 and "--repeats 0" in r.stderr
-    r = run(["--target", "/x"], timeout=60)
+    r = run(["--target", "/x"])
     assert r.returncode == 2 and "--target and --drafter go together" in r.stderr

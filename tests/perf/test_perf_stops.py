@@ -2,17 +2,13 @@
 ``--out`` holds what was printed."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "perf" / "bench_stops.py"
+from conftest import run_script
 
 
 def test_indexed_stops_are_cheaper(smollm2, tmp_path):
     out = tmp_path / "stops.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--stops", "256", "--target", smollm2["target"], "--out",
-                        str(out)], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    r = run_script("perf/bench_stops.py", ["--stops", "256", "--target", smollm2["target"], "--out", str(out)])
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     assert json.loads(out.read_text()) == doc and doc["same_cuts"] is True and doc["stops"] == 256

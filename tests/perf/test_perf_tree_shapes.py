@@ -2,21 +2,17 @@
 the JSON and PNG are written."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "perf" / "tree_shapes.py"
+from conftest import run_script
 
 
 @pytest.mark.slow
 def test_shapes_replayed_on_the_same_outputs(smollm2, tmp_path):
     out = tmp_path / "shapes.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--datasets", "humaneval", "--limit", "2",
-                          "--references-limit", "2", "--max-new-tokens", "24", "--work", str(tmp_path / "work"),
-                          "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    run = run_script("perf/tree_shapes.py", ["--datasets", "humaneval", "--limit", "2", "--references-limit", "2",
+        "--max-new-tokens", "24", "--work", str(tmp_path / "work"), "--threads", "1", "--out", str(out)])
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
     assert json.loads(run.stdout) == res and out.with_suffix(".png").stat().st_size > 0

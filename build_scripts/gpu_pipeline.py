@@ -698,7 +698,7 @@ def poll(home: Path, wait: float, out: Path | None) -> dict:
         finished = s.get("phase") in ("done", "failed") or (s.get("pid") and not _alive(s["pid"]))
         if finished or time.monotonic() >= deadline:
             break
-        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))
+        time.sleep(min(1.0, max(0.1, deadline - time.monotonic())))  # a lease's seconds count
     if out is not None:
         emit(home, out)
     return read_status(home)

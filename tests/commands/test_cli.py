@@ -146,5 +146,6 @@ def test_mismatched_pair_and_corrupt_weights_exit_2(smollm2, tiny_dirs, tmp_path
     r = run_cli(["generate", "--target", smollm2["target"], "--drafter", str(bad), "--prompt", "hi"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "model.safetensors: unreadable safetensors" in r.stderr
-    r = run_cli(["generate", "--target", str(tmp_path / "missing"), "--drafter", str(bad), "--prompt", "hi"])
+    # the console entry point itself (python -m trtllm_dflash in a fresh interpreter): its exit code is main's
+    r = run_cli(["generate", "--target", str(tmp_path / "missing"), "--drafter", str(bad), "--prompt", "hi"], fresh=True)
     assert r.returncode == 2 and "target directory does not exist" in r.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_tiny_smol
+from tests.conftest import run_script, write_tiny_smol
 
 SCRIPT = Path(__file__).parents[2] / "perf" / "gpu_session.py"
 
@@ -36,8 +36,7 @@ def tiny_smol_pair(root: Path, smollm2_target) -> tuple[Path, Path]:
 def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     prompts, out = tmp_path / "prompts", tmp_path / "out"
     target, drafter = tiny_smol_pair(tmp_path / "pair", smollm2["target"])
-    export = subprocess.run([sys.executable, str(SCRIPT), "--export-prompts", str(prompts)],
-                            capture_output=True, text=True, timeout=300)
+    export = run_script("perf/gpu_session.py", ["--export-prompts", prompts])
     assert export.returncode == 0, export.stderr
     assert json.loads(export.stdout) == {"humaneval": 164, "mtbench": 80}
     run = subprocess.run(

@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from tests.conftest import make_tiny_pair
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import make_tiny_pair, run_script
 
 
 def test_verify_cost_reports_ratios_and_floors(tmp_path):
     tdir, _ = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
     out = tmp_path / "cost.json"
-    r = subprocess.run([sys.executable, str(REPO / "perf" / "verify_cost.py"), "--target", str(tdir), "--dtype",
-                        "float32", "--sizes", "1,4", "--context", "8", "--repeats", "2", "--trees", "3",
-                        "--batch", "1,2", "--out", str(out)],
-                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = run_script("perf/verify_cost.py", ["--target", str(tdir), "--dtype", "float32", "--sizes", "1,4", "--context",
+                                           "8", "--repeats", "2", "--trees", "3", "--batch", "1,2", "--out", str(out)])
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc == json.loads(r.stdout)
@@ -39,10 +30,8 @@ def test_verify_cost_over_an_empty_cache_with_the_first_slots_head(tmp_path):
     """``--context 0,6 --head first``: the calibration's kind of verify (a rejected first draft) over an empty cache
     and over 6 tokens, timed interleaved; the first context is the document's top level."""
     tdir, _ = make_tiny_pair(tmp_path, "llama", seed=0, block_size=4)
-    r = subprocess.run([sys.executable, str(REPO / "perf" / "verify_cost.py"), "--target", str(tdir), "--dtype",
-                        "float32", "--sizes", "1,4", "--context", "0,6", "--head", "first", "--repeats", "2",
-                        "--batch", "3"], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    r = run_script("perf/verify_cost.py", ["--target", str(tdir), "--dtype", "float32", "--sizes", "1,4", "--context",
+                                           "0,6", "--head", "first", "--repeats", "2", "--batch", "3"])
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     d = doc["dtypes"]["float32"]

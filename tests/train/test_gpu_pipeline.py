@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from trtllm_dflash.errors import ConfigError
-from conftest import repo_script
+from conftest import repo_script, run_script
 
 gp = repo_script("build_scripts/gpu_pipeline.py")
 from tests.conftest import write_tiny_smol
@@ -226,8 +226,7 @@ def test_short_lease_command_rehearsal(tiny_target_with_tokenizer, tmp_path):
     r = _script("pack", "--source", tiny_target_with_tokenizer, "--carry", carry, "--part-mib", "4",
                 "--prompts", pool, "--eval-prompts", "humaneval", "--num-prompts", "10")
     assert r.returncode == 0, r.stderr
-    export = subprocess.run([sys.executable, str(ROOT / "perf" / "gpu_session.py"), "--export-prompts", str(prompts)],
-                            capture_output=True, text=True, timeout=300)
+    export = run_script("perf/gpu_session.py", ["--export-prompts", prompts])
     assert export.returncode == 0, export.stderr
     run_flags = [f for f in RUN if f not in ("--speed-limit", "0")]
     env = dict(os.environ, PYTHON=sys.executable, LEASE_DEVICE="cpu", DFLASH_GPU_HOME=str(tmp_path / "home"),

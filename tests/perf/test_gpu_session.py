@@ -4,7 +4,7 @@ reader of a GPU run needs (device, commit, parity verdicts, lossless benchmark l
 
 The rehearsal runs a tiny random pair with SmolLM2's tokenizer and chat template (the prompts, template and datasets go
 through the same code as on the GPU with the real pair): every step's command, flags and JSON are the same, the
-forwards nearly free. With the real pair it took 331 s of a 63-minute suite; the real pair's losslessness on the CPU
+forwards nearly free (the real pair would take minutes on 2 cores); the real pair's losslessness on the CPU
 is the business of tests/models/test_smollm2.py."""
 
 import json

@@ -102,7 +102,8 @@ def test_replay_equals_decoding_with_and_without_prompt_lookup(smollm2, one_thre
     continuation of a recurring 2- or 3-gram instead of the drafter's block), and the tree verify's steps
     (runtime.tree: the drafter's block, its alternates and prompt lookup's proposals in one step), also with the
     shipped retrieval datastore's proposals (runtime.datastore; at block 16 only: the same code at a smaller k); every
-    walk is lossless. 32 tokens (48 took 222 s of the suite, most of it the tree's decoding)."""
+    walk is lossless. 32 tokens: enough for prompt lookup to find a recurring n-gram, short enough for the tree's
+    decoding on 2 cores."""
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
     from trtllm_dflash.runtime.datastore import Datastore

@@ -119,3 +119,38 @@ def test_the_shell_watchdog_kills_the_stub_of_a_gone_server_and_costs_nothing_me
         for proc in (server, stub, dog):
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_python_model_builds_the_handler_in_initialize_and_sends_requests_straight_to_it(monkeypatch):
+    """What a template's model.py hands Triton: a class Triton constructs without arguments, whose ``initialize``
+    parses the model's parameters and builds the handler with them and ``pb_utils``, and whose ``execute`` and
+    ``finalize`` are the handler's own (no forwarding frame between Triton and the handler)."""
+    import json
+
+    from trtllm_dflash.serve.settings import ModelSettings
+    from trtllm_dflash.serve.triton import lifecycle
+
+    watched = []
+    monkeypatch.setattr(lifecycle, "watch_parent", lambda needs=(): watched.append(needs))
+    monkeypatch.setattr(lifecycle, "yield_to_compute", lambda nice: watched.append(("nice", nice)))
+
+    class Handler:
+        def __init__(self, settings, pb_utils) -> None:
+            self.settings, self.pb = settings, pb_utils
+
+        def execute(self, requests) -> list:
+            return [(self.pb, r) for r in requests]
+
+        def finalize(self) -> None:
+            self.finalized = True
+
+    pb = object()
+    cls = lifecycle.python_model(Handler, pb, needs=("drafter",), nice=True)
+    model = cls()
+    model.initialize({"model_config": json.dumps({"parameters": {"block_size": {"string_value": "8"}}})})
+    assert watched == [("drafter",), ("nice", model.settings.io_nice)]
+    assert isinstance(model.settings, ModelSettings) and model.settings.block_size == 8
+    assert model.execute(["a", "b"]) == [(pb, "a"), (pb, "b")]
+    assert cls.execute is Handler.execute and cls.finalize is Handler.finalize
+    model.finalize()
+    assert model.finalized

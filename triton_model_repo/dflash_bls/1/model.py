@@ -5,20 +5,6 @@ BLS calls to the step models (logic: trtllm_dflash.serve.triton.bls)."""
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.triton.bls import LoopModel
-from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
-from trtllm_dflash.serve.settings import ModelSettings
+from trtllm_dflash.serve.triton.lifecycle import python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        watch_parent(needs=("target_verify", "kv_inject", "drafter"))
-        settings = ModelSettings.from_args(args)
-        yield_to_compute(settings.io_nice)
-        self.loop = LoopModel(settings, pb_utils)
-
-    async def execute(self, requests):
-        await self.loop.execute(requests)
-        return None
-
-    def finalize(self):
-        self.loop.finalize()
+TritonPythonModel = python_model(LoopModel, pb_utils, needs=("target_verify", "kv_inject", "drafter"), nice=True)

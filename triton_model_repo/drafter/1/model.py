@@ -3,14 +3,6 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.triton.handlers import DrafterStepModel
-from trtllm_dflash.serve.triton.lifecycle import watch_parent
-from trtllm_dflash.serve.settings import ModelSettings
+from trtllm_dflash.serve.triton.lifecycle import python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        watch_parent()
-        self.model = DrafterStepModel(ModelSettings.from_args(args))
-
-    def execute(self, requests):
-        return self.model.execute(pb_utils, requests)
+TritonPythonModel = python_model(DrafterStepModel, pb_utils)

@@ -3,15 +3,6 @@
 import triton_python_backend_utils as pb_utils
 
 from trtllm_dflash.serve.trtllm.llmapi import LlmApiBridge
-from trtllm_dflash.serve.triton.lifecycle import watch_parent
-from trtllm_dflash.serve.settings import ModelSettings
+from trtllm_dflash.serve.triton.lifecycle import python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        watch_parent()
-        self.bridge = LlmApiBridge(ModelSettings.from_args(args), pb_utils)
-
-    async def execute(self, requests):
-        await self.bridge.execute(requests)
-        return None
+TritonPythonModel = python_model(LlmApiBridge, pb_utils)

@@ -2,17 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
-from trtllm_dflash.serve.triton.lifecycle import watch_parent, yield_to_compute
 from trtllm_dflash.serve.trtllm.text import TextPreprocessor
-from trtllm_dflash.serve.settings import ModelSettings
+from trtllm_dflash.serve.triton.lifecycle import python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        watch_parent()
-        settings = ModelSettings.from_args(args)
-        yield_to_compute(settings.io_nice)
-        self.model = TextPreprocessor(settings)
-
-    def execute(self, requests):
-        return self.model.execute(pb_utils, requests)
+TritonPythonModel = python_model(TextPreprocessor, pb_utils, nice=True)

@@ -1,4 +1,5 @@
-"""The logic behind the python-backend models of the repository (the ``model.py`` files only delegate here).
+"""The step models of the repository: target_verify, kv_inject and drafter (each template's ``model.py`` names one
+of these classes for ``lifecycle.python_model``), and the entry models' text preprocessing.
 
 The step models run the torch step engines (``runtime/steps.py``) or, when rendered with ``backend: trtllm-engine``,
 the TensorRT-LLM engines (``serve/trtllm/engine.py``); only their construction differs, the Triton I/O below is the
@@ -235,11 +236,12 @@ def _stats(slots) -> list[tuple[str, np.ndarray]]:
 
 
 class TargetVerifyModel:
-    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils=None) -> None:
         from trtllm_dflash.models.target import TargetModel
         from trtllm_dflash.runtime.steps import TargetVerifier
 
         s = ModelSettings.of(params)
+        self.pb = pb_utils  # Triton's python-backend utilities (None where a test only builds the model)
         self.threads, self.drafting = CpuThreads(s), set()
         taps = s.tap_layers
         self.tree_capable = not s.engine_backend
@@ -295,7 +297,8 @@ class TargetVerifyModel:
             return self.verifier.fork(seq, parent, prompt, sampling)
         return self.verifier.start(seq, prompt, sampling, want_taps, keep=keep)
 
-    def execute(self, pb_utils, requests) -> list:
+    def execute(self, requests) -> list:
+        pb_utils = self.pb
         self.verifier.expire()
         responses: list = [None] * len(requests)
         # index -> (mode, seqs, rows, taps?, the tree's parents or None)
@@ -355,11 +358,12 @@ class TargetVerifyModel:
 
 
 class KVInjectModel:
-    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils=None) -> None:
         from trtllm_dflash.checkpoints import load_drafter
         from trtllm_dflash.runtime.steps import KVInjector
 
         s = ModelSettings.of(params)
+        self.pb = pb_utils  # Triton's python-backend utilities (None where a test only builds the model)
         CpuThreads(s)(live=2)  # a few ms per step, as fast on one thread: one thread at any load
         if s.engine_backend:
             from trtllm_dflash.serve.trtllm.engine import EngineKVInjector, load_engine_set
@@ -371,7 +375,8 @@ class KVInjectModel:
         self.inject = KVInjector(drafter)
         self.dtype, self.device = drafter.dtype, _device()
 
-    def execute(self, pb_utils, requests) -> list:
+    def execute(self, requests) -> list:
+        pb_utils = self.pb
         responses = []
         for req in requests:
             try:
@@ -394,11 +399,12 @@ class KVInjectModel:
 
 
 class DrafterStepModel:
-    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils=None) -> None:
         from trtllm_dflash.checkpoints import load_drafter
         from trtllm_dflash.runtime.steps import BlockDrafter, TargetHead
 
         s = ModelSettings.of(params)
+        self.pb = pb_utils  # Triton's python-backend utilities (None where a test only builds the model)
         self.threads = CpuThreads(s)
         self.tree_capable = not s.engine_backend
         self.scored = False
@@ -417,7 +423,8 @@ class DrafterStepModel:
                                     cuda_graphs=s.cuda_graphs)
         self.scored = self.drafter.scored  # a DSpark confidence head: its estimates go back with the drafts
 
-    def execute(self, pb_utils, requests) -> list:
+    def execute(self, requests) -> list:
+        pb_utils = self.pb
         self.drafter.expire()
         responses: list = [None] * len(requests)
         # (block, top) -> rows

@@ -1,4 +1,4 @@
-"""Glue shared by the python-backend ``model.py`` shells: input access, error responses (their parameters:
+"""Glue shared by the python-backend models: input access, error responses (their parameters:
 ``serve.settings.ModelSettings``).
 
 ``pb_utils`` (``triton_python_backend_utils``) only exists inside the Triton stub, so it is passed in, never

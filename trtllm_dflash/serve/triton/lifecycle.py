@@ -1,4 +1,5 @@
-"""Keeping the python stubs tied to their server, and out of the way of its computing ones.
+"""The python stubs' life: the model class Triton instantiates, tied to its server and out of the way of its
+computing models.
 
 Triton's python stub checks that its parent still exists, but a server that exited without being reaped (a zombie,
 e.g. when whatever started it was killed) still exists, so the stubs kept computing at full CPU for minutes after
@@ -14,6 +15,32 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from trtllm_dflash.serve.settings import ModelSettings
+
+
+def python_model(handler: type, pb_utils, needs: tuple[str, ...] = (), nice: bool = False) -> type:
+    """The ``TritonPythonModel`` of a rendered model whose logic is ``handler`` (a class built from
+    ``(ModelSettings, pb_utils)`` with Triton's ``execute`` and, optionally, ``finalize``).
+
+    It is a subclass of ``handler``: Triton constructs it without arguments, its ``initialize`` starts the parent watch
+    (``needs``: see ``watch_parent``), reads the model's parameters, lowers the stub's priority where ``nice``
+    (``yield_to_compute``) and then builds the handler, and every request goes straight to the handler's own
+    ``execute``, so a template's ``model.py`` is one assignment and no frame of a request's path."""
+
+    class TritonPythonModel(handler):
+        def __init__(self) -> None:  # Triton's constructor takes nothing: the handler is built in initialize
+            pass
+
+        def initialize(self, args: dict) -> None:
+            watch_parent(needs=needs)
+            settings = ModelSettings.from_args(args)
+            if nice:
+                yield_to_compute(settings.io_nice)
+            handler.__init__(self, settings, pb_utils)
+
+    TritonPythonModel.__qualname__ = f"TritonPythonModel[{handler.__name__}]"
+    return TritonPythonModel
 
 
 def parent_alive(pid: int) -> bool:

@@ -82,9 +82,12 @@ class PerRequest:
     """A unary model's ``execute``: each request's inputs through ``self`` into one response, a failure into that
     request's error response (INVALID_ARGUMENT naming the field for bad input)."""
 
-    def execute(self, pb_utils, requests) -> list:
+    pb = None  # Triton's python-backend utilities, set by the subclass's constructor
+
+    def execute(self, requests) -> list:
         from trtllm_dflash.serve.triton.io import error_response
 
+        pb_utils = self.pb
         responses = []
         for request in requests:
             try:
@@ -98,11 +101,12 @@ class PerRequest:
 class TextPreprocessor(PerRequest):
     """TensorRT-LLM's ``preprocessing`` (see the module docstring)."""
 
-    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils=None) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
         from trtllm_dflash.specs import TargetSpec
 
         s = ModelSettings.of(params)
+        self.pb = pb_utils  # Triton's python-backend utilities (None where a test only builds the model)
         self.tokenizer = load_tokenizer(s.tokenizer_dir)
         self.vocab = TargetSpec.load(s.tokenizer_dir).vocab_size
         self.add_special_tokens = s.add_special_tokens
@@ -169,10 +173,11 @@ class TextPreprocessor(PerRequest):
 class TextPostprocessor(PerRequest):
     """TensorRT-LLM's ``postprocessing`` (see the module docstring)."""
 
-    def __init__(self, params: ModelSettings | dict[str, str]) -> None:
+    def __init__(self, params: ModelSettings | dict[str, str], pb_utils=None) -> None:
         from trtllm_dflash.runtime.text import load_tokenizer
 
         s = ModelSettings.of(params)
+        self.pb = pb_utils  # Triton's python-backend utilities (None where a test only builds the model)
         self.tokenizer = load_tokenizer(s.tokenizer_dir)
         self.skip_special_tokens = s.skip_special_tokens
 

@@ -154,6 +154,30 @@ def test_consecutive_cache_rows_are_read_as_views(tiny_models):
     torch.testing.assert_close(out["views"], out["gather"], atol=1e-12, rtol=0)
 
 
+def test_rows_naming_every_cache_row_in_order_read_the_whole_cache(tiny_models):
+    """A batch whose rows are all of its cache's, in order (``generate``'s), runs the forwards as rows=None does; any
+    other selection is kept as it is. The whole-cache forward equals the rows' forwards one at a time (read through
+    ``view_rows``' slices)."""
+    target, drafter = tiny_models["llama"][0], tiny_models["llama"][1]
+    cache = target.new_cache(3, 32)
+    assert cache.every_row(torch.tensor([0, 1, 2])) is None and cache.every_row(None) is None
+    for rows in ([0, 1], [1, 0, 2], [0, 1, 1]):
+        picked = torch.tensor(rows)
+        assert cache.every_row(picked) is picked
+    g = torch.Generator().manual_seed(1)
+    prompts, step = torch.randint(0, 256, (3, 9), generator=g), torch.randint(0, 256, (3, 4), generator=g)
+    cache, dcache = target.new_cache(3, 32), drafter.new_cache(3, 32)
+    target(prompts, cache)
+    cache.commit(None, torch.tensor([5, 7, 9]))
+    dcache.commit(None, torch.tensor([2, 3, 4]))
+    rows = torch.tensor([0, 1, 2])
+    whole = (target(step, cache, rows)[0], drafter.draft(target.embed(step), dcache, rows))
+    one = [(target(step[j:j + 1], cache, rows[j:j + 1])[0], drafter.draft(target.embed(step[j:j + 1]), dcache,
+                                                                          rows[j:j + 1])) for j in range(3)]
+    for i, a in enumerate(whole):
+        torch.testing.assert_close(a, torch.cat([o[i] for o in one]), atol=1e-12, rtol=0)
+
+
 def test_the_lm_head_runs_as_one_gemm_over_every_row(tiny_models):
     """``draft_block`` hands the head its slots as one matrix and ``TargetModel.logits`` flattens any view: a [b, S, H]
     view whose rows do not merge (slots 1..B−1 of a block) would go through one GEMM per row, each reading the whole

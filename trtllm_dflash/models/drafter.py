@@ -161,6 +161,7 @@ class DrafterModel(nn.Module):
         static: bool = False,  # over all cache slots, nothing read back to the host (``TargetModel.forward``'s)
     ) -> torch.Tensor:  # [b, B, hidden] final-normed; slot k predicts the token at position ctx_len + k
         b, bs, _ = block_embeds.shape
+        rows = rows if static else cache.every_row(rows)
         positions = cache.step_positions(rows, bs, check=not static)  # [b, B]
         kv_len = cache.max_len if static else int(positions[:, -1].max()) + 1
         key_pos = torch.arange(kv_len, device=block_embeds.device)[None, None, :]  # [1, 1, kv_len]

@@ -144,6 +144,7 @@ class TargetModel(nn.Module):
         check), so a CUDA graph can replay the forward (``runtime.graphs``); not with ``layout`` or ``widths``.
         """
         b, s = input_ids.shape
+        rows = rows if static else cache.every_row(rows)
         if layout is None:
             positions = slots = cache.step_positions(rows, s, check=not static)  # [b, S]
             kv_len = cache.max_len if static else int(positions[:, -1].max()) + 1

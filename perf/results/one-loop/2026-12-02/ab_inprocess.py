@@ -8,7 +8,14 @@ sides, the order flipping every repetition, so the VM's drift (its speed moved b
 configuration) hits both sides alike. Prints one JSON line per (dataset, batch, mode): both sides' tokens/s per
 repetition, the medians, ratio = after / before, and whether their tokens are identical.
 
+With ``--pair-by call`` the two sides alternate on every ``generate`` call instead (one prompt at batch 1, one batch
+of prompts at batch 8), the order flipping every call, so each pair is two back-to-back runs of the same work a few
+seconds apart. The line then also carries each call's speed ratio after / before, their geometric mean and its 95 %
+confidence interval (a t interval on the log ratios): the resolution the many short pairs buy on a noisy machine.
+
     python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 5
+    python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 3 --limit 16 \
+        --pair-by call --batches 1 --modes 16,auto+ngram
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -31,6 +39,8 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--pair-by", choices=("rep", "call"), default="rep",
+                   help="alternate the sides per repetition (default) or per generate call")
     args = p.parse_args()
 
     import torch
@@ -69,27 +79,70 @@ def main() -> int:
         prompts = [tuple(encode_prompt(tok, q.text, q.chat)) for q in load_prompts(ds, args.limit)]
         sides = {"before": decoder(before, mode), "after": decoder(after, mode)}
         rates, tokens = {s: [] for s in sides}, {}
+        call_ratios: list[float] = []
+
+        def run(side: str, chunk: list) -> tuple[list, int, float]:
+            mod = before if side == "before" else after
+            t0 = time.perf_counter()
+            res = sides[side].generate([mod.Request(p, args.max_new_tokens, stop_token_ids=stops) for p in chunk])
+            return [r.token_ids for r in res], sum(r.num_new_tokens for r in res), time.perf_counter() - t0
+
+        chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
+            if args.pair_by == "call":
+                n = {s: 0 for s in sides}
+                spent = {s: 0.0 for s in sides}
+                out = {s: [] for s in sides}
+                for c, chunk in enumerate(chunks):
+                    order = list(sides) if (rep + c) % 2 == 0 else list(sides)[::-1]
+                    took = {}
+                    for side in order:
+                        toks, k, dt = run(side, chunk)
+                        out[side] += toks
+                        n[side] += k
+                        spent[side] += dt
+                        took[side] = dt
+                    if rep:
+                        call_ratios.append(took["before"] / took["after"])  # same tokens: speed after / before
+                for side in sides:
+                    if rep:
+                        rates[side].append(round(n[side] / spent[side], 3))
+                        bar.update()
+                    tokens[side] = out[side]
+                continue
             order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
             for side in order:
-                mod = before if side == "before" else after
-                dec, n, out = sides[side], 0, []
-                t0 = time.perf_counter()
-                for i in range(0, len(prompts), batch):
-                    res = dec.generate([mod.Request(p, args.max_new_tokens, stop_token_ids=stops)
-                                        for p in prompts[i:i + batch]])
-                    out += [r.token_ids for r in res]
-                    n += sum(r.num_new_tokens for r in res)
+                n, out, spent = 0, [], 0.0
+                for chunk in chunks:
+                    toks, k, dt = run(side, chunk)
+                    out += toks
+                    n += k
+                    spent += dt
                 if rep:
-                    rates[side].append(round(n / (time.perf_counter() - t0), 3))
+                    rates[side].append(round(n / spent, 3))
                     bar.update()
                 tokens[side] = out
         med = {s: statistics.median(v) for s, v in rates.items()}
-        print(json.dumps({"dataset": ds, "batch_size": batch, "mode": mode.label, "before": rates["before"],
-                          "after": rates["after"], "before_median": med["before"], "after_median": med["after"],
-                          "ratio": round(med["after"] / med["before"], 4),
-                          "identical_tokens": tokens["before"] == tokens["after"]}), flush=True)
+        line = {"dataset": ds, "batch_size": batch, "mode": mode.label, "before": rates["before"],
+                "after": rates["after"], "before_median": med["before"], "after_median": med["after"],
+                "ratio": round(med["after"] / med["before"], 4),
+                "identical_tokens": tokens["before"] == tokens["after"]}
+        if call_ratios:
+            line.update(paired_summary(call_ratios))
+        print(json.dumps(line), flush=True)
     return 0
+
+
+def paired_summary(ratios: list[float]) -> dict:
+    """Geometric mean of the per-call speed ratios and its 95 % t interval (computed on the log ratios)."""
+    from scipy import stats
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"pairs": len(ratios), "call_ratios": [round(r, 4) for r in ratios],
+            "geomean_ratio": round(math.exp(mean), 4),
+            "ci95": [round(math.exp(mean - half), 4), round(math.exp(mean + half), 4)]}
 
 
 if __name__ == "__main__":

@@ -88,40 +88,30 @@ def main() -> int:
             return [r.token_ids for r in res], sum(r.num_new_tokens for r in res), time.perf_counter() - t0
 
         chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-        for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
+        def schedule(rep: int) -> list[tuple[str, int, list]]:
+            """(side, call, prompts) in the order one repetition runs them; the order of the sides flips every
+            repetition, or with ``--pair-by call`` every call."""
+            flip = lambda i: list(sides) if i % 2 == 0 else list(sides)[::-1]  # noqa: E731
             if args.pair_by == "call":
-                n = {s: 0 for s in sides}
-                spent = {s: 0.0 for s in sides}
-                out = {s: [] for s in sides}
-                for c, chunk in enumerate(chunks):
-                    order = list(sides) if (rep + c) % 2 == 0 else list(sides)[::-1]
-                    took = {}
-                    for side in order:
-                        toks, k, dt = run(side, chunk)
-                        out[side] += toks
-                        n[side] += k
-                        spent[side] += dt
-                        took[side] = dt
-                    if rep:
-                        call_ratios.append(took["before"] / took["after"])  # same tokens: speed after / before
+                return [(side, c, chunk) for c, chunk in enumerate(chunks) for side in flip(rep + c)]
+            return [(side, c, chunk) for side in flip(rep) for c, chunk in enumerate(chunks)]
+
+        for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
+            n, spent, out = {s: 0 for s in sides}, {s: 0.0 for s in sides}, {s: [] for s in sides}
+            took: dict[int, dict[str, float]] = {}  # call -> side -> seconds
+            for side, c, chunk in schedule(rep):
+                toks, k, dt = run(side, chunk)
+                out[side] += toks
+                n[side] += k
+                spent[side] += dt
+                took.setdefault(c, {})[side] = dt
+            if rep:
                 for side in sides:
-                    if rep:
-                        rates[side].append(round(n[side] / spent[side], 3))
-                        bar.update()
-                    tokens[side] = out[side]
-                continue
-            order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
-            for side in order:
-                n, out, spent = 0, [], 0.0
-                for chunk in chunks:
-                    toks, k, dt = run(side, chunk)
-                    out += toks
-                    n += k
-                    spent += dt
-                if rep:
-                    rates[side].append(round(n / spent, 3))
+                    rates[side].append(round(n[side] / spent[side], 3))
                     bar.update()
-                tokens[side] = out
+                if args.pair_by == "call":  # same tokens on both sides: speed after / before
+                    call_ratios += [t["before"] / t["after"] for t in took.values()]
+            tokens = out
         med = {s: statistics.median(v) for s, v in rates.items()}
         line = {"dataset": ds, "batch_size": batch, "mode": mode.label, "before": rates["before"],
                 "after": rates["after"], "before_median": med["before"], "after_median": med["after"],

@@ -52,14 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def commit_of(checkout: str) -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=checkout, capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
-
-
 def run_side(checkout: str, script: list[str]) -> list[dict]:
     """The script's JSON output, run from ``checkout`` with its own package first on the import path."""
-    env = {**os.environ, "PYTHONPATH": checkout}
+    from trtllm_dflash.perf.pairing import checkout_env
+
+    env = checkout_env(checkout)
     run = subprocess.run([sys.executable, str(Path(checkout) / "perf" / script[0]), *script[1:]], cwd=checkout,
                          env=env, capture_output=True, text=True)
     if run.returncode != 0:
@@ -82,6 +79,8 @@ def lookup(doc, path: str):
 
 def main(argv=None) -> int:
     from tqdm import tqdm
+
+    from trtllm_dflash.perf.pairing import commit_of
 
     args = parse_args(argv)
     sides = {"base": args.base, "head": args.head}

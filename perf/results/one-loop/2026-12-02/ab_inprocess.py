@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ def main() -> int:
     from trtllm_dflash.assets import prepare_demo_assets
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.datasets import load_prompts
+    from trtllm_dflash.perf.pairing import ratio_summary
     from trtllm_dflash.runtime import decoder as after
     from trtllm_dflash.runtime.acceptance import prior_from_training_log
     from trtllm_dflash.runtime.mode import DecodeMode
@@ -118,21 +118,9 @@ def main() -> int:
                 "ratio": round(med["after"] / med["before"], 4),
                 "identical_tokens": tokens["before"] == tokens["after"]}
         if call_ratios:
-            line.update(paired_summary(call_ratios))
+            line.update(ratio_summary(call_ratios))
         print(json.dumps(line), flush=True)
     return 0
-
-
-def paired_summary(ratios: list[float]) -> dict:
-    """Geometric mean of the per-call speed ratios and its 95 % t interval (computed on the log ratios)."""
-    from scipy import stats
-
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {"pairs": len(ratios), "call_ratios": [round(r, 4) for r in ratios],
-            "geomean_ratio": round(math.exp(mean), 4),
-            "ci95": [round(math.exp(mean - half), 4), round(math.exp(mean + half), 4)]}
 
 
 if __name__ == "__main__":

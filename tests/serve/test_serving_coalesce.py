@@ -153,3 +153,55 @@ def test_off_sends_each_call_alone_at_once(n):
 
     waited, sent = run(main())
     assert [len(rows) for _, _, rows in sent] == [1] * n and waited < 1.0
+
+
+def test_the_last_sequence_of_a_static_batch_sends_its_calls_in_its_own_task():
+    """With ``sequences`` (a static batch, as ``generate`` makes), the calls of the last live sequence skip the barrier:
+    the send runs in the caller's own task. Until every sequence has joined, a lone live sequence still waits at the
+    barrier for the others resuming behind it, so the batch's first step stays one request."""
+    async def main():
+        sent = []
+
+        async def send(kind, key, calls):
+            sent.append((kind, len(calls), asyncio.current_task()))
+            await asyncio.sleep(0.001)
+            return [c.args for c in calls]
+
+        co = StepCoalescer(send, max_wait_s=5.0, sequences=2)
+        mine = {}
+
+        async def seq(i, steps):
+            mine[i] = asyncio.current_task()
+            co.join()  # the first to join is alone for a moment: the second has not resumed yet
+            for step in range(steps):
+                assert await co.submit("verify", (2, True), i, step) == (i, step)
+            co.leave()
+
+        await asyncio.gather(seq(0, 2), seq(1, 4))
+        return sent, mine
+
+    sent, mine = run(main())
+    assert [(kind, rows) for kind, rows, _ in sent] == [("verify", 2), ("verify", 2), ("verify", 1), ("verify", 1)]
+    assert all(task not in mine.values() for _, _, task in sent[:2])  # batched: the barrier's flight task
+    assert all(task is mine[1] for _, _, task in sent[2:])  # alone: sequence 1's own task
+
+
+def test_an_open_ended_coalescer_never_bypasses_its_barrier():
+    """Serving (``sequences`` None): a request may join at any moment, so even a lone sequence's calls go through the
+    barrier."""
+    async def main():
+        tasks = []
+
+        async def send(kind, key, calls):
+            tasks.append(asyncio.current_task())
+            return [c.args for c in calls]
+
+        co = StepCoalescer(send, max_wait_s=5.0)
+        co.join()
+        for step in range(3):
+            await co.submit("verify", (2, True), step)
+        co.leave()
+        return tasks, asyncio.current_task()
+
+    tasks, me = run(main())
+    assert len(tasks) == 3 and me not in tasks

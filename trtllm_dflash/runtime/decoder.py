@@ -222,7 +222,8 @@ class SpeculativeDecoder:
     def step_engines(self, rows: int, max_len: int) -> BatchedLocalSteps:
         """Step engines for one batch of ``rows`` sequences of at most ``max_len`` tokens (with a verify's scratch
         slots), batched as the BLS model batches its live sequences. Sequence n lives in cache row n of both caches;
-        nothing times out during a call."""
+        nothing times out during a call. The batch is static: once all its sequences have started, the last one left
+        sends its calls straight to the engines (``StepCoalescer.sequences``)."""
         tree_nodes = self.tree.size if self.tree else 0
         verifier = TargetVerifier(self.target, self.taps, rows, max_len, self.block_size, math.inf, tree_nodes,
                                   self.graphs, self._new_cache(self.target, rows, max_len), rows_by_seq_id=True)
@@ -238,7 +239,7 @@ class SpeculativeDecoder:
 
             drafter = BlockDrafter(self.drafter, self.head, rows, max_len, math.inf, self.kernels, self.graphs,
                                    self._new_cache(self.drafter, rows, max_len), rows_by_seq_id=True, propose=propose)
-        return BatchedLocalSteps(verifier, self.injector, drafter, weigh=True)
+        return BatchedLocalSteps(verifier, self.injector, drafter, weigh=True, sequences=rows)
 
     def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
         """Decode ``requests`` as one batch; ``on_tokens(i, ids)`` streams request i's tokens as they are kept."""

@@ -401,6 +401,8 @@ class StepCoalescer:
     max_rows: int = 64  # rows per request (the step models' max_batch_size)
     max_wait_s: float = 0.05
     live: int = 0  # sequences between their start and their free
+    sequences: int | None = None  # how many will ever join: a static batch's size; None: open-ended (serving)
+    joined: int = 0
     flights: int = 0  # batched requests in flight
     pending: dict[str, list[Call]] = field(default_factory=lambda: {k: [] for k in KINDS})
     _check_soon: bool = False
@@ -409,6 +411,7 @@ class StepCoalescer:
     def join(self) -> None:
         """A sequence started: the barrier now waits for it too."""
         self.live += 1
+        self.joined += 1
 
     def leave(self) -> None:
         """A sequence ended (finished, cancelled or failed): the barrier stops waiting for it."""
@@ -418,9 +421,30 @@ class StepCoalescer:
     async def submit(self, kind: str, key: tuple, *args):
         loop = asyncio.get_running_loop()
         call = Call(kind, key, args, loop.create_future(), loop.time())
+        if self._alone():
+            return await self._direct(call)
         self.pending[kind].append(call)
         self._schedule()
         return await call.future
+
+    def _alone(self) -> bool:
+        """Whether the caller is the last live sequence of a static batch that has all joined, and no other call waits
+        or flies: then no call can ever join its batch, and the barrier would send it on its own. (While a batch's
+        started sequences resume one by one, the first to join is briefly the only live one: ``joined`` tells.)"""
+        return (self.sequences is not None and self.joined == self.sequences and self.live == 1 and not self.flights
+                and not any(self.pending.values()))
+
+    async def _direct(self, call: Call):
+        """``call`` sent at once, awaited in the caller's own task: the barrier's future, its check and its flight
+        task cost a few event-loop turns per call, a measurable share of a batch-1 step on a CPU. It still counts as
+        a flight, so calls that arrive meanwhile wait for its end as they would for a batched one."""
+        self.flights += 1
+        try:
+            return (await self.send(call.kind, call.key, [call]))[0]
+        finally:
+            self.flights -= 1
+            if any(self.pending.values()):
+                self._schedule()
 
     def _schedule(self) -> None:
         if not self._check_soon:  # after the other coroutines woken with this one have run to their next call
@@ -531,14 +555,15 @@ class CoalescedSteps:
 class BatchedLocalSteps(CoalescedSteps, LocalSteps):
     """A StepClient over in-process step engines that batches the concurrent sequences' calls as the BLS model does
     (one engine call per kind and shape for every waiting sequence) and, with ``joint``, decides their ``auto`` steps
-    together (``plan``; ``weigh``: as one static batch, ``plan_together``). ``calls`` records (kind, rows) per batched
-    call."""
+    together (``plan``; ``weigh``: as one static batch, ``plan_together``). ``sequences``: the static batch's size,
+    whose last live sequence then sends its calls straight (``StepCoalescer.sequences``). ``calls`` records (kind,
+    rows) per batched call."""
 
     def __init__(self, verifier, injector, drafter, joint: bool = True, max_wait_s: float = 5.0,
-                 weigh: bool = False) -> None:
+                 weigh: bool = False, sequences: int | None = None) -> None:
         LocalSteps.__init__(self, verifier, injector, drafter)
         self.weigh = weigh
-        self.coalescer = StepCoalescer(self._send, max_wait_s=max_wait_s)
+        self.coalescer = StepCoalescer(self._send, max_wait_s=max_wait_s, sequences=sequences)
         self.calls: list[tuple[str, int]] = []
         self.on_batch = lambda kind, rows: self.calls.append((kind, rows))
         if not joint:

@@ -49,7 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="passes over the prompts (default 2)")
     p.add_argument("--target", default=None, help="target directory (default: the demo target)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: the demo drafter)")
-    p.add_argument("--repo-args", default="", help="make-repo flags for both sides, e.g. '--block-size 16'")
+    p.add_argument("--repo-args", default="",
+                   help="make-repo flags for both sides, e.g. '--block-size 16 --no-ngram' (one flag alone: "
+                        "--repo-args=--no-ngram, or argparse takes it for an option of this script)")
     p.add_argument("--base-repo-args", default="", help="make-repo flags for the base side only")
     p.add_argument("--head-repo-args", default="", help="make-repo flags for the head side only")
     p.add_argument("--out", default=None, help="also write every call's record here (JSON lines)")

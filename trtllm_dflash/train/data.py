@@ -132,6 +132,9 @@ def read_shard(path: Path) -> list[Sample]:
     ]
 
 
+TAPS_TOP_K = 8  # the target's next-token logits kept per response token in the taps cache (--distill, --tv)
+
+
 def build_taps_cache(
     target: TargetModel,
     tokenizer,
@@ -147,11 +150,15 @@ def build_taps_cache(
     progress=None,
 ) -> list[Path]:
     """Regenerate responses for ``prompts`` in chunks of ``batch_size`` (the first ``max_shards`` chunks only, if
-    given) and cache their taps; resumes by chunk."""
+    given) and cache their taps with the target's top-k next-token logits (``regen.regenerate``: what ``--distill``
+    and ``--tv`` train against); resumes by chunk."""
     from trtllm_dflash.runtime.text import encode_prompt
+    from trtllm_dflash.train.regen import regenerate
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"tap_layers": list(tap_layers), "max_new_tokens": max_new_tokens, "num_prompts": len(prompts)}
+    # top_k: shards written without the target's top-k (before the cache kept it) are refused, not mixed in
+    meta = {"tap_layers": list(tap_layers), "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "top_k": TAPS_TOP_K}
     meta_path = out_dir / "meta.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
         raise ValueError(f"{out_dir} holds taps for different settings {meta_path.read_text()}; use a new --out")
@@ -170,7 +177,8 @@ def build_taps_cache(
         paths.append(path)
         if not path.is_file():
             prompts_ids = [keep[i] for i in chunk]
-            write_shard(path, generate_with_taps(target, prompts_ids, max_new_tokens, stop_token_ids, tap_layers))
+            regen = regenerate(target, prompts_ids, max_new_tokens, stop_token_ids, TAPS_TOP_K, tap_layers=tap_layers)
+            write_shard(path, [r.as_sample() for r in regen])
         if progress is not None:
             progress(sum(len(ch) for ch in chunks[: c + 1]), len(keep))
     return paths

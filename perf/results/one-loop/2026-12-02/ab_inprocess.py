@@ -13,9 +13,16 @@ of prompts at batch 8), the order flipping every call, so each pair is two back-
 seconds apart. The line then also carries each call's speed ratio after / before, their geometric mean and its 95 %
 confidence interval (a t interval on the log ratios): the resolution the many short pairs buy on a noisy machine.
 
+Every line also says what each side planned: its steps, its mean drafts per step, and the share of requests whose
+plans (k per step) were the same on both sides. Under ``auto`` each side's cost model follows the step times it
+observes, so the two drift apart and plan differently; ``--freeze-cost`` gives both sides one copy of the calibrated
+model that no step updates, so that equal acceptances give equal plans and the pairs time the loops alone.
+
     python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 5
     python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 3 --limit 16 \
         --pair-by call --batches 1 --modes 16,auto+ngram
+    python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 3 --limit 16 \
+        --pair-by call --batches 1,8 --modes auto+ngram --freeze-cost
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pair-by", choices=("rep", "call"), default="rep",
                    help="alternate the sides per repetition (default) or per generate call")
+    p.add_argument("--freeze-cost", action="store_true",
+                   help="auto: both sides plan from one copy of the calibrated cost model that no step updates, so "
+                        "equal acceptance histories give equal plans and the pairs time the loops, not two cost "
+                        "models adapting apart")
     args = p.parse_args()
 
     import torch
@@ -51,6 +62,7 @@ def main() -> int:
     from trtllm_dflash.perf.pairing import ratio_summary
     from trtllm_dflash.runtime import decoder as after
     from trtllm_dflash.runtime.acceptance import prior_from_training_log
+    from trtllm_dflash.runtime.cost import CostModel
     from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer, stop_token_ids
 
@@ -78,14 +90,22 @@ def main() -> int:
     for ds, batch, mode in jobs:
         prompts = [tuple(encode_prompt(tok, q.text, q.chat)) for q in load_prompts(ds, args.limit)]
         sides = {"before": decoder(before, mode), "after": decoder(after, mode)}
+        if args.freeze_cost and mode.auto:
+            frozen = sides["before"].policy.cost.to_json()
+            for dec in sides.values():
+                dec.policy.cost = CostModel.from_json(frozen)
+                dec.policy.cost.observe = lambda *a, **kw: None
         rates, tokens = {s: [] for s in sides}, {}
         call_ratios: list[float] = []
+        plans: dict[str, list] = {s: [] for s in sides}  # each counted request's k per step, in schedule order
 
-        def run(side: str, chunk: list) -> tuple[list, int, float]:
+        def run(side: str, chunk: list) -> tuple[list, int, float, list]:
             mod = before if side == "before" else after
             t0 = time.perf_counter()
             res = sides[side].generate([mod.Request(p, args.max_new_tokens, stop_token_ids=stops) for p in chunk])
-            return [r.token_ids for r in res], sum(r.num_new_tokens for r in res), time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            return ([r.token_ids for r in res], sum(r.num_new_tokens for r in res), dt,
+                    [r.draft_lengths or (mode.block_size - 1,) * len(r.acceptance_lengths) for r in res])
 
         chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         def schedule(rep: int) -> list[tuple[str, int, list]]:
@@ -99,8 +119,10 @@ def main() -> int:
         for rep in range(args.reps + 1):  # repetition 0 warms both sides up and is not counted
             n, spent, out = {s: 0 for s in sides}, {s: 0.0 for s in sides}, {s: [] for s in sides}
             took: dict[int, dict[str, float]] = {}  # call -> side -> seconds
+            planned: dict[str, dict[int, list]] = {s: {} for s in sides}  # side -> call -> its requests' k
             for side, c, chunk in schedule(rep):
-                toks, k, dt = run(side, chunk)
+                toks, k, dt, ks = run(side, chunk)
+                planned[side][c] = ks
                 out[side] += toks
                 n[side] += k
                 spent[side] += dt
@@ -109,6 +131,7 @@ def main() -> int:
                 for side in sides:
                     rates[side].append(round(n[side] / spent[side], 3))
                     bar.update()
+                    plans[side] += [ks for c in sorted(planned[side]) for ks in planned[side][c]]
                 if args.pair_by == "call":  # same tokens on both sides: speed after / before
                     call_ratios += [t["before"] / t["after"] for t in took.values()]
             tokens = out
@@ -116,7 +139,11 @@ def main() -> int:
         line = {"dataset": ds, "batch_size": batch, "mode": mode.label, "before": rates["before"],
                 "after": rates["after"], "before_median": med["before"], "after_median": med["after"],
                 "ratio": round(med["after"] / med["before"], 4),
-                "identical_tokens": tokens["before"] == tokens["after"]}
+                "identical_tokens": tokens["before"] == tokens["after"], "freeze_cost": args.freeze_cost,
+                # the plans each side made: steps, drafts verified per step, and the requests planned alike
+                "steps": {s: sum(map(len, v)) for s, v in plans.items()},
+                "k_mean": {s: round(statistics.fmean([k for ks in v for k in ks] or [0]), 3) for s, v in plans.items()},
+                "same_plans": round(statistics.fmean(a == b for a, b in zip(plans["before"], plans["after"])), 4)}
         if call_ratios:
             line.update(ratio_summary(call_ratios))
         print(json.dumps(line), flush=True)

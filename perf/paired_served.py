@@ -75,9 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def start_server(stack: ExitStack, checkout: str, repo_args: list[str], tmp: Path) -> str:
-    """Render ``checkout``'s repository with its own make-repo, start its own ``serve`` on free ports, register the
-    server's shutdown on ``stack``, and return its gRPC address."""
+def start_server(stack: ExitStack, checkout: str, repo_args: list[str], tmp: Path):
+    """Render ``checkout``'s repository with its own make-repo and start its own ``serve`` on free ports (its shutdown
+    registered on ``stack``); returns a function that waits until the server is ready and gives its gRPC address, so
+    that both sides' servers load their models at the same time."""
     from trtllm_dflash.perf.pairing import checkout_env
 
     env, repo, log = checkout_env(checkout), tmp / "repo", tmp / "server.log"
@@ -90,11 +91,15 @@ def start_server(stack: ExitStack, checkout: str, repo_args: list[str], tmp: Pat
                              "--metrics-port", "0", "--log", str(log)],
                             cwd=checkout, env=env, stdout=subprocess.PIPE, text=True)
     stack.callback(stop_server, proc)
-    line = proc.stdout.readline()  # serve prints its addresses once every model is ready
-    if not line.startswith("{"):
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        raise SystemExit(f"paired_served: the server of {checkout} did not start (exit {proc.poll()}):\n{tail}")
-    return json.loads(line)["grpc"]
+
+    def ready() -> str:
+        line = proc.stdout.readline()  # serve prints its addresses once every model is ready
+        if not line.startswith("{"):
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            raise SystemExit(f"paired_served: the server of {checkout} did not start (exit {proc.poll()}):\n{tail}")
+        return json.loads(line)["grpc"]
+
+    return ready
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -149,12 +154,13 @@ def main(argv=None) -> int:
               "--max-sequences", str(max(args.concurrency) + 2), *shlex.split(args.repo_args)]
     records, calls = [], []
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        urls = {}
+        waits = {}
         for side in SIDES:
             (Path(tmp) / side).mkdir()
             side_args = [*common, *shlex.split(getattr(args, f"{side}_repo_args"))]
             print(f"paired_served: starting the {side} server ({commits[side]})", file=sys.stderr, flush=True)
-            urls[side] = start_server(stack, checkouts[side], side_args, Path(tmp) / side)
+            waits[side] = start_server(stack, checkouts[side], side_args, Path(tmp) / side)
+        urls = {side: wait() for side, wait in waits.items()}
         clients = {s: [stack.enter_context(DFlashClient(urls[s])) for _ in range(max(args.concurrency))]
                    for s in SIDES}
         chunks = {c: [texts[i:i + c] for i in range(0, len(texts) - c + 1, c)] for c in args.concurrency}

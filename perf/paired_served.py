@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Two checkouts' Triton servers side by side, compared call by call: the served before/after of a change.
 
-    git worktree add --detach /work/before ede48fc
-    python perf/paired_served.py --base /work/before --dataset humaneval --prompts 32 --max-tokens 64 \\
+    git worktree add --detach ../before ede48fc
+    python perf/paired_served.py --base ../before --dataset humaneval --prompts 32 --max-tokens 64 \\
         --concurrency 1,8 --rounds 3 --repo-args "--block-size 16 --no-ngram" --head-repo-args "--draft-vocab full"
 
 Each side renders its repository with its own ``trtllm-dflash make-repo`` and runs it with its own ``trtllm-dflash
@@ -136,6 +136,25 @@ def timed_call(clients, model: str, prompts: list[str], max_tokens: int) -> tupl
     return out, seconds
 
 
+def paired_calls(clients, model: str, chunks: list[list[str]], rounds: int, max_tokens: int, bar) -> list[dict]:
+    """Every chunk of every round on both sides back to back, the order flipping from call to call and round to round,
+    after one warm-up call per side that is not counted; one record per call (each side's seconds and tokens, and
+    whether their tokens were the same)."""
+    for side in SIDES:
+        timed_call(clients[side], model, chunks[0], max_tokens)
+    out = []
+    for r in range(rounds):
+        for i, chunk in enumerate(chunks):
+            got = {}
+            for side in SIDES if (r + i) % 2 == 0 else SIDES[::-1]:
+                got[side] = timed_call(clients[side], model, chunk, max_tokens)
+                bar.update()
+            out.append({"round": r, "call": i, **{f"{s}_seconds": got[s][1] for s in SIDES},
+                        **{f"{s}_tokens": sum(map(len, got[s][0])) for s in SIDES},
+                        "identical_tokens": got["base"][0] == got["head"][0]})
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
@@ -168,29 +187,15 @@ def main(argv=None) -> int:
         bar = tqdm(total=total, desc="paired calls", file=sys.stderr)
         for model in args.models:
             for c in args.concurrency:
-                for side in SIDES:  # warm-up: the first call of this model and concurrency, not counted
-                    timed_call(clients[side], model, chunks[c][0], args.max_tokens)
-                ratios, tokens, seconds, same = [], dict.fromkeys(SIDES, 0), dict.fromkeys(SIDES, 0.0), True
-                for r in range(args.rounds):
-                    for i, chunk in enumerate(chunks[c]):
-                        got = {}
-                        for side in SIDES if (r + i) % 2 == 0 else SIDES[::-1]:
-                            got[side] = timed_call(clients[side], model, chunk, args.max_tokens)
-                            bar.update()
-                        n = {s: sum(map(len, got[s][0])) for s in SIDES}
-                        for s in SIDES:
-                            tokens[s] += n[s]
-                            seconds[s] += got[s][1]
-                        same &= got["base"][0] == got["head"][0]
-                        ratios.append((n["head"] / got["head"][1]) / (n["base"] / got["base"][1]))
-                        calls.append({"model": model, "concurrency": c, "round": r, "call": i,
-                                      **{f"{s}_seconds": round(got[s][1], 4) for s in SIDES},
-                                      **{f"{s}_tokens": n[s] for s in SIDES},
-                                      "identical_tokens": got["base"][0] == got["head"][0]})
+                got = paired_calls(clients, model, chunks[c], args.rounds, args.max_tokens, bar)
+                calls += [{"model": model, "concurrency": c, **call} for call in got]
+                total_s = {s: sum(g[f"{s}_seconds"] for g in got) for s in SIDES}
+                ratios = [(g["head_tokens"] / g["head_seconds"]) / (g["base_tokens"] / g["base_seconds"]) for g in got]
                 records.append({"model": model, "concurrency": c, "dataset": args.dataset, "prompts": len(texts),
                                 "max_tokens": args.max_tokens, "rounds": args.rounds,
-                                **{f"{s}_tokens_per_second": round(tokens[s] / seconds[s], 3) for s in SIDES},
-                                **ratio_summary(ratios), "identical_tokens": same,
+                                **{f"{s}_tokens_per_second": round(sum(g[f"{s}_tokens"] for g in got) / total_s[s], 3)
+                                   for s in SIDES},
+                                **ratio_summary(ratios), "identical_tokens": all(g["identical_tokens"] for g in got),
                                 "base_commit": commits["base"], "head_commit": commits["head"],
                                 "repo_args": args.repo_args, "base_repo_args": args.base_repo_args,
                                 "head_repo_args": args.head_repo_args})
@@ -198,7 +203,8 @@ def main(argv=None) -> int:
     print("".join(json.dumps(r) + "\n" for r in records), end="")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(args.out), "".join(json.dumps(r) + "\n" for r in calls))
+        rounded = [{k: round(v, 4) if k.endswith("_seconds") else v for k, v in r.items()} for r in calls]
+        write_atomic(Path(args.out), "".join(json.dumps(r) + "\n" for r in rounded))
     return 0
 
 

@@ -12,6 +12,7 @@ import math
 import os
 import statistics
 import subprocess
+from pathlib import Path
 
 
 def commit_of(checkout: str) -> str:
@@ -22,8 +23,9 @@ def commit_of(checkout: str) -> str:
 
 def checkout_env(checkout: str) -> dict[str, str]:
     """This process's environment with ``checkout`` first on the import path, so that a child process (and the
-    children it starts, such as a Triton server's Python stubs) imports that checkout's ``trtllm_dflash``."""
-    return {**os.environ, "PYTHONPATH": str(checkout)}
+    children it starts, such as a Triton server's Python stubs) imports that checkout's ``trtllm_dflash``. The path is
+    made absolute: the children run inside the checkout, where a relative one (``../before``) would point elsewhere."""
+    return {**os.environ, "PYTHONPATH": str(Path(checkout).resolve())}
 
 
 def ratio_summary(ratios: list[float]) -> dict:

@@ -2,7 +2,7 @@
 confidence head feeding ``--block-size auto``, refused by name where a route cannot carry them.
 
 With the peer venv (``build_scripts/peer_speculators.sh``): speculators' own classes build and save a random DSpark
-drafter for a tiny target (``tests/peers/speculators_dspark.py``) for every Markov head type; we load it and compare
+drafter for a tiny target (``perf/peers/speculators_dspark.py``) for every Markov head type; we load it and compare
 the Markov-corrected draft logits, the drafted tokens and the confidence with speculators' own modules. Without the
 peer: random DSpark drafters built here decode losslessly in every loop, and the policy's plan follows the
 confidence head.
@@ -11,119 +11,29 @@ confidence head.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
+from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models import speculators
-from trtllm_dflash.models.drafter import DrafterModel, draft_block
+from trtllm_dflash.models.drafter import draft_block
+from trtllm_dflash.perf.speculators_parity import (NO_PEER, PEER_PYTHON, dspark_parity, random_dspark_drafter,
+                                                     run_peer)
 from trtllm_dflash.runtime.cost import GRID, CostModel
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.reference import reference_generate
 from trtllm_dflash.specs import DrafterSpec, DSparkSpec, TargetSpec
 
-ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = ROOT / ".peers" / "speculators" / "bin" / "python"
-PEER_SCRIPT = ROOT / "tests" / "peers" / "speculators_dspark.py"
-NO_PEER = "no peer venv: run build_scripts/peer_speculators.sh (speculators 0.9.0 in .peers/speculators)"
-
-
-def _dspark_drafter(target: TargetSpec, head_type: str = "vanilla", anchor: bool = True,
-                    draft_vocab: int | None = None, confidence: bool = True, seed: int = 0,
-                    dtype: torch.dtype = torch.float64) -> DrafterModel:
-    """A random DSpark drafter for ``target`` (trained block 6; Markov weights large enough to change drafts)."""
-    spec = drafter_spec_for(target, num_layers=2, block_size=6, mask_token_id=5)
-    heads = DSparkSpec(markov_rank=8, markov_head_type=head_type, confidence_head=confidence,
-                       confidence_with_markov=confidence)
-    spec = replace(spec, num_target_layers=None, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab,
-                   dspark=heads, anchor_predicts=anchor, block_size=6 + int(anchor))
-    torch.manual_seed(seed)
-    model = DrafterModel(spec, dtype=dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.6 if name.startswith("dspark.markov_head.") else 0.15)
-    if draft_vocab is not None:
-        ids = torch.randperm(target.vocab_size)[:draft_vocab].sort().values
-        model.draft_head.load_map(*speculators.vocab_tables(ids, target.vocab_size), "test")
-    return model.eval()
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Against speculators itself
 
 
-def _corrected_logits(target, drafter, hidden, bonus, tokens):
-    """Our heads' Markov-corrected logits [K, V'] along the chain ``tokens`` [K] (target ids): what ``draft_block``
-    scored at each position once the drafts before it were chosen."""
-    spec, heads = drafter.spec, drafter.dspark
-    markov = heads.markov_head
-    predicting = hidden if spec.anchor_predicts else hidden[:, 1:]
-    own = drafter.draft_head
-    base = own(predicting) if own is not None else target.logits(predicting)  # [1, K, V']
-    state = None
-    if markov.head_type == "rnn":
-        state = hidden.new_zeros(1, markov.rank)
-        if not spec.anchor_predicts:
-            _, state = markov.step(markov.prev_embeddings(bonus), hidden[:, 0], state)
-    rows, prev = [], bonus
-    for k in range(predicting.shape[1]):
-        bias, state = markov.step(markov.prev_embeddings(prev), predicting[:, k], state)
-        rows.append(base[0, k] + bias[0])
-        prev = tokens[k: k + 1]
-    return torch.stack(rows)
-
-
-def _compare(target, drafter, io):
-    """(max |Δ corrected logit|, max |Δ confidence|, drafted tokens equal at every anchor, the Markov head changed
-    some anchor's drafts)."""
-    spec, worst, worst_conf, equal, changed = drafter.spec, 0.0, 0.0, True, False
-    for a in io["anchors"].tolist():
-        bonus = io["input_ids"][0, a: a + 1]
-
-        def drafted(heads):
-            cache = drafter.new_cache(1, 128)
-            with torch.inference_mode():
-                drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
-                return draft_block(bonus, spec.block_size, spec.mask_token_id, target.embed,
-                                   lambda e: drafter.draft(e, cache), target.logits, own_head=drafter.draft_head,
-                                   heads=heads, scores=True), cache
-
-        (tokens, confidence), _ = drafted(drafter.dspark)
-        (plain, _), _ = drafted(None)
-        changed |= not torch.equal(plain, tokens)
-        equal &= torch.equal(tokens[0], io[f"tokens_{a}"])
-        cache = drafter.new_cache(1, 128)
-        slots = spec.trained_block_size
-        with torch.inference_mode(), (drafter.draft_head.drafting() if drafter.draft_head is not None
-                                      else contextlib.nullcontext()):
-            drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
-            ids = torch.full((1, slots), spec.mask_token_id)
-            ids[0, 0] = bonus
-            hidden = drafter.draft(target.embed(ids), cache)
-            logits = _corrected_logits(target, drafter, hidden, bonus, io[f"tokens_{a}"])
-        worst = max(worst, (logits - io[f"logits_{a}"]).abs().max().item())
-        worst_conf = max(worst_conf, (confidence[0] - io[f"conf_{a}"]).abs().max().item())
-    return worst, worst_conf, equal, changed
-
-
-def _peer(*args):
-    done = subprocess.run([str(PEER_PY), str(PEER_SCRIPT), *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-@pytest.mark.skipif(not PEER_PY.exists(), reason=NO_PEER)
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason=NO_PEER)
 @pytest.mark.parametrize("head_type, anchor, draft_vocab", [
     ("vanilla", 1, 64), ("gated", 1, 0), ("rnn", 1, 64), ("rnn", 0, 64), ("vanilla", 0, 0),
 ])
@@ -131,15 +41,16 @@ def test_against_speculators(tiny_dirs, tmp_path, head_type, anchor, draft_vocab
     """speculators' drafter loaded here drafts what speculators drafts; ours written out, read back by speculators,
     drafts the same again."""
     tdir = tiny_dirs["llama"][0]
-    _peer("make", tmp_path / "peer", "--target", tdir, "--head-type", head_type, "--anchor", anchor,
-          "--draft-vocab", draft_vocab)
+    run_peer("dspark", "make", tmp_path / "peer", "--target", tdir, "--head-type", head_type, "--anchor", anchor,
+             "--draft-vocab", draft_vocab)
     target, drafter = load_pair(tdir, tmp_path / "peer" / "drafter")
     spec = drafter.spec
     assert spec.dspark == DSparkSpec(16, head_type, True, True) and spec.anchor_predicts == bool(anchor)
     assert spec.trained_block_size == 6 and spec.block_size == 6 + anchor
     assert spec.draft_vocab_size == (draft_vocab or None) and spec.target_layer_ids == (1, 3)
-    worst, worst_conf, equal, changed = _compare(target, drafter, load_file(str(tmp_path / "peer" /
-                                                                               "peer_io.safetensors")))
+    got = dspark_parity(target, drafter, load_file(str(tmp_path / "peer" / "peer_io.safetensors")))
+    worst, worst_conf, equal, changed = (got.max_logit_diff, got.max_confidence_diff, got.tokens_equal,
+                                         got.markov_changes_drafts)
     # float32 on both sides, summed in different orders (eager attention over a masked [T + B] key set there, the
     # context cache here); |logit| up to ~9 (Markov weights std 0.6), observed 2.6e-6 (vanilla) to 1.5e-5 (rnn, whose
     # state runs through five tanh/sigmoid steps); confidence within 6e-7
@@ -147,9 +58,9 @@ def test_against_speculators(tiny_dirs, tmp_path, head_type, anchor, draft_vocab
     assert changed  # the head is exercised: without it some anchor drafts other tokens
 
     speculators.write_speculators_drafter(tmp_path / "ours", drafter, target.spec, tdir, dtype=torch.float32)
-    _peer("run", tmp_path / "ours", tmp_path / "back")
-    back = _compare(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
-    assert back[0] < 1e-4 and back[1] < 1e-5 and back[2], back
+    run_peer("dspark", "run", tmp_path / "ours", tmp_path / "back")
+    back = dspark_parity(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
+    assert back.max_logit_diff < 1e-4 and back.max_confidence_diff < 1e-5 and back.tokens_equal, back
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -163,7 +74,7 @@ def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
     CUDA graphs) and the reference loop: the target's own greedy tokens; every loop accepts the same lengths (one
     draft_block for all)."""
     target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
-    drafter = _dspark_drafter(target.spec, head_type, anchor, draft_vocab)
+    drafter = random_dspark_drafter(target.spec, head_type, anchor, draft_vocab)
     requests = [Request((1, 17, 33, 4, 99), 24), Request((7, 8), 24)]
     want = [r.token_ids for r in SpeculativeDecoder(target, None, 1).generate(requests)]
     block = drafter.spec.block_size
@@ -209,7 +120,7 @@ def test_confidence_forecast_sets_the_plan(tiny_dirs):
     forecast verifies more drafts than a doubtful one; a drafter without the head leaves the plan to the counts and
     the training-log prior."""
     target, zlab = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
-    state, policy = _run_auto(target, _dspark_drafter(target.spec))
+    state, policy = _run_auto(target, random_dspark_drafter(target.spec))
     assert state.forecast is not None and 1 <= len(state.forecast) <= policy.max_k
     assert all(0.0 < p < 1.0 for p in state.forecast)
 
@@ -223,7 +134,7 @@ def test_confidence_forecast_sets_the_plan(tiny_dirs):
     # end to end: the same drafter made sure, then doubtful, of every position plans long, then short blocks
     chosen = {}
     for logit in (8.0, -8.0):
-        drafter = _dspark_drafter(target.spec)
+        drafter = random_dspark_drafter(target.spec)
         with torch.no_grad():
             drafter.dspark.confidence_head.proj.weight.zero_()
             drafter.dspark.confidence_head.proj.bias.fill_(logit)
@@ -233,7 +144,7 @@ def test_confidence_forecast_sets_the_plan(tiny_dirs):
     # 8 pseudo-observations), the step times the cost model observes and the probes of a row that stopped drafting
     assert chosen[8.0][0] == policy.max_k and chosen[-8.0][0] <= 1 and sum(chosen[8.0]) > sum(chosen[-8.0]), chosen
 
-    assert _run_auto(target, _dspark_drafter(target.spec, confidence=False))[0].forecast is None
+    assert _run_auto(target, random_dspark_drafter(target.spec, confidence=False))[0].forecast is None
     plain_state, plain_policy = _run_auto(target, zlab)  # the z-lab drafter: no confidence head, no forecast
     assert plain_state.forecast is None
     again = plain_policy.new_sequence()
@@ -245,7 +156,7 @@ def test_drafts_depend_on_the_markov_chain(tiny_dirs):
     """Each position's bias follows the draft chosen before it: drafting with the head differs from drafting
     without it, and the top-k alternatives' best is the greedy chain."""
     target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
-    drafter = _dspark_drafter(target.spec, "gated", anchor=True)
+    drafter = random_dspark_drafter(target.spec, "gated", anchor=True)
     spec = drafter.spec
     taps = torch.randn(1, 10, spec.num_taps * spec.hidden_size, generator=torch.Generator().manual_seed(3),
                        dtype=torch.float64)
@@ -312,7 +223,7 @@ def test_own_writer_round_trip(tiny_dirs, tmp_path, head_type, anchor, draft_voc
     tensors (heads under ``dspark.``) and the same drafts and confidence."""
     tdir = tiny_dirs["llama"][0]
     target, _ = load_pair(*tiny_dirs["llama"], dtype=torch.float64)
-    model = _dspark_drafter(target.spec, head_type, anchor, draft_vocab)
+    model = random_dspark_drafter(target.spec, head_type, anchor, draft_vocab)
     out = speculators.write_speculators_drafter(tmp_path / "spec", model, target.spec, tdir, dtype=torch.float64)
     names = set(load_file(str(out / "model.safetensors")))
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= names
@@ -341,7 +252,7 @@ def test_routes_without_the_heads_refuse_dspark(tiny_dirs, tmp_path):
 
     tdir = tiny_dirs["llama"][0]
     target_spec = TargetSpec.load(tdir)
-    drafter = _dspark_drafter(target_spec, draft_vocab=None)
+    drafter = random_dspark_drafter(target_spec, draft_vocab=None)
     with pytest.raises(ConfigError, match="Markov or confidence head"):
         drafter.spec.to_hf_config(target=target_spec)
     out = speculators.write_speculators_drafter(tmp_path / "spec", drafter, target_spec, tdir, dtype=torch.float32)
@@ -371,7 +282,7 @@ def test_triton_drafter_model_drafts_with_the_heads(tiny_dirs, tmp_path, capsys)
 
     tdir = tiny_dirs["llama"][0]
     target, _ = load_pair(*tiny_dirs["llama"])
-    drafter = _dspark_drafter(target.spec, "rnn", anchor=True, draft_vocab=64, dtype=torch.float32)
+    drafter = random_dspark_drafter(target.spec, "rnn", anchor=True, draft_vocab=64, dtype=torch.float32)
     out = speculators.write_speculators_drafter(tmp_path / "spec", drafter, target.spec, tdir, dtype=torch.float32)
     assert main(["make-repo", "--target", str(tdir), "--drafter", str(out), "--out", str(tmp_path / "repo"),
                  "--max-seq-len", "64", "--max-sequences", "2"]) == 0
@@ -411,7 +322,7 @@ def test_served_auto_loop_gets_the_confidence(smollm2, tmp_path):
 
     tdir = write_tiny_smol(tmp_path / "tiny-smol", smollm2["target"], num_layers=6)  # room for the drafter's taps
     target_spec = TargetSpec.load(tdir)
-    drafter = _dspark_drafter(target_spec, dtype=torch.float32)
+    drafter = random_dspark_drafter(target_spec, dtype=torch.float32)
     ddir = speculators.write_speculators_drafter(tmp_path / "dspark", drafter, target_spec, tdir, dtype=torch.float32)
     repo = make_repo(RepoConfig(str(tdir), str(ddir), block_size="auto", max_seq_len=256, max_sequences=4,
                                 trtllm_names=False), tmp_path / "repo")

@@ -14,9 +14,7 @@ agree with ours again.
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +24,9 @@ from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models import speculators
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
+from trtllm_dflash.perf.speculators_parity import NO_PEER, PEER_PYTHON, dflash_parity, run_peer
 from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
 
-ROOT = Path(__file__).resolve().parents[2]
-PEER_PY = ROOT / ".peers" / "speculators" / "bin" / "python"
-PEER_SCRIPT = ROOT / "tests" / "peers" / "speculators_dflash.py"
 DRAFT_VOCAB = 64
 
 
@@ -279,43 +275,15 @@ def test_trtllm_convert(tiny_dirs, tmp_path):
 # Against speculators itself
 
 
-def _peer(*args, cwd=ROOT):
-    done = subprocess.run([str(PEER_PY), str(PEER_SCRIPT), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def _compare(target, drafter, io):
-    """(max |our − speculators'| draft logit over every anchor and slot, drafted tokens equal at every anchor)."""
-    block = drafter.spec.block_size
-    worst, equal = 0.0, True
-    for a in io["anchors"].tolist():
-        cache = drafter.new_cache(1, 128)
-        with torch.inference_mode():
-            drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
-            ids = torch.full((1, block), drafter.spec.mask_token_id)
-            ids[0, 0] = io["input_ids"][0, a]
-            with drafter.draft_head.drafting():
-                logits = drafter.draft_head(drafter.draft(target.embed(ids), cache))[0]  # [B, draft_vocab]
-        worst = max(worst, (logits - io[f"logits_{a}"]).abs().max().item())
-        cache = drafter.new_cache(1, 128)
-        with torch.inference_mode():
-            drafter.inject(io["taps"][:, :a], torch.tensor([a]), cache)
-            tokens = draft_block(io["input_ids"][0, a:a + 1], block, drafter.spec.mask_token_id, target.embed,
-                                 lambda e: drafter.draft(e, cache), None, own_head=drafter.draft_head)
-        equal &= torch.equal(tokens[0], io[f"tokens_{a}"][1:])  # slot 0 is the bonus, not a draft
-    return worst, equal
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not PEER_PY.exists(), reason="no peer venv: run build_scripts/peer_speculators.sh "
-                                                 "(speculators 0.9.0 in .peers/speculators)")
+@pytest.mark.skipif(not PEER_PYTHON.exists(), reason=NO_PEER)
 def test_against_speculators(smollm2, tmp_path):
-    _peer("make", tmp_path / "peer", "--target", smollm2["target"])
+    run_peer("dflash", "make", tmp_path / "peer", "--target", smollm2["target"])
     io = load_file(str(tmp_path / "peer" / "peer_io.safetensors"))
     target, drafter = load_pair(smollm2["target"], tmp_path / "peer" / "drafter")
     assert drafter.spec.draft_vocab_size == 4096 and drafter.spec.target_layer_ids == (1, 14, 27)
-    worst, equal = _compare(target, drafter, io)
+    got = dflash_parity(target, drafter, io)
+    worst, equal = got.max_logit_diff, got.tokens_equal
     # float32 on both sides, summed in different orders (eager attention over a masked [T + B] key set there, the
     # context cache here); max |logit| 14.7, observed max difference 2.3e-5
     assert worst < 1e-3 and equal, (worst, equal)
@@ -323,8 +291,9 @@ def test_against_speculators(smollm2, tmp_path):
     # our writer, read back by speculators' own from_pretrained and forward
     speculators.write_speculators_drafter(tmp_path / "ours", drafter, target.spec, smollm2["target"],
                                           dtype=torch.float32)
-    _peer("run", tmp_path / "ours", tmp_path / "back")
-    worst_back, equal_back = _compare(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
+    run_peer("dflash", "run", tmp_path / "ours", tmp_path / "back")
+    back = dflash_parity(target, drafter, load_file(str(tmp_path / "back" / "peer_io.safetensors")))
+    worst_back, equal_back = back.max_logit_diff, back.tokens_equal
     assert worst_back < 1e-3 and equal_back, (worst_back, equal_back)
 
 

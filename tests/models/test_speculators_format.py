@@ -86,6 +86,24 @@ def test_own_writer_round_trip(tiny_dirs, tmp_path, draft_vocab):
             assert set(got.flatten().tolist()) <= set(loaded.draft_head.draft_to_target.tolist())
 
 
+def test_a_drafter_over_a_draft_vocab_file_is_written_as_a_reduced_vocabulary_drafter(tiny_dirs, tmp_path):
+    """A full-vocabulary drafter that drafts over ``draft_vocab.json`` (rows of the target's head) is written with
+    ``draft_vocab_size``, that head and its tables, and drafts the same ids when loaded back."""
+    import numpy as np
+
+    from trtllm_dflash.models import draft_vocab
+
+    tdir, zdir = tiny_dirs["llama"]
+    vocab_file = draft_vocab.write(tmp_path / "ids.json", np.arange(0, 256, 3), {})
+    target, zlab = load_pair(tdir, zdir, dtype=torch.float64, draft_vocab=vocab_file)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", zlab, target.spec, tdir, dtype=torch.float64)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == len(range(0, 256, 3))
+    _, loaded = load_pair(tdir, out, dtype=torch.float64)
+    assert torch.equal(loaded.draft_head.draft_to_target, zlab.draft_head.draft_to_target)
+    taps = _taps(zlab)
+    assert torch.equal(_drafts(target, loaded, taps, 9, 6), _drafts(target, zlab, taps, 9, 6))
+
+
 def test_full_vocab_speculators_drafts_like_zlab(tiny_dirs, tmp_path):
     """The same weights as a z-lab drafter and as a full-vocabulary speculators one draft the same tokens."""
     tdir, zdir = tiny_dirs["qwen3"]
@@ -241,6 +259,19 @@ def test_weight_refusals(tiny_dirs, tmp_path, edit, field, value, rule):
     if field is not None:
         assert (e.value.field, e.value.value) == (field, value)
         assert "d2t" in e.value.fix or "save_pretrained" in e.value.fix
+
+
+def test_a_full_vocabulary_config_over_draft_vocabulary_tables_is_refused(tiny_dirs, tmp_path):
+    """config.json says the full vocabulary while model.safetensors holds a draft vocabulary: refused, not drafted
+    through the target's head with the drafter's own head and tables dropped."""
+    tdir, out = _written(tiny_dirs, tmp_path, lambda s: None)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["draft_vocab_size"] = cfg["transformer_layer_config"]["vocab_size"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_pair(tdir, out)
+    assert (e.value.field, e.value.value) == ("drafter.draft_vocab_size", 256)
+    assert f"set draft_vocab_size to {DRAFT_VOCAB}" in e.value.fix
 
 
 def test_vocab_mismatch_and_zlab_writer_refusals(tiny_dirs):

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trtllm_dflash.errors import ConfigError, read_json
+from trtllm_dflash.errors import ConfigError, read_json, require
 from trtllm_dflash.models.weights import load_into, read_state_dict, write_json, write_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType, TargetSpec
 
@@ -71,6 +72,11 @@ def split_state(state: dict[str, torch.Tensor], spec: DrafterSpec, source: objec
         state["dspark." + name] = state.pop(name)
     head, d2t, t2d = state.pop(HEAD, None), state.pop(D2T, None), state.pop(T2D, None)
     if spec.draft_vocab_size is None:
+        rows = d2t.numel() if d2t is not None else head.shape[0] if head is not None else spec.vocab_size
+        require(rows == spec.vocab_size, "drafter.draft_vocab_size", spec.vocab_size,
+                f"says the full vocabulary, but model.safetensors holds a draft vocabulary of {rows} ids "
+                f"({D2T if d2t is not None else HEAD}); drafting through the target's head would drop it",
+                f"set draft_vocab_size to {rows} in config.json")
         if head is not None:
             log.info("%s: ignoring %s: with the full vocabulary it is the verifier's frozen head, and the target's "
                      "is used", source, HEAD)
@@ -187,11 +193,15 @@ def vocab_tables(draft_to_target: torch.Tensor, target_vocab_size: int) -> tuple
 def write_speculators_drafter(out_dir: str | Path, model, target: TargetSpec, verifier: str | Path,
                               dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``model`` (a DrafterModel) as a speculators DFlash (or DSpark) checkpoint that speculators' own
-    ``DFlashDraftModel.from_pretrained`` (``DSparkDraftModel``'s) reads. ``verifier``: the target directory (its config.json gives the
-    architectures) or a hub id."""
+    ``DFlashDraftModel.from_pretrained`` (``DSparkDraftModel``'s) reads. ``verifier``: the target directory (its
+    config.json gives the architectures) or a hub id. A drafter that drafts over a draft vocabulary (its own head, or
+    rows of the target's head chosen by ``--draft-vocab``) is written as a reduced-vocabulary drafter: its head, the
+    ``d2t`` / ``t2d`` tables and ``draft_vocab_size``, so every reader drafts over the same ids."""
     from trtllm_dflash.staging import staged_output
 
     spec: DrafterSpec = model.spec
+    if model.draft_head is not None:  # its own head, or one derived from the target's rows (``--draft-vocab``)
+        spec = replace(spec, draft_vocab_size=model.draft_head.draft_vocab_size)
     vpath = Path(verifier)
     archs = (read_json(vpath / "config.json", "pass the target directory").get("architectures") or []) \
         if vpath.is_dir() else []

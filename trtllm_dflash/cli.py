@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "learning-curve": ("trtllm_dflash.train.curve", "τ against training data: regenerate, train, evaluate, report"),
     "datastore": ("trtllm_dflash.commands.datastore", "regen shards -> a retrieval datastore for the tree verify"),
     "draft-vocab": ("trtllm_dflash.commands.draft_vocab", "a corpus -> a reduced draft vocabulary for a drafter"),
+    "export-drafter": ("trtllm_dflash.commands.export_drafter", "a drafter -> the same drafter in speculators' or "
+                                                                "z-lab's format"),
     "build": ("trtllm_dflash.engine.cli", "TensorRT-LLM checkpoints -> target, kv_inject and drafter engines"),
 }
 

@@ -401,7 +401,7 @@ class DrafterSpec:
             "drafter.draft_vocab_size",
             self.draft_vocab_size,
             "the z-lab format has no LM head of its own, so it cannot hold a reduced draft vocabulary",
-            "write the drafter in speculators format (models.speculators.write_speculators_drafter)",
+            "keep the drafter in speculators format (trtllm-dflash export-drafter --to speculators writes it)",
         )
         require(self.dspark is None, "drafter.speculators_model_type", "dspark",
                 "the z-lab format has no Markov or confidence head", "keep the DSpark drafter in speculators format")

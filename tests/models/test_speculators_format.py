@@ -342,6 +342,6 @@ def test_repositories_refuse_what_their_backend_cannot_serve(tiny_dirs, tmp_path
     with pytest.raises(ConfigError) as e:
         RepoConfig(tdir, str(reduced), "trtllm-pytorch", block_size=4, checkpoint_dir=tdir, max_seq_len=64).validate()
     assert e.value.field == "drafter.draft_vocab_size" and e.value.value == DRAFT_VOCAB and "--backend torch" in e.value.fix
-    with pytest.raises(ConfigError, match="write_zlab_copy") as e:
+    with pytest.raises(ConfigError, match="export-drafter --to z-lab") as e:
         RepoConfig(tdir, str(full), "trtllm-pytorch", block_size=4, checkpoint_dir=tdir, max_seq_len=64).validate()
     assert e.value.field == "--drafter"

@@ -13,7 +13,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_model_arguments(parser: argparse.ArgumentParser, drafter_required: bool = False) -> None:
     parser.add_argument("--target", required=True, help="Hugging Face target model directory (Llama or Qwen3)")
-    parser.add_argument("--drafter", required=drafter_required, help="z-lab-format DFlash drafter directory")
+    parser.add_argument("--drafter", required=drafter_required,
+                        help="DFlash drafter directory: z-lab, speculators DFlash or DSpark (docs/drafters.md)")
     parser.add_argument("--block-size", type=block_size_arg, default=None,
                         help="tokens per draft block incl. the bonus slot, or 'auto' (per sequence and step, verify "
                              "as many drafts as pay off on this device, so never many fewer tokens/s than "

@@ -18,7 +18,8 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="Hugging Face target directory (tokenizer, specs; torch and trtllm-engine need it; "
                              "trtllm-pytorch defaults to --checkpoint)")
-    parser.add_argument("--drafter", required=True, help="z-lab DFlash drafter directory")
+    parser.add_argument("--drafter", required=True,
+                        help="DFlash drafter directory: z-lab, speculators DFlash or DSpark (docs/drafters.md)")
     parser.add_argument("--backend", choices=BACKENDS, default="torch",
                         help="torch: step models in PyTorch; trtllm-engine: the TensorRT-LLM 1.2.1 engines of "
                              "--engines; trtllm-pytorch: TensorRT-LLM >= 1.3's own DFlash (LLM API) on --checkpoint")

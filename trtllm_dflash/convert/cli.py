@@ -28,7 +28,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, type=Path, metavar="DIR",
                         help="Hugging Face target directory (Llama or Qwen3: config.json + safetensors)")
     parser.add_argument("--drafter", required=True, type=Path, metavar="DIR",
-                        help="z-lab DFlash drafter directory (config.json + model.safetensors)")
+                        help="DFlash drafter directory: z-lab, or speculators DFlash with the full vocabulary")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR",
                         help="output directory; gets target/, drafter/ and manifest.json")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),

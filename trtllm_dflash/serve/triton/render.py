@@ -186,7 +186,8 @@ class RepoConfig:
 
             require(not is_speculators_dir(self.drafter_dir), "--drafter", self.drafter_dir,
                     "is in the speculators format; TensorRT-LLM's DFlash loader reads z-lab's (dflash_config)",
-                    "write a z-lab copy first: trtllm_dflash.models.speculators.write_zlab_copy(DIR, OUT, target_spec)")
+                    "write a z-lab copy first: trtllm-dflash export-drafter --to z-lab --target TARGET "
+                    "--drafter DIR --out OUT")
         require(self.max_block_size is None or self.adaptive, "--max-block-size", self.max_block_size,
                 "only applies to --block-size auto", "add --block-size auto or drop --max-block-size")
         require(not self.adaptive or self.backend == "torch", "--block-size", self.block_size,

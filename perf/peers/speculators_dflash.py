@@ -76,16 +76,18 @@ def run(drafter: Path, out: Path) -> Path:
     model.config.transformer_layer_config._attn_implementation = "eager"
     model._attn_impl, model._create_mask_fn = "eager", create_float_mask
     hidden = model.config.transformer_layer_config.hidden_size
+    # select_anchors (speculators' dflash/utils.py) takes only anchors a < seq_len − block_size
+    seq_len = max(SEQ_LEN, max(ANCHORS) + model.block_size + 1)
     gen = torch.Generator().manual_seed(SEED + 1)
-    taps = torch.randn(1, SEQ_LEN, len(model.target_layer_ids) * hidden, generator=gen)  # [1, T, taps·H]
-    input_ids = torch.randint(0, model.config.transformer_layer_config.vocab_size, (1, SEQ_LEN), generator=gen)
+    taps = torch.randn(1, seq_len, len(model.target_layer_ids) * hidden, generator=gen)  # [1, T, taps·H]
+    input_ids = torch.randint(0, model.config.transformer_layer_config.vocab_size, (1, seq_len), generator=gen)
     tensors = {"taps": taps, "input_ids": input_ids, "anchors": torch.tensor(ANCHORS)}
     with torch.no_grad():
         for a in ANCHORS:
-            loss_mask = torch.zeros(1, SEQ_LEN, dtype=torch.long)
+            loss_mask = torch.zeros(1, seq_len, dtype=torch.long)
             loss_mask[0, a] = 1  # the only valid anchor: select_anchors must pick a
             _, logits, _, _, _ = model._backbone_forward(
-                taps, input_ids, loss_mask, torch.zeros(1, SEQ_LEN, hidden), torch.zeros(1, SEQ_LEN, dtype=torch.long),
+                taps, input_ids, loss_mask, torch.zeros(1, seq_len, hidden), torch.zeros(1, seq_len, dtype=torch.long),
                 max_anchors=1,
             )  # logits [1, B, draft_vocab]
             draft = logits[0].argmax(-1)  # [B] draft ids

@@ -79,18 +79,20 @@ def run(drafter: Path, out: Path) -> Path:
     model._attn_impl, model._create_mask_fn = "eager", create_float_mask
     hidden_size = model.config.transformer_layer_config.hidden_size
     anchor = model.config.sample_from_anchor
+    # select_anchors (speculators' dflash/utils.py) takes only anchors a < seq_len − block_size
+    seq_len = max(SEQ_LEN, max(ANCHORS) + model.block_size + 1)
     gen = torch.Generator().manual_seed(SEED + 1)
-    taps = torch.randn(1, SEQ_LEN, len(model.target_layer_ids) * hidden_size, generator=gen)  # [1, T, taps·H]
-    input_ids = torch.randint(0, model.config.transformer_layer_config.vocab_size, (1, SEQ_LEN), generator=gen)
+    taps = torch.randn(1, seq_len, len(model.target_layer_ids) * hidden_size, generator=gen)  # [1, T, taps·H]
+    input_ids = torch.randint(0, model.config.transformer_layer_config.vocab_size, (1, seq_len), generator=gen)
     tensors = {"taps": taps, "input_ids": input_ids, "anchors": torch.tensor(ANCHORS)}
     markov, conf = model.markov_head, model.confidence_head
     with torch.no_grad():
         for a in ANCHORS:
-            loss_mask = torch.zeros(1, SEQ_LEN, dtype=torch.long)
+            loss_mask = torch.zeros(1, seq_len, dtype=torch.long)
             loss_mask[0, a] = 1  # the only valid anchor: select_anchors must pick a
             hidden, logits, _, _, _ = model._backbone_forward(
-                taps, input_ids, loss_mask, torch.zeros(1, SEQ_LEN, hidden_size),
-                torch.zeros(1, SEQ_LEN, dtype=torch.long), max_anchors=1,
+                taps, input_ids, loss_mask, torch.zeros(1, seq_len, hidden_size),
+                torch.zeros(1, seq_len, dtype=torch.long), max_anchors=1,
             )  # hidden [1, B, H], logits [1, B, draft_vocab]
             bonus = int(input_ids[0, a])
             # previous token of slot k: the token at position a + k (sample_from_anchor) or a + k − 1 (slot 0's: a)

@@ -98,13 +98,10 @@ def _int(cfg: dict[str, Any], key: str, prefix: str, minimum: int = 1, default: 
     """Read one integer field, validating type and lower bound (SGLang's parse_dflash_draft_config pattern)."""
     value = cfg.get(key, default)
     require(value is not None, f"{prefix}.{key}", value, "is required", f"add {key!r} to {prefix}'s config.json")
-    require(
-        isinstance(value, int) and not isinstance(value, bool),
-        f"{prefix}.{key}",
-        value,
-        "must be an integer",
-    )
-    require(value >= minimum, f"{prefix}.{key}", value, f"must be >= {minimum}")
+    fix = f"write the value the checkpoint was trained with as {key} in {prefix}'s config.json"
+    require(isinstance(value, int) and not isinstance(value, bool), f"{prefix}.{key}", value, "must be an integer",
+            fix)
+    require(value >= minimum, f"{prefix}.{key}", value, f"must be >= {minimum}", fix)
     return value
 
 
@@ -539,7 +536,8 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     # DSparkSpeculatorConfig's default is True (DeepSpec's convention), DFlashSpeculatorConfig's False
     anchor = cfg.get("sample_from_anchor")
     anchor = kind == "dspark" if anchor is None else anchor
-    require(isinstance(anchor, bool), f"{prefix}.sample_from_anchor", anchor, "must be true or false")
+    require(isinstance(anchor, bool), f"{prefix}.sample_from_anchor", anchor, "must be true or false",
+            "write a JSON boolean (true / false) in config.json")
     require(not anchor or kind == "dspark", f"{prefix}.sample_from_anchor", anchor,
             "an anchor-predicting DFlash drafter is not loaded (speculators itself warns that inference engines may "
             "not support it; TensorRT-LLM's DFlash route reads slot k as position k)",
@@ -609,7 +607,8 @@ def _dspark_heads(cfg: dict[str, Any], prefix: str) -> DSparkSpec:
             f"must be one of {list(MARKOV_HEAD_TYPES)} (the Markov heads speculators 0.9.0 defines and this runtime "
             "implements)", "use a drafter trained with --markov-head-type vanilla, gated or rnn")
     for key in ("enable_confidence_head", "confidence_head_with_markov"):
-        require(isinstance(c[key], bool), f"{prefix}.{key}", c[key], "must be true or false")
+        require(isinstance(c[key], bool), f"{prefix}.{key}", c[key], "must be true or false",
+                "write a JSON boolean (true / false) in config.json")
     with_markov = c["enable_confidence_head"] and c["confidence_head_with_markov"]
     require(not with_markov or rank > 0, f"{prefix}.confidence_head_with_markov", True,
             "needs a Markov head (markov_rank > 0): the confidence head reads its previous-token embedding",

@@ -107,7 +107,6 @@ class Case:
     command: str = "generate"
     edit: Callable[[dict, dict, Path], None] | None = None
     field: str | None = None
-    extra: tuple[str, ...] = ()
 
 
 def _set(**over):
@@ -235,7 +234,7 @@ def command_line(case: Case, target: str, drafter: Path, out: Path) -> list[str]
         "make-repo-trtllm-engine": ["make-repo", *pair, "--backend", "trtllm-engine", "--engines", str(out / "engines"),
                                     "--out", str(out / "repo")],
     }
-    return commands[case.command] + list(case.extra)
+    return commands[case.command]
 
 
 def write_bases(target_dir: str, drafter_dir: str, work: Path) -> dict[str, Path]:

@@ -23,6 +23,9 @@ model that no step updates, so that equal acceptances give equal plans and the p
         --pair-by call --batches 1 --modes 16,auto+ngram
     python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_before.py --reps 3 --limit 16 \
         --pair-by call --batches 1,8 --modes auto+ngram --freeze-cost
+    git show HEAD:trtllm_dflash/runtime/decoder.py > /tmp/decoder_now.py     # one decoder, frozen against adapting
+    python perf/results/one-loop/2026-12-02/ab_inprocess.py --before /tmp/decoder_now.py --reps 3 --limit 32 \
+        --pair-by call --batches 8 --modes auto+ngram --freeze-cost before
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--pair-by", choices=("rep", "call"), default="rep",
                    help="alternate the sides per repetition (default) or per generate call")
-    p.add_argument("--freeze-cost", action="store_true",
+    p.add_argument("--freeze-cost", nargs="?", const="both", default=None, choices=("both", "before", "after"),
                    help="auto: both sides plan from one copy of the calibrated cost model that no step updates, so "
                         "equal acceptance histories give equal plans and the pairs time the loops, not two cost "
-                        "models adapting apart")
+                        "models adapting apart; 'before' or 'after' freezes that side alone (the other adapts as "
+                        "it does in service): with --before set to this checkout's decoder, frozen against "
+                        "adapting")
     args = p.parse_args()
 
     import torch
@@ -92,9 +97,10 @@ def main() -> int:
         sides = {"before": decoder(before, mode), "after": decoder(after, mode)}
         if args.freeze_cost and mode.auto:
             frozen = sides["before"].policy.cost.to_json()
-            for dec in sides.values():
+            for side, dec in sides.items():
                 dec.policy.cost = CostModel.from_json(frozen)
-                dec.policy.cost.observe = lambda *a, **kw: None
+                if args.freeze_cost in ("both", side):
+                    dec.policy.cost.observe = lambda *a, **kw: None
         rates, tokens = {s: [] for s in sides}, {}
         call_ratios: list[float] = []
         plans: dict[str, list] = {s: [] for s in sides}  # each counted request's k per step, in schedule order

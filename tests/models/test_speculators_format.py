@@ -104,6 +104,19 @@ def test_a_drafter_over_a_draft_vocab_file_is_written_as_a_reduced_vocabulary_dr
     assert torch.equal(_drafts(target, loaded, taps, 9, 6), _drafts(target, zlab, taps, 9, 6))
 
 
+def test_a_drafter_without_sliding_layers_is_written_bidirectional_for_vllm(tiny_dirs, tmp_path):
+    """vLLM 0.32 (``transformers_utils/configs/speculators/algos.py``, ``update_dflash``) sets every draft layer's
+    causality to ``not sliding_window_non_causal``; speculators reads the flag for sliding layers only. An
+    all-full-attention drafter is therefore written with the flag true, and loads back with the same spec."""
+    tdir = tiny_dirs["llama"][0]
+    target_spec = TargetSpec.load(tdir)
+    model = _random_drafter(target_spec, DRAFT_VOCAB)
+    assert not any(model.spec.layer_causal)
+    out = speculators.write_speculators_drafter(tmp_path / "spec", model, target_spec, tdir, dtype=torch.float64)
+    assert json.loads((out / "config.json").read_text())["sliding_window_non_causal"] is True
+    assert load_pair(tdir, out, dtype=torch.float64)[1].spec == model.spec
+
+
 def test_full_vocab_speculators_drafts_like_zlab(tiny_dirs, tmp_path):
     """The same weights as a z-lab drafter and as a full-vocabulary speculators one draft the same tokens."""
     tdir, zdir = tiny_dirs["qwen3"]

@@ -163,7 +163,10 @@ def speculators_config(spec: DrafterSpec, target: TargetSpec, verifier: str, ver
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in spec.target_layer_ids],
         "mask_token_id": spec.mask_token_id,
-        "sliding_window_non_causal": sliding_causal == {False},
+        # speculators reads this flag for sliding layers only (its full-attention layers are always bidirectional);
+        # vLLM 0.32 sets every layer's causality from it (``causal = not sliding_window_non_causal``), so a drafter
+        # without sliding layers says true: a no-op for speculators, bidirectional blocks in vLLM
+        "sliding_window_non_causal": sliding_causal in (set(), {False}),
         "sample_from_anchor": spec.anchor_predicts,
         "tie_word_embeddings": False,
         "dtype": str(dtype).removeprefix("torch."),

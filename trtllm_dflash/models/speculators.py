@@ -152,6 +152,10 @@ def speculators_config(spec: DrafterSpec, target: TargetSpec, verifier: str, ver
         raise ConfigError("drafter.layer_causal", list(spec.layer_causal),
                           "speculators makes full-attention layers bidirectional and every sliding layer alike "
                           "(sliding_window_non_causal)", "write this drafter in the z-lab format instead")
+    if sliding_causal == {True}:
+        log.warning("causal sliding layers beside bidirectional full-attention ones are written with "
+                    "sliding_window_non_causal false, which speculators reads as meant; vLLM 0.32 makes every layer "
+                    "causal from it, so it drafts other tokens than this drafter was trained to")
     kind = "dflash" if spec.dspark is None else "dspark"
     cfg = {
         "architectures": ["DFlashDraftModel" if spec.dspark is None else "DSparkDraftModel"],

@@ -66,9 +66,9 @@ def run_parity(args, work: Path, emit) -> bool:
     if not PEER_PYTHON.exists():
         print(f"drafter_formats: {NO_PEER}", file=sys.stderr)
         return False
-    ok = True
+    ok, cases = True, parity_cases()
     for name in tqdm(args.case_list, desc="parity", unit="case", file=sys.stderr):
-        kind, *make = parity_cases()[name]
+        kind, *make = cases[name]
         case = work / name
         directions = [("we wrote, speculators drafts", case / "back")]
         if kind == "shipped":  # --drafter over its draft vocabulary, as export-drafter --to speculators writes it
@@ -241,18 +241,21 @@ def write_bases(target_dir: str, drafter_dir: str, work: Path) -> dict[str, Path
     """The three unbroken speculators-format drafters for the target, in float32."""
     import torch
 
-    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.checkpoints import load_pair, use_draft_vocab
     from trtllm_dflash.models import speculators
     from trtllm_dflash.perf.speculators_parity import random_dspark_drafter
 
-    target, reduced = load_pair(target_dir, drafter_dir, dtype=torch.float32, draft_vocab="auto")
-    if reduced.draft_head is None:
+    def write(name: str, model) -> Path:
+        return speculators.write_speculators_drafter(work / "bases" / name, model, target.spec, target_dir,
+                                                     dtype=torch.float32)
+
+    target, drafter = load_pair(target_dir, drafter_dir, dtype=torch.float32, draft_vocab="full")
+    bases = {"full": write("full", drafter)}
+    if use_draft_vocab(target, drafter, drafter_dir, "auto").draft_head is None:
         raise SystemExit(f"drafter_formats: {drafter_dir} has no draft_vocab.json: run `trtllm-dflash draft-vocab`")
-    _, full = load_pair(target_dir, drafter_dir, dtype=torch.float32, draft_vocab="full")
-    dspark = random_dspark_drafter(target.spec, dtype=torch.float32)
-    return {name: speculators.write_speculators_drafter(work / "bases" / name, model, target.spec, target_dir,
-                                                        dtype=torch.float32)
-            for name, model in (("reduced", reduced), ("full", full), ("dspark", dspark))}
+    bases["reduced"] = write("reduced", drafter)
+    bases["dspark"] = write("dspark", random_dspark_drafter(target.spec, dtype=torch.float32))
+    return bases
 
 
 def broken_copy(case: Case, base: Path, out: Path) -> Path:

@@ -57,12 +57,15 @@ def main(args: argparse.Namespace) -> int:
                 "drop --draft-vocab, or keep a draft_vocab.json beside the z-lab copy")
         out = speculators.write_zlab_copy(args.drafter, args.out, target_spec, dtype=dtype)
         draft_vocab_size = None
-    else:
-        from trtllm_dflash.checkpoints import load_pair
+    else:  # the drafter alone; of the target only its LM head, and only for a draft vocabulary derived from it
+        from trtllm_dflash.checkpoints import load_drafter, resolve_draft_vocab
+        from trtllm_dflash.runtime.steps import TargetHead
 
-        target, drafter = load_pair(args.target, args.drafter, dtype=torch.float32, draft_vocab=args.draft_vocab)
-        out = speculators.write_speculators_drafter(args.out, drafter, target.spec, args.target, dtype=dtype)
-        draft_vocab_size = DrafterSpec.load(out).draft_vocab_size
+        derived = resolve_draft_vocab(args.draft_vocab, args.drafter, DrafterSpec.load(args.drafter)) is not None
+        lm_head = TargetHead(args.target).lm_head if derived else None
+        drafter = load_drafter(args.target, args.drafter, torch.float32, draft_vocab=args.draft_vocab, lm_head=lm_head)
+        out = speculators.write_speculators_drafter(args.out, drafter, target_spec, args.target, dtype=dtype)
+        draft_vocab_size = drafter.draft_head.draft_vocab_size if drafter.draft_head is not None else None
     print(json.dumps({"format": args.to, "out": str(out), "dtype": args.dtype,
                       "draft_vocab_size": draft_vocab_size or target_spec.vocab_size}))
     return 0

@@ -56,12 +56,13 @@ def main(argv=None) -> int:
     from trtllm_dflash.runtime.tree import TreeShape
     from trtllm_dflash.specs import TargetSpec
 
-    from trtllm_dflash.models import layers
+    from trtllm_dflash.models import products
 
     torch.set_num_threads(args.threads)
-    # the counts stand for a GPU's launches: the CPU's weight-major products (a row padded, a transposed result made
-    # contiguous: models.layers.Linear) are not what a GPU runs
-    layers.CPU_WEIGHT_MAJOR = False
+    # the counts stand for a GPU's launches: the CPU's measured kernels (a row padded and a transposed result made
+    # contiguous for weight-major products, SDPA or not: models.products) are not what a GPU runs; F.linear for the
+    # rest of the process
+    products.forcing("linear").__enter__()
     phase = ["loop"]
 
     class Count(TorchDispatchMode):

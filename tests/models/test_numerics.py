@@ -96,34 +96,50 @@ def test_float64_cache_crop_exact_under_every_cpu_kernel_set(tiny_dirs):
         torch.testing.assert_close(torch.tensor(run["h"], dtype=torch.float64), h0, atol=1e-12, rtol=0, msg=cap)
 
 
+def _product_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on float32 rounding in x · Wᵀ: reduction length × eps × Σ|x||w|."""
+    return x.shape[-1] * torch.finfo(x.dtype).eps * (x.abs().double() @ w.abs().double().T)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_small_cpu_products_run_weight_major(threads, monkeypatch):
-    """``layers.Linear``: a float32 product of a few rows on a CPU is W · xᵀ over the rows padded as
-    ``weight_major_rows`` says (bit for bit), equal to ``F.linear`` up to rounding, in x's shape and contiguous; a
-    larger one, float64 (the oracle), autograd and ``CPU_WEIGHT_MAJOR`` off are ``F.linear`` bit for bit."""
+def test_cpu_products_run_the_kernel_measured_fastest(threads, monkeypatch, tmp_path):
+    """``layers.Linear``: a CPU inference product runs, bit for bit, the kind the machine's table chose for its shape
+    and row bucket (``models.products``), equal to ``F.linear`` within float32's rounding for the reduction length, in
+    x's shape; every candidate kind computes the same product; the choices are measured once and read back from
+    disk; float64 (the oracle), autograd and ``TRTLLM_DFLASH_CPU_GEMM=linear`` are ``F.linear`` bit for bit."""
     import torch.nn.functional as F
 
-    from trtllm_dflash.models import layers
+    from trtllm_dflash.models import layers, products
 
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(0)
     lin = layers.Linear(48, 96, bias=True).requires_grad_(False)
     lin.weight.copy_(torch.randn(96, 48, generator=g))
     lin.bias.copy_(torch.randn(96, generator=g))
-    limit = 4 if threads == 1 else 96
-    for m in (1, 2, 3, 5, 8, 9, 15, 16, 17, 20, 21, limit, limit + 1):
-        x = torch.randn(1, m, 48, generator=g)
-        y = lin(x)
-        assert y.shape == (1, m, 96) and y.is_contiguous()
-        rows = layers.weight_major_rows(m, threads)
-        if m <= limit and not 16 < m <= 20:  # 17 to 20 rows: F.linear is the faster there
-            assert rows >= max(m, 2) and (rows == max(m, 2) if m <= 8 else rows % 8 == 0)
-            padded = torch.cat([x[0], x.new_zeros(rows - m, 48)])
-            assert torch.equal(y[0], torch.mm(lin.weight, padded.T)[:, :m].T + lin.bias)
-            torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
-        else:
-            assert rows == 0 and torch.equal(y, F.linear(x, lin.weight, lin.bias))
-    assert layers.weight_major_rows(0, threads) == 0 and lin(torch.zeros(0, 48)).shape == (0, 96)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 5, 8, 9, 16, 17, 33):
+            x = torch.randn(1, m, 48, generator=g)
+            y = lin(x)
+            assert y.shape == (1, m, 96)
+            kind = products.table().kind(torch.float32, 96, 48, m)
+            assert kind in products.candidates(torch.float32)
+            want = products.run(kind, x[0], products.prepare(kind, lin.weight), lin.bias)
+            assert torch.equal(y[0], want), (m, kind)
+            exact = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+            assert ((y.double() - exact).abs() <= _product_tolerance(x, lin.weight) + 1e-12).all(), (m, kind)
+            for other in products.candidates(torch.float32):
+                got = products.run(other, x[0], products.prepare(other, lin.weight), lin.bias)
+                assert ((got.double() - exact[0]).abs() <= _product_tolerance(x[0], lin.weight) + 1e-12).all()
+        assert lin(torch.zeros(0, 48)).shape == (0, 96)
+    saved = products.table()
+    assert saved.path.is_file() and saved.choices
+    monkeypatch.setattr(products, "measure", lambda *a, **k: pytest.fail("a recorded choice was measured again"))
+    again = products.ProductTable(saved.path, saved.key)
+    assert again.choices == saved.choices
+    assert all(again.kind(torch.float32, 96, 48, m) == saved.choices[again.entry(torch.float32, 96, 48, m)]
+               for m in (1, 9, 33))
 
     x = torch.randn(3, 48, generator=g)
     wide = layers.Linear(48, 96).double().requires_grad_(False)
@@ -133,18 +149,51 @@ def test_small_cpu_products_run_weight_major(threads, monkeypatch):
     assert torch.equal(out, F.linear(x, trained.weight, trained.bias))
     out.sum().backward()
     assert trained.weight.grad is not None
-    monkeypatch.setattr(layers, "CPU_WEIGHT_MAJOR", False)
-    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    with products.forcing("linear"):
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_fused_projections_equal_the_separate_ones(monkeypatch, tmp_path):
+    """Q, K and V (gate and up) as one product over the concatenated weights: each output equals its own product
+    within float32 rounding; the concatenation is made again when a weight changes in place; modules with hooks run
+    their own forward (the hook sees it)."""
+    import torch.nn.functional as F
+
+    from trtllm_dflash.models import layers, products
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    g = torch.Generator().manual_seed(3)
+    mods = [layers.Linear(64, n, bias=False).requires_grad_(False) for n in (64, 16, 16)]
+    for mod in mods:
+        mod.weight.copy_(torch.randn(mod.weight.shape, generator=g))
+    with torch.inference_mode():
+        for m in (1, 4, 16):
+            x = torch.randn(2, m, 64, generator=g)
+            outs = layers.fused(x, *mods)
+            for out, mod in zip(outs, mods):
+                exact = F.linear(x.double(), mod.weight.double())
+                assert out.shape == (2, m, mod.weight.shape[0])
+                assert ((out.double() - exact).abs() <= _product_tolerance(x, mod.weight) + 1e-12).all()
+        mods[1].weight.mul_(2)
+        x = torch.randn(1, 3, 64, generator=g)
+        torch.testing.assert_close(layers.fused(x, *mods)[1], F.linear(x, mods[1].weight))
+    seen = []
+    handle = mods[0].register_forward_hook(lambda mod, i, o: seen.append(o.shape))
+    with torch.inference_mode():
+        layers.fused(x, *mods)
+    handle.remove()
+    assert seen == [(1, 3, 64)]
 
 
 def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch):
     """The Triton drafter model's LM head (``runtime.steps.BlockDrafter.logits``) runs the product every other head of
-    the runtime runs (``layers.linear``: weight-major for a few float32 rows), bit for bit; as x · Wᵀ it took 2–4× as
-    long for 2–8 rows on the 2-core CPU and ``--block-size auto`` drafted half as often through Triton."""
+    the runtime runs (``layers.linear``, the kernel the machine's table chose), bit for bit: with the weight-major
+    kind forced, which rounds unlike x · Wᵀ, the served head rounds as it does."""
     from types import SimpleNamespace
 
     from trtllm_dflash.checkpoints import load_pair
-    from trtllm_dflash.models import layers
+    from trtllm_dflash.models import layers, products
     from trtllm_dflash.runtime.steps import BlockDrafter
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -155,9 +204,10 @@ def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch)
     differs = 0
     for m in (1, 2, 3, 4, 8):
         h = torch.randn(1, m, 576, generator=g)
-        got = served.logits(h)
+        with products.forcing("weight-major"):
+            got = served.logits(h)
+            assert torch.equal(got, layers.linear(h, head))
         padded = torch.cat([h[0], h.new_zeros(max(m, 2) - m, 576)])
         assert torch.equal(got[0], torch.mm(head, padded.T)[:, :m].T)
-        assert torch.equal(got, layers.linear(h, head))
         differs += not torch.equal(got, h @ head.T)
     assert differs, "x · Wᵀ rounds like the weight-major product here: the check above would not catch a regression"

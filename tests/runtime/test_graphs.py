@@ -60,8 +60,8 @@ def _traced(fn, *args):
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a .functools.lru_cache")
 def test_static_forwards_read_nothing_back_to_the_host(tiny_models):
     """The verify, the draft and the tree verify a graph captures trace as one graph; the dynamic verify does not (its attention length
-    is read from the cache), so the check can fail. float64: the CPU's float32 products pick their GEMM by the
-    thread count (``layers.weight_major_rows``), a host decision a GPU never makes."""
+    is read from the cache), so the check can fail. float64: the CPU's float32 products pick their kernel from the
+    machine's measured table (``models.products``), a host decision a GPU never makes."""
     torch._dynamo.reset()
     target, drafter = tiny_models["llama"]
     dec = SpeculativeDecoder(target, drafter, 8)

@@ -30,7 +30,7 @@ from torch import nn
 
 from trtllm_dflash.models.draft_vocab import DraftVocabHead
 from trtllm_dflash.models.dspark import DSparkHeads
-from trtllm_dflash.models.layers import MLP, KVCache, Linear, RMSNorm, RopeAt, Rotary
+from trtllm_dflash.models.layers import MLP, KVCache, Linear, RMSNorm, RopeAt, Rotary, fused
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType
 
@@ -51,17 +51,19 @@ class DrafterAttention(nn.Module):
         """h: normed block hidden [b, B, hidden] -> Q (q_norm, RoPE) [b, B, heads, d], K (k_norm, RoPE), V
         [b, B, kv_heads, d] at the block's positions (``rope = rotary.at(positions)``, [b, B])."""
         b, bs, _ = h.shape
-        q = self.q_norm(self.q_proj(h).view(b, bs, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(h).view(b, bs, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(h).view(b, bs, self.num_kv_heads, self.head_dim)
+        q, k, v = fused(h, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(b, bs, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(b, bs, self.num_kv_heads, self.head_dim))
+        v = v.view(b, bs, self.num_kv_heads, self.head_dim)
         return rope.apply(q), rope.apply(k), v
 
     def context_kv(self, c: torch.Tensor, rope: RopeAt):
         """c: context features [b, T, hidden] -> K (normed, rotated at ``rope``'s positions [b, T]), V: [b, T,
         num_kv_heads, head_dim]."""
         b, t, _ = c.shape
-        k = self.k_norm(self.k_proj(c).view(b, t, self.num_kv_heads, self.head_dim))
-        return rope.apply(k), self.v_proj(c).view(b, t, self.num_kv_heads, self.head_dim)
+        k, v = fused(c, self.k_proj, self.v_proj)
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
+        return rope.apply(k), v.view(b, t, self.num_kv_heads, self.head_dim)
 
 
 class DrafterLayer(nn.Module):

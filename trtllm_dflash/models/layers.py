@@ -11,7 +11,7 @@ not advancing (or lowering) ``lengths`` — no copy, and the result equals recom
 
 from __future__ import annotations
 
-import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trtllm_dflash.errors import ConfigError
+from trtllm_dflash.models import products
+from trtllm_dflash.models.products import linear, project
 from trtllm_dflash.specs import RopeSpec
 
 
@@ -42,59 +44,21 @@ def stack_padded(xs: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return out
 
 
-# A float32 product of a few rows with a weight on a CPU runs weight-major, W · xᵀ: PyTorch's x · Wᵀ (``F.linear``, MKL
-# on x86) takes about as long per row as a whole matrix-vector product for 2 or 3 rows (and for 7), and gains nothing
-# from a second thread. On the 2-core AMD EPYC VM (``git show ede48fc:perf/bench_cpu_gemm.py``, ``perf/results/cpu-gemm/``), 2 threads:
-# the 49,152 × 576 LM head over 1 / 2 / 3 / 8 / 16 rows 7.1 / 14.7 / 21.9 / 11.3 / 14.0 ms -> 2.9 / 3.1 / 3.7 / 6.3 /
-# 11.7; a SmolLM2 verify forward of 1 / 4 tokens 43.3 / 56.1 -> 25.6 / 27.0 ms, of 16 rows × 1 token 78.8 -> 77.6; a
-# one-row draft pass of 4 slots 28.2 -> 6.9 ms. One thread: verify of 1 / 4 tokens 41.0 / 53.6 -> 32.9 / 36.8 ms, but
-# 8 rows were slower weight-major (a 1 × 8 verify 61 -> 66 ms), so one thread uses it up to 4 rows. Larger products,
-# other dtypes (bf16 goes through oneDNN, already fast), autograd and other devices keep ``F.linear``.
-# ``TRTLLM_DFLASH_CPU_GEMM=linear`` turns it off. The logits differ from ``F.linear``'s in the last bits (as they
-# already differ between row counts); every path of the runtime goes through the same function.
-CPU_WEIGHT_MAJOR = os.environ.get("TRTLLM_DFLASH_CPU_GEMM", "weight-major") != "linear"
-
-
-def weight_major_rows(rows: int, threads: int) -> int:
-    """The row count a CPU float32 product of ``rows`` rows is padded to when it runs weight-major (0: run
-    ``F.linear``): rows as they are up to 8 (at least 2: one row alone is a slow matrix-vector product), above that
-    a multiple of 8 (the weight-major time climbs from 9 to 15 rows and drops back at 16); up to 96 rows with two or
-    more threads, up to 4 with one — but not 17 to 20 rows, where ``F.linear`` is the faster (a packed verify of 16
-    rows and a few more tokens; on the 2-core CPU, the target's projections over 17 / 20 rows, all 30 layers, 41.2 /
-    39.8 ms weight-major against 34.3 / 34.2 ms, and 29.8 against 44.6 at 16, ``perf/bench_cpu_gemm.py`` of ede48fc
-    ``--threads 2 --parts products --rows 16,17,20,24,28``; the whole verify of 16 rows over 300 cached tokens with
-    1 / 4 rows 2 wide 83.8, 78.8 / 82.6, 78.7 -> 76.2, 74.5 / 77.5, 75.6 ms, two interleaved runs; at 24 rows no
-    gain)."""
-    if rows <= 0 or rows > (4 if threads <= 1 else 96) or 16 < rows <= 20:
-        return 0
-    return max(rows, 2) if rows <= 8 else -(-rows // 8) * 8
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) whose small float32 products on a CPU run weight-major
-    (``CPU_WEIGHT_MAJOR``, ``weight_major_rows``)."""
+    """``nn.Linear`` (same parameters, same state dict) whose inference products on a CPU run by the kernel measured
+    fastest on this machine for their shape and row count (``models.products``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, weight-major where ``weight_major_rows`` says so: every product with a weight the
-    runtime holds goes through here (``Linear``, and the Triton drafter's LM head, ``runtime.steps.BlockDrafter``)."""
-    if not CPU_WEIGHT_MAJOR or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 \
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        return F.linear(x, w, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    m = flat.shape[0]
-    rows = weight_major_rows(m, torch.get_num_threads())
-    if rows == 0:
-        return F.linear(x, w, bias)
-    if rows > m:
-        flat = torch.cat([flat, flat.new_zeros(rows - m, flat.shape[1])])
-    out = torch.mm(w, flat.T)[:, :m].T.contiguous()
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], w.shape[0])
+def fused(x: torch.Tensor, *modules: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(m(x) for m in modules)`` (Q, K and V; gate and up), as one product over their weights concatenated when
+    all are ``Linear`` without hooks (``products.project``); modules converted by another tool (``plain_linears``, a
+    quantizer's wrappers) or observed through hooks each run their own forward."""
+    if all(type(m) is Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
+        return project(x, [m.weight for m in modules], [m.bias for m in modules])
+    return tuple(m(x) for m in modules)
 
 
 def plain_linears(model: nn.Module) -> nn.Module:
@@ -130,7 +94,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Rotary:
@@ -313,6 +278,9 @@ class Packing:
         return out.index_copy_(0, self.index, x).view(self.b, self.s, -1)
 
 
+ATTENTION_KINDS = ("explicit", "sdpa")
+
+
 def attention(
     q: torch.Tensor,  # [b, num_heads, S, head_dim]
     k: torch.Tensor,  # [b, num_kv_heads, L, head_dim]
@@ -320,9 +288,68 @@ def attention(
     allowed: torch.Tensor,  # [b, S, L] bool: query may see key
     blocked: torch.Tensor | None = None,  # ~allowed, when the caller computed it once for several layers
 ) -> torch.Tensor:  # [b, S, num_heads * head_dim]
-    """Masked GQA attention, written out: for the few query rows of a decode/verify/draft step this is several times
-    faster on CPU than SDPA's fused kernel with an explicit mask. Query head h reads KV head h // (heads / kv_heads),
-    as in HF's ``repeat_kv``; the group's queries are folded into the row dimension instead of repeating K/V."""
+    """Masked GQA attention: query head h reads KV head h // (heads / kv_heads), as in HF's ``repeat_kv``. A CPU
+    inference step in float32 or bfloat16 runs the kernel measured faster on this machine for its shape
+    (``attention_kind``): PyTorch's fused ``scaled_dot_product_attention`` or the softmax written out; every other
+    case (float64, the oracle; autograd; other devices) runs the written-out form."""
+    b, h, s, d = q.shape
+    if attention_kind(q, k) == "sdpa":
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None],
+                                             enable_gqa=h != k.shape[1])
+        return out.transpose(1, 2).reshape(b, s, h * d)
+    return explicit_attention(q, k, v, allowed, blocked)
+
+
+def attention_kind(q: torch.Tensor, k: torch.Tensor) -> str:
+    """``explicit`` or ``sdpa`` for a CPU inference step of q's shape: measured once per (dtype, heads, rows bucket,
+    query bucket) on this machine (``products.table``) over a 512-slot cache; ``explicit`` wherever the choice does
+    not apply."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or products.forced_kind() == "linear"
+            or (torch.is_grad_enabled() and q.requires_grad)):
+        return "explicit"
+    b, h, s, d = q.shape
+    kv = k.shape[1]
+    rows, queries = products.bucket(b), products.bucket(s)
+    name = f"attention:{str(q.dtype).removeprefix('torch.')}:{h}x{kv}x{d}:{rows}x{queries}"
+    plans = _ATTENTION_PLANS.get((name, torch.get_num_threads()))
+    if plans is None:
+        plans = _ATTENTION_PLANS[(name, torch.get_num_threads())] = products.table().choose(
+            name, lambda: _measure_attention(rows, h, kv, queries, d, q.dtype))
+    return plans
+
+
+_ATTENTION_PLANS: dict[tuple[str, int], str] = {}
+
+
+def _measure_attention(b: int, h: int, kv: int, s: int, d: int, dtype: torch.dtype, slots: int = 512,
+                       repeats: int = 3, calls: int = 10) -> dict[str, float]:
+    """Seconds of one attention call of each kind over K/V read from a cache laid out as ``KVCache``'s, causal."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, b, slots, kv, d, generator=gen).to(dtype)
+    k, v = cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    q = torch.randn(b, h, s, d, generator=gen).to(dtype)
+    pos = torch.arange(slots - s, slots)[None].expand(b, s)
+    allowed = torch.arange(slots)[None, None, :] <= pos[:, :, None]
+    blocked = ~allowed
+    runs = {"explicit": lambda: explicit_attention(q, k, v, allowed, blocked),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=h != kv)}
+    best = {}
+    with torch.inference_mode():
+        for kind, fn in runs.items():
+            fn()
+            best[kind] = float("inf")
+        for _ in range(repeats):
+            for kind, fn in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[kind] = min(best[kind], (time.perf_counter() - t0) / calls)
+    return best
+
+
+def explicit_attention(q, k, v, allowed, blocked=None) -> torch.Tensor:
+    """``attention`` with the softmax written out; the group's queries are folded into the row dimension instead of
+    repeating K/V."""
     b, h, s, d = q.shape
     kv = k.shape[1]
     g = h // kv

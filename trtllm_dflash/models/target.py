@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, Linear, Packing, RMSNorm, RopeAt, Rotary
+from trtllm_dflash.models.layers import MLP, KVCache, Linear, Packing, RMSNorm, RopeAt, Rotary, fused
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -35,7 +35,7 @@ class TargetAttention(nn.Module):
     def forward(self, x, rope: RopeAt, slots, cache: KVCache, layer: int, rows, row_idx, allowed, blocked, kv_len,
                 packing: Packing | None = None):
         # x: [b, S, hidden], or [N, hidden] the real tokens of a ``packing``
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = fused(x, self.q_proj, self.k_proj, self.v_proj)
         if packing is not None:
             q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
         b, s = q.shape[:2]

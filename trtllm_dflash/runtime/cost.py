@@ -143,11 +143,10 @@ def device_name(device) -> str:
     return cpu_model()
 
 
-# Raised when what a calibration times changes, so caches written before are calibrated again. 2: a draft pass of
-# several rows takes one GEMM through the LM head instead of one per row (``draft_block``), a third less at 16 rows;
-# and the context's coefficients (``calibrate_context``) are part of a calibration. 3: small float32 products on a
-# CPU run weight-major (``models.layers.Linear``): a one-row verify ~40 % faster on the development VM.
-CALIBRATION_VERSION = 3
+# Raised when what a calibration times changes, so caches written before are calibrated again (the history is in
+# git: the draft pass's one LM-head GEMM, the context's coefficients, the CPU's product kernels, and now the kernels
+# and attention measured per machine by ``models.products``, with fused projections).
+CALIBRATION_VERSION = 4
 
 
 def cost_key(device: str, dtype: str, threads: int, model: str) -> dict:

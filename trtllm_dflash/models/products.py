@@ -1,0 +1,313 @@
+"""Products with the runtime's weights, each run by the kernel measured fastest on the machine at hand.
+
+A decode or verify step on a CPU is a few dozen products of a handful of rows with weights that do not fit in the
+caches, so its time is the time to stream the weights once, and how close a kernel gets to that depends on the CPU,
+the row count and the weight's shape. No threshold here is fixed: at the first product of a shape and a row bucket
+on a machine, every candidate kernel is timed on random weights of that shape (enough copies to overflow the
+last-level cache, so the timing streams from memory as the real step does) and the fastest is kept, cached on disk per
+machine fingerprint (CPU model, threads, torch version) beside the cost model. ``trtllm-dflash tune`` measures a pair's
+shapes ahead of time.
+
+The candidates (float32 and bfloat16 on a CPU, inference only):
+
+- ``linear``: ``F.linear`` (x · Wᵀ).
+- ``weight-major``: W · xᵀ, at least two rows (one row alone would be a matrix-vector product).
+- ``onednn``: oneDNN's matmul over a weight reordered once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's freezing applies), kept beside the weight.
+
+Every kernel computes the same product; results differ only in float rounding, as they already do between row counts.
+Autograd, other devices and other dtypes run ``F.linear``. ``TRTLLM_DFLASH_CPU_GEMM=<kind>`` forces one kind
+(``linear`` turns the choice off); ``auto`` (the default) measures.
+
+Fused projections: ``project`` runs several products with one input (Q, K and V; gate and up) as one product over the
+weights concatenated once (a derived copy beside the parameters: the checkpoint layout and the state dict are
+unchanged), and splits the output into views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("linear", "weight-major", "onednn")
+ENV = "TRTLLM_DFLASH_CPU_GEMM"
+MAX_BUCKET = 1024  # rows beyond it use the choice made at it
+TABLE_VERSION = 1  # raised when what a measurement times changes
+_DTYPES = (torch.float32, torch.bfloat16)
+_FLOP_BUDGET = 4e8  # floating-point work of one timed run, so a wide bucket's measurement stays short
+
+
+def _read_forced() -> str | None:
+    value = os.environ.get(ENV, "auto")
+    if value == "auto":
+        return None
+    if value not in KINDS:
+        from trtllm_dflash.errors import ConfigError
+
+        raise ConfigError(ENV, value, f"is not one of auto, {', '.join(KINDS)}", "unset it or set one of those")
+    return value
+
+
+_FORCED = _read_forced()  # read once: an environment look-up per product would cost more than a small product
+
+
+def forced_kind() -> str | None:
+    """The kind ``TRTLLM_DFLASH_CPU_GEMM`` forces (read at import; ``forcing`` within a block), or None for
+    ``auto``."""
+    return _FORCED
+
+
+@contextlib.contextmanager
+def forcing(kind: str | None):
+    """Within the block every product runs ``kind`` (None: the measured choice), whatever the environment says."""
+    global _FORCED
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind {kind!r} is not one of {KINDS}")
+    before, _FORCED = _FORCED, kind
+    try:
+        yield
+    finally:
+        _FORCED = before
+
+
+def bucket(rows: int) -> int:
+    """The row bucket a product of ``rows`` rows is chosen by: the next power of two, at most ``MAX_BUCKET``."""
+    return min(1 << max(rows - 1, 0).bit_length(), MAX_BUCKET)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (the copies a measurement streams must overflow it); 64 MiB where it
+    cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        try:
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (ValueError, OSError):
+            continue
+    return max(sizes) if sizes else 64 << 20
+
+
+def prepare(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """The form of ``weight`` that ``run(kind, ...)`` reads."""
+    if kind == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    return weight
+
+
+def run(kind: str, x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, in] times the weight (prepared for ``kind``) -> [m, out]."""
+    if kind == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
+    if kind == "weight-major":
+        m = x.shape[0]
+        if m < 2:
+            x = torch.cat([x, x.new_zeros(2 - m, x.shape[1])])
+        out = torch.mm(prepared, x.T)[:, :m].T.contiguous()
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, prepared, bias)
+
+
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    forced = forced_kind()
+    if forced is not None:
+        return (forced,)
+    return tuple(k for k in KINDS if k != "onednn" or onednn_available())
+
+
+def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype, kinds: Sequence[str],
+            repeats: int = 3) -> dict[str, float]:
+    """Seconds of one product of ``rows`` rows with an [out, in] weight under each kind, the fastest of ``repeats``
+    interleaved runs over enough distinct random weights to stream from memory."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = out_features * in_features * itemsize
+    flops = 2.0 * out_features * in_features * max(rows, 1)
+    copies = max(1, min(math.ceil(2 * last_level_cache_bytes() / nbytes), math.ceil(_FLOP_BUDGET / flops), 256))
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_features, in_features, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    best = {}
+    with torch.inference_mode():
+        prepared = {}
+        for kind in kinds:
+            try:
+                prepared[kind] = [prepare(kind, w) for w in weights]
+                run(kind, x, prepared[kind][0], None)  # warm-up (and: does this kind run here at all)
+                best[kind] = math.inf
+            except (RuntimeError, NotImplementedError):
+                prepared.pop(kind, None)
+        for _ in range(repeats):
+            for kind in best:
+                t0 = time.perf_counter()
+                for w in prepared[kind]:
+                    run(kind, x, w, None)
+                best[kind] = min(best[kind], (time.perf_counter() - t0) / copies)
+    return best
+
+
+@functools.cache
+def _cpu() -> str:
+    from trtllm_dflash.hardware import cpu_model
+
+    return cpu_model()
+
+
+def fingerprint(threads: int | None = None) -> dict:
+    """What a table's choices hold for: the CPU model, the thread count, torch's version and its oneDNN."""
+    return {"cpu": _cpu(), "threads": torch.get_num_threads() if threads is None else threads,
+            "torch": torch.__version__, "onednn": onednn_available(), "version": TABLE_VERSION}
+
+
+class ProductTable:
+    """The kind chosen for each (dtype, shape, row bucket) on one machine, measured on first use and kept in a JSON
+    file keyed by ``fingerprint()`` (written atomically, merged with what other processes wrote meanwhile)."""
+
+    def __init__(self, path: Path | None, key: dict) -> None:
+        self.path, self.key = path, key
+        self.choices: dict[str, str] = {}
+        self.timings: dict[str, dict[str, float]] = {}
+        self._lock = threading.Lock()
+        self._read()
+
+    @staticmethod
+    def entry(dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:
+        return f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}:{bucket(rows)}"
+
+    def _read(self) -> None:
+        if self.path is None or not self.path.is_file():
+            return
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return  # a foreign or torn file: measure again
+        if doc.get("key") == self.key:
+            self.choices.update({k: v for k, v in doc.get("choices", {}).items() if isinstance(v, str)})
+            self.timings.update(doc.get("timings", {}))
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        choices, timings = dict(self.choices), dict(self.timings)
+        self._read()  # keep what a concurrent process measured
+        self.choices.update(choices)
+        self.timings.update(timings)
+        doc = {"key": self.key, "choices": self.choices, "timings": self.timings}
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+    def kind(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:
+        forced = forced_kind()
+        if forced is not None:
+            return forced
+        return self.choose(self.entry(dtype, out_features, in_features, rows),
+                           lambda: measure(out_features, in_features, bucket(rows), dtype, candidates(dtype)))
+
+    def choose(self, name: str, timings: Callable[[], dict[str, float]]) -> str:
+        """The fastest kind for ``name``: from the table, else from ``timings()`` (seconds per kind), recorded."""
+        found = self.choices.get(name)
+        if found is not None:
+            return found
+        with self._lock:
+            if name not in self.choices:
+                measured = timings()
+                self.timings[name] = {k: round(v, 9) for k, v in measured.items()}
+                self.choices[name] = min(measured, key=measured.get)
+                self._save()
+        return self.choices[name]
+
+
+_TABLES: dict[tuple[str, int], ProductTable] = {}
+
+
+def table_path(key: dict) -> Path:
+    from trtllm_dflash.assets import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "products" / f"products-{digest}.json"
+
+
+def table() -> ProductTable:
+    """This machine's table at the current thread count, for the current model cache (one per process each)."""
+    from trtllm_dflash.assets import cache_dir
+
+    name = (str(cache_dir()), torch.get_num_threads())
+    found = _TABLES.get(name)
+    if found is None:
+        key = fingerprint(name[1])
+        found = _TABLES[name] = ProductTable(table_path(key), key)
+    return found
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of ``x`` with ``weight`` goes through the table (a CPU inference product in a float dtype
+    the candidates take); else it runs ``F.linear``."""
+    return (_FORCED != "linear" and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], rows: int):
+    """(kind, prepared weight, bias) of a product of ``rows`` rows with ``weights`` concatenated: cached on the first
+    weight per (forced kind, threads, row bucket, its dtype and storage) until a weight or bias changes (identity or
+    in-place version), so a step's products pay a dictionary look-up each, not a table query."""
+    parts = [*weights, *(b for b in biases if b is not None)]
+    stamp = tuple([(id(p), p._version) for p in parts])
+    plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
+    name = (_FORCED, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype, weights[0].data_ptr())
+    found = plans.get(name)
+    if found is not None and found[0] == stamp:
+        return found[1]
+    out_features = sum(w.shape[0] for w in weights)
+    kind = table().kind(x.dtype, out_features, x.shape[-1], rows)
+    forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})
+    key = (kind, len(weights))
+    form = forms.get(key)
+    if form is None or form[0] != stamp:
+        plain = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+        form = forms[key] = (stamp, prepare(kind, plain))
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    plan = (kind, form[1], bias, [w.shape[0] for w in weights], out_features)
+    plans[name] = (stamp, plan)
+    return plan
+
+
+def project(x: torch.Tensor, weights: Sequence[torch.Tensor],
+            biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))``, as one product over the weights concatenated
+    where the table runs it (CPU inference), the outputs views into its result."""
+    biases = biases if biases is not None else [None] * len(weights)
+    if not all(eligible(x, w) for w in weights):
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    kind, prepared, bias, sizes, out_features = _plan(x, weights, biases, flat.shape[0])
+    out = run(kind, flat, prepared, bias).view(*x.shape[:-1], out_features)
+    return tuple(out.split(sizes, dim=-1)) if len(sizes) > 1 else (out,)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by the kernel the table chose for this shape and row count."""
+    return project(x, (weight,), (bias,))[0]

@@ -14,6 +14,8 @@ import sys
 # name -> (module, one-line help). Modules are imported only when their subcommand runs, so `--help` stays fast.
 SUBCOMMANDS = {
     "demo-assets": ("trtllm_dflash.commands.assets", "prepare the SmolLM2 demo target and drafter; print their paths"),
+    "tune": ("trtllm_dflash.commands.tune", "measure this machine's fastest CPU kernels for a pair's steps ahead "
+                                            "of serving"),
     "generate": ("trtllm_dflash.commands.generate", "generate text in-process with DFlash speculative decoding"),
     "demo": ("trtllm_dflash.commands.demo", "the end-to-end demo on the embedded default model"),
     "make-repo": ("trtllm_dflash.commands.serving:make_repo", "render the Triton model repository"),

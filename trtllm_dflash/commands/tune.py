@@ -1,0 +1,92 @@
+"""``trtllm-dflash tune``: measure, ahead of serving, the CPU kernels a pair's steps will use on this machine.
+
+The runtime chooses each product's and each attention's kernel by measuring the candidates the first time a shape
+and row bucket comes up (``models.products``), and keeps the choice on disk per machine. Left to the first requests,
+those measurements land on their latency; ``tune`` runs the pair's forwards through every bucket a served or
+in-process step uses (verify widths, prefills, draft passes of several rows) so that the table is complete before
+the first request. It is what ``trtllm-build`` is to a GPU engine: done once per machine, thread count and pair shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from trtllm_dflash.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target directory (default: the demo target)")
+    parser.add_argument("--drafter", default=None, help="drafter directory (default: the demo drafter)")
+    parser.add_argument("--threads", default=None,
+                        help="comma list of torch thread counts to tune for (default: torch's choice)")
+    parser.add_argument("--max-tokens", type=int, default=512,
+                        help="widest target forward to tune, a prefill's or a batch verify's (default 512)")
+    parser.add_argument("--max-rows", type=int, default=16, help="most rows of one draft pass (default 16)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
+    parser.add_argument("--refresh", action="store_true", help="measure again what the table already holds")
+
+
+def _counts(top: int) -> list[int]:
+    out, n = [], 1
+    while n < top:
+        out.append(n)
+        n *= 2
+    return out + [top]
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.assets import pair_or_demo
+    from trtllm_dflash.checkpoints import load_pair
+    from trtllm_dflash.models import products
+    from trtllm_dflash.runtime.decoder import SpeculativeDecoder
+
+    try:
+        threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
+    except ValueError:
+        threads = [0]
+    if min(threads) < 1:
+        raise ConfigError("--threads", args.threads, "is not a comma list of integers >= 1", "e.g. --threads 1,2")
+    for name in ("max_tokens", "max_rows"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be >= 1", "pass 1 or more")
+    if products.forced_kind() is not None:
+        raise ConfigError(products.ENV, products.forced_kind(), "forces one kernel, so there is nothing to tune",
+                          f"unset {products.ENV}")
+    target_dir, drafter_dir = pair_or_demo(args.target, args.drafter)
+    dtype = getattr(torch, args.dtype)
+    target, drafter = load_pair(target_dir, drafter_dir, dtype=dtype)
+    dec = SpeculativeDecoder(target, drafter, drafter.spec.block_size) if drafter is not None else None
+    widths, draft_rows = _counts(args.max_tokens), _counts(args.max_rows)
+    started = time.perf_counter()
+    summary = []
+    for n in threads:
+        torch.set_num_threads(n)
+        table = products.table()
+        if args.refresh:
+            table.choices.clear()
+            table.timings.clear()
+        before = len(table.choices)
+        jobs = [("target", w) for w in widths] + ([("draft", r) for r in draft_rows] if dec is not None else [])
+        with torch.inference_mode():
+            for part, size in tqdm(jobs, desc=f"tuning ({n} threads)", file=sys.stderr, disable=None):
+                if part == "target":
+                    cache = target.new_cache(1, size + 1)
+                    hidden, _ = target(torch.zeros(1, size, dtype=torch.long), cache,
+                                       tap_layers=drafter.spec.target_layer_ids if drafter is not None else ())
+                    target.logits(hidden)
+                else:
+                    bsz = dec.block_size
+                    cache = drafter.new_cache(size, bsz + 2)
+                    cache.lengths.fill_(1)
+                    dec.propose(torch.zeros(size, dtype=torch.long), cache, None, cache.lengths, bsz - 1)
+        summary.append({"threads": n, "table": str(table.path), "choices": len(table.choices),
+                        "measured": len(table.choices) - before})
+    print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "tables": summary,
+                      "seconds": round(time.perf_counter() - started, 1)}))
+    return 0

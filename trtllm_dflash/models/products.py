@@ -280,7 +280,7 @@ def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[tor
     out_features = sum(w.shape[0] for w in weights)
     kind = table().kind(x.dtype, out_features, x.shape[-1], rows)
     forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})
-    key = (kind, len(weights))
+    key = ("onednn" if kind == "onednn" else "plain", len(weights))  # linear and weight-major read the same copy
     form = forms.get(key)
     if form is None or form[0] != stamp:
         plain = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])

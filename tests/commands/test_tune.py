@@ -1,0 +1,38 @@
+"""``trtllm-dflash tune``: the kernel table filled for a pair ahead of serving, read back without measuring again."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from trtllm_dflash.models import products
+
+
+def test_tune_fills_the_table_that_the_runtime_then_reads(tiny_dirs, tmp_path, monkeypatch):
+    """Every product and attention shape of the pair's target widths and draft passes is measured once, written to
+    the machine's table in the cache, and a second run measures nothing."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    target, drafter = tiny_dirs["llama"]
+    args = ["tune", "--target", str(target), "--drafter", str(drafter), "--threads", "1", "--max-tokens", "8",
+            "--max-rows", "2"]
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (first,) = out["tables"]
+    assert first["threads"] == 1 and first["measured"] == first["choices"] > 0
+    doc = json.loads(open(first["table"]).read())
+    assert doc["key"]["threads"] == 1 and len(doc["choices"]) == first["choices"]
+    assert any(name.startswith("attention:") for name in doc["choices"])
+    assert all(set(times) >= {doc["choices"][name]} for name, times in doc["timings"].items())
+    monkeypatch.setattr(products, "_TABLES", {})
+    again = json.loads(run_cli(args).stdout)["tables"][0]
+    assert again["measured"] == 0 and again["choices"] == first["choices"]
+
+
+@pytest.mark.parametrize("flag, value, field", [("--threads", "0", "--threads"), ("--threads", "two", "--threads"),
+                                                ("--max-tokens", "0", "--max-tokens")])
+def test_tune_refuses_bad_input_by_name(tiny_dirs, flag, value, field):
+    target, drafter = tiny_dirs["llama"]
+    r = run_cli(["tune", "--target", str(target), "--drafter", str(drafter), flag, value])
+    assert r.returncode == 2 and field in r.stderr and value in r.stderr, r.stderr

@@ -213,6 +213,7 @@ class ProductTable:
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644)  # readable by the other users of a shared model cache, as the cache's other files are
         os.replace(tmp, self.path)
 
     def kind(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:

@@ -192,8 +192,7 @@ class KVCache:
     def every_row(self, rows: torch.Tensor | None) -> torch.Tensor | None:
         """``rows``, or None where they are every row of the cache in order (a batch that fills its cache, as
         ``generate``'s does): the forwards then read the whole cache as it is instead of through ``view_rows``' runs,
-        whose per-layer slicing of the queries, masks and cache costs a one-row decode about 2 % on the 2-core CPU
-        (perf/results/one-loop/2026-12-06)."""
+        which slice the queries, masks and cache in every layer."""
         if rows is None or rows.device.type != "cpu" or len(rows) != self.num_rows:
             return rows
         return None if rows.tolist() == list(range(self.num_rows)) else rows
@@ -202,8 +201,8 @@ class KVCache:
     def view_rows(rows: torch.Tensor | None, max_runs: int = 4) -> "torch.Tensor | list[tuple[slice, slice]] | None":
         """How ``attend`` reads the selected rows: ``rows`` on the host that form at most ``max_runs`` runs of
         consecutive cache rows in order (a served batch sorted by slot) as [(cache rows, batch rows)] slices, each
-        read as a view; else unchanged (an index tensor copies the rows' K and V, every layer, every step: at 16
-        rows × 300 tokens on a 2-core CPU, 89–168 ms a decode step against 70–83 ms through views)."""
+        read as a view; else unchanged (an index tensor copies the rows' K and V, every layer, every step, where a
+        view reads them in place)."""
         if rows is None or rows.device.type != "cpu" or not len(rows):
             return rows
         r = rows.tolist()
@@ -359,7 +358,7 @@ def explicit_attention(q, k, v, allowed, blocked=None) -> torch.Tensor:
     if q.device.type == "cpu" and kv > 1 and (k.stride(0) != kv * k.stride(1) or v.stride(0) != kv * v.stride(1)):
         # K/V read from the cache as views ([b, kv, L, d] slices of its [rows, max_len, kv, d] layout): their (b, kv)
         # dimensions do not merge into one batch dimension, so a matmul over both would copy K and V whole, every
-        # layer and step (a fifth of a 16-row decode step on a 2-core CPU); one KV head's [b, L, d] slice is a
+        # layer and step; one KV head's [b, L, d] slice is a
         # strided view a batched GEMM reads in place
         out = torch.stack([_attend(qg[:, j], k[:, j], v[:, j], mask[:, 0]) for j in range(kv)], 1)
     else:

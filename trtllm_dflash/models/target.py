@@ -119,9 +119,9 @@ class TargetModel(nn.Module):
 
     def verify_widths(self, widths: list[int]) -> torch.Tensor | None:
         """``forward``'s ``widths`` for a verify step whose rows hold ``widths`` real tokens (the rest padding to the
-        step's width): on a CPU, where every token is compute, the padding is skipped (at 16 rows, 2 of them
-        verifying 8 drafts, 275.6 / 237.0 -> 122.9 / 133.5 ms: ``git show ede48fc:perf/bench_served_verify.py``); elsewhere None — a
-        GPU computes a few padded slots for free, and packing would add kernel launches to a launch-bound step."""
+        step's width): on a CPU, where every token is compute, the padding is skipped (``perf/results/packed-verify/``
+        measured it); elsewhere None — a GPU computes a few padded slots for free, and packing would add kernel
+        launches to a launch-bound step."""
         return torch.tensor(widths) if self.device.type == "cpu" else None
 
     def forward(

@@ -36,3 +36,14 @@ def test_tune_refuses_bad_input_by_name(tiny_dirs, flag, value, field):
     target, drafter = tiny_dirs["llama"]
     r = run_cli(["tune", "--target", str(target), "--drafter", str(drafter), flag, value])
     assert r.returncode == 2 and field in r.stderr and value in r.stderr, r.stderr
+
+
+def test_an_unknown_kernel_setting_is_refused_by_name(tiny_dirs, monkeypatch):
+    """``TRTLLM_DFLASH_CPU_GEMM`` naming no kernel fails the command with exit 2 and the fix (read at import: a fresh
+    process)."""
+    target, drafter = tiny_dirs["llama"]
+    monkeypatch.setenv(products.ENV, "fast")
+    r = run_cli(["tune", "--target", str(target), "--drafter", str(drafter), "--max-tokens", "2", "--max-rows", "1"],
+                fresh=True)
+    assert r.returncode == 2, r.stderr
+    assert "TRTLLM_DFLASH_CPU_GEMM='fast'" in r.stderr and "unset it" in r.stderr

@@ -49,18 +49,17 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _FLOP_BUDGET = 4e8  # floating-point work of one timed run, so a wide bucket's measurement stays short
 
 
-def _read_forced() -> str | None:
-    value = os.environ.get(ENV, "auto")
-    if value == "auto":
-        return None
-    if value not in KINDS:
+_SETTING = os.environ.get(ENV, "auto")  # read once: an environment look-up per product costs more than a product
+_FORCED = _SETTING if _SETTING in KINDS else None
+
+
+def _check_setting() -> None:
+    """A ``TRTLLM_DFLASH_CPU_GEMM`` that names no kind is refused at the first product (inside a command, whose
+    errors exit 2 with this message), not at import."""
+    if _SETTING != "auto" and _SETTING not in KINDS:
         from trtllm_dflash.errors import ConfigError
 
-        raise ConfigError(ENV, value, f"is not one of auto, {', '.join(KINDS)}", "unset it or set one of those")
-    return value
-
-
-_FORCED = _read_forced()  # read once: an environment look-up per product would cost more than a small product
+        raise ConfigError(ENV, _SETTING, f"is not one of auto, {', '.join(KINDS)}", "unset it or set one of those")
 
 
 def forced_kind() -> str | None:
@@ -278,6 +277,7 @@ def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[tor
     found = plans.get(name)
     if found is not None and found[0] == stamp:
         return found[1]
+    _check_setting()
     out_features = sum(w.shape[0] for w in weights)
     kind = table().kind(x.dtype, out_features, x.shape[-1], rows)
     forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})

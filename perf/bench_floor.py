@@ -96,11 +96,10 @@ def measure(args) -> list[dict]:
     dec = SpeculativeDecoder(target, drafter, drafter.spec.block_size)
     weights = _weights(target.model.layers) + [target.lm_head.weight]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    draft_weights = _weights(drafter)
     head = drafter.draft_head
-    head_bytes = (head.lm_head.weight if head is not None else target.lm_head.weight)
-    draft_bytes = sum(w.numel() * w.element_size() for w in draft_weights if w is not head_bytes) + \
-        head_bytes.numel() * head_bytes.element_size()
+    draft_head = head.lm_head.weight if head is not None else target.lm_head.weight  # the head a draft pass reads
+    draft_weights = [w for w in _weights(drafter) if w is not draft_head] + [draft_head]
+    draft_bytes = sum(w.numel() * w.element_size() for w in draft_weights)
     records = []
     with torch.inference_mode():
         buf = torch.ones(nbytes // 4)
@@ -109,7 +108,8 @@ def measure(args) -> list[dict]:
         x1 = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}
         linear_ms = _best(lambda: [F.linear(x1[w.shape[1]], w) for w in weights], args.repeats)
         gbps = nbytes / read_ms / 1e6
-        base = {"side": args.side, "package": str(Path(trtllm_dflash.__file__).parent.parent),
+        checkout = Path(trtllm_dflash.__file__).resolve().parent.parent
+        base = {"side": args.side, "package": os.path.relpath(checkout),
                 "threads": torch.get_num_threads(), "context": args.context}
         cap = args.context + max(args.row_list) + 2 * drafter.spec.block_size
         tcache = target.new_cache(1, cap)

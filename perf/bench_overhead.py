@@ -59,10 +59,6 @@ def main(argv=None) -> int:
     from trtllm_dflash.models import products
 
     torch.set_num_threads(args.threads)
-    # the counts stand for a GPU's launches: the CPU's measured kernels (a row padded and a transposed result made
-    # contiguous for weight-major products, SDPA or not: models.products) are not what a GPU runs; F.linear for the
-    # rest of the process
-    products.forcing("linear").__enter__()
     phase = ["loop"]
 
     class Count(TorchDispatchMode):
@@ -88,7 +84,9 @@ def main(argv=None) -> int:
                 phase[0] = before
         return run
 
-    with tempfile.TemporaryDirectory() as tmp:
+    # the counts stand for a GPU's launches: the CPU's measured kernels (a row padded and a transposed result made
+    # contiguous for weight-major products, SDPA or not: models.products) are not what a GPU runs, so F.linear
+    with tempfile.TemporaryDirectory() as tmp, products.forcing("linear"):
         tdir, ddir = Path(tmp) / "target", Path(tmp) / "drafter"
         write_tiny_target(tdir, num_layers=args.layers, hidden_size=args.hidden)
         tspec = TargetSpec.load(tdir)

@@ -48,9 +48,18 @@ def staged_output(out: Path, force: bool):
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a sibling temporary file renamed over it: a reader sees the old file or the new
-    one, never a part."""
+    """``text`` into ``path`` through a temporary file of its own beside it, renamed over it: a reader sees the old
+    file or the new one, never a part, and two processes writing at once cannot mix their files. The file gets the
+    mode a plain write would give (the umask's)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

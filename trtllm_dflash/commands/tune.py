@@ -46,12 +46,10 @@ def main(args: argparse.Namespace) -> int:
     from trtllm_dflash.models import products
     from trtllm_dflash.runtime.decoder import SpeculativeDecoder
 
-    try:
-        threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
-    except ValueError:
-        threads = [0]
-    if min(threads) < 1:
+    parts = args.threads.split(",") if args.threads else [str(torch.get_num_threads())]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise ConfigError("--threads", args.threads, "is not a comma list of integers >= 1", "e.g. --threads 1,2")
+    threads = [int(p) for p in parts]
     for name in ("max_tokens", "max_rows"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be >= 1", "pass 1 or more")

@@ -11,7 +11,6 @@ not advancing (or lowering) ``lengths`` — no copy, and the result equals recom
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -332,18 +331,7 @@ def _measure_attention(b: int, h: int, kv: int, s: int, d: int, dtype: torch.dty
     blocked = ~allowed
     runs = {"explicit": lambda: explicit_attention(q, k, v, allowed, blocked),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=h != kv)}
-    best = {}
-    with torch.inference_mode():
-        for kind, fn in runs.items():
-            fn()
-            best[kind] = float("inf")
-        for _ in range(repeats):
-            for kind, fn in runs.items():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                best[kind] = min(best[kind], (time.perf_counter() - t0) / calls)
-    return best
+    return products.fastest(runs, repeats, calls)
 
 
 def explicit_attention(q, k, v, allowed, blocked=None) -> torch.Tensor:

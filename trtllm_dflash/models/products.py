@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -142,22 +141,32 @@ def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=gen).to(dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    best = {}
+    runs = {}
     with torch.inference_mode():
-        prepared = {}
         for kind in kinds:
             try:
-                prepared[kind] = [prepare(kind, w) for w in weights]
-                run(kind, x, prepared[kind][0], None)  # warm-up (and: does this kind run here at all)
-                best[kind] = math.inf
+                forms = [prepare(kind, w) for w in weights]
+                run(kind, x, forms[0], None)  # does this kind run here at all
             except (RuntimeError, NotImplementedError):
-                prepared.pop(kind, None)
+                continue
+            runs[kind] = lambda kind=kind, forms=forms: [run(kind, x, w, None) for w in forms]
+        return {kind: t / copies for kind, t in fastest(runs, repeats).items()}
+
+
+def fastest(runs: dict[str, Callable[[], object]], repeats: int = 3, calls: int = 1) -> dict[str, float]:
+    """Seconds of one call of each of ``runs``: after a warm-up, the fastest of ``repeats`` rounds of ``calls`` calls,
+    the kinds interleaved round by round so that a drifting machine hits them alike."""
+    best = {}
+    with torch.inference_mode():
+        for kind, fn in runs.items():
+            fn()
+            best[kind] = math.inf
         for _ in range(repeats):
-            for kind in best:
+            for kind, fn in runs.items():
                 t0 = time.perf_counter()
-                for w in prepared[kind]:
-                    run(kind, x, w, None)
-                best[kind] = min(best[kind], (time.perf_counter() - t0) / copies)
+                for _ in range(calls):
+                    fn()
+                best[kind] = min(best[kind], (time.perf_counter() - t0) / calls)
     return best
 
 
@@ -208,12 +217,10 @@ class ProductTable:
         self._read()  # keep what a concurrent process measured
         self.choices.update(choices)
         self.timings.update(timings)
+        from trtllm_dflash.staging import write_atomic
+
         doc = {"key": self.key, "choices": self.choices, "timings": self.timings}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)  # readable by the other users of a shared model cache, as the cache's other files are
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True))
 
     def kind(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:
         forced = forced_kind()

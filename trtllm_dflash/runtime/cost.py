@@ -14,8 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,11 +125,10 @@ class CostModel:
 
     def save(self, path: Path) -> None:
         """Atomic write (a concurrent reader sees the old file or the new one)."""
+        from trtllm_dflash.staging import write_atomic
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.to_json(), indent=1))
 
 
 def device_name(device) -> str:

@@ -75,3 +75,60 @@ def test_against_the_real_vllm_peer(smollm2, tmp_path):
     vllm_dflash = [r for r in records if r["system"] == "vllm" and r["mode"] == "dflash-16"]
     assert all(r["num_drafts"] > 0 and r["num_draft_tokens"] == 15 * r["num_drafts"] for r in vllm_dflash)
     assert all(r["version"] == "0.32.0" for r in records if r["system"] == "vllm")
+
+
+LLAMACPP = ROOT / ".peers" / "llamacpp"
+LLAMACPP_PROBLEM = perf_script("bench_peers").llamacpp_problem(LLAMACPP)  # None where llama.cpp is built
+
+
+def test_refuses_without_llamacpp_and_names_the_build_script(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--paths", "in-process,server", "--llamacpp-dir",
+                          str(tmp_path / "none"), "--out-dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "bash build_scripts/peer_llamacpp.sh" in run.stderr and str(tmp_path / "none") in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_llamacpp_modes_exit_2_naming_the_choices():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--llamacpp-modes", "ar,q8"], capture_output=True, text=True)
+    assert run.returncode == 2 and "--llamacpp-modes 'ar,q8'" in run.stderr
+    assert "ar, ar-q4_1, dflash-16" in run.stderr
+
+
+def test_agreement_counts_tokens_before_each_first_difference():
+    bp = perf_script("bench_peers")
+    assert bp.agreement({"a": (1, 2, 3), "b": (4, 5)}, {"a": (1, 2, 3), "b": (4, 5)}) == 1.0
+    assert bp.agreement({"a": (1, 9, 3), "b": (4, 5)}, {"a": (1, 2, 3), "b": (4, 5, 6)}) == round(3 / 6, 4)
+    assert bp.agreement({}, {"a": (1,)}) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LLAMACPP_PROBLEM is not None, reason=f"{LLAMACPP_PROBLEM}")
+def test_against_the_real_llamacpp_peer(smollm2, tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--datasets", "humaneval", "--limit", "2", "--max-new-tokens", "12",
+         "--concurrency", "1,2", "--threads", "2", "--target", smollm2["target"], "--drafter", smollm2["drafter"],
+         "--paths", "in-process,server", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "peers.jsonl").read_text().splitlines()]
+    assert (tmp_path / "peers.png").stat().st_size > 0
+    got = {(r["system"], r["mode"], r["concurrency"]) for r in records}
+    want = {(s, m, c) for c in (1, 2) for s, m in [
+        ("llama.cpp", "ar"), ("llama.cpp", "ar-q4_1"), ("llama.cpp", "dflash-16"),
+        *[("trtllm-dflash", m) for m in ("ar", "dflash-16", "auto+ngram")]]}
+    assert got == want
+    for r in records:
+        assert r["tokens_per_second"] > 0 and r["startup_s"] > 0, r
+        assert (r["tau"] is None) == r["mode"].startswith("ar"), r
+        if r["system"] == "trtllm-dflash":
+            assert r["outputs_equal_ar"] is True, r  # ours stay lossless
+        else:
+            assert r["version"] == "b11434" and r["weights"] == ("q4_1" if r["mode"] == "ar-q4_1" else "f32"), r
+            assert r["other"] == "trtllm-dflash in-process ar" and 0 <= r["agreement_other"] <= 1, r
+    llama_f32 = [r for r in records if r["system"] == "llama.cpp" and r["mode"] == "ar"]
+    # the same float32 weights: the same greedy tokens but for a near-tied argmax (first_difference says where)
+    assert all(r["agreement_other"] >= 0.9 for r in llama_f32), [r["first_difference"] for r in llama_f32]
+    for r in records:
+        if r["system"] == "llama.cpp" and r["mode"] == "dflash-16":
+            assert 1 <= r["tau"] <= 16 and r["num_draft_tokens"] > 0, r

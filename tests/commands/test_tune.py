@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from trtllm_dflash.models import products
+from trtllm_dflash.models import layers, products
 
 
 def test_tune_fills_the_table_that_the_runtime_then_reads(tiny_dirs, tmp_path, monkeypatch):
@@ -47,3 +47,25 @@ def test_an_unknown_kernel_setting_is_refused_by_name(tiny_dirs, monkeypatch):
                 fresh=True)
     assert r.returncode == 2, r.stderr
     assert "TRTLLM_DFLASH_CPU_GEMM='fast'" in r.stderr and "unset it" in r.stderr
+
+
+def test_refresh_measures_every_choice_again(tiny_dirs, tmp_path, monkeypatch):
+    """``--refresh`` replaces what the file holds (a table filled on a busy machine keeps wrong choices otherwise):
+    choices planted in the file are measured again, none survives."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    monkeypatch.setattr(layers, "_ATTENTION_PLANS", {})  # attention choices other tests made in this process
+    target, drafter = tiny_dirs["llama"]
+    args = ["tune", "--target", str(target), "--drafter", str(drafter), "--threads", "1", "--max-tokens", "4",
+            "--max-rows", "2"]
+    first = json.loads(run_cli(args).stdout)["tables"][0]
+    path = first["table"]
+    doc = json.loads(open(path).read())
+    doc["timings"] = {name: {"planted": 1.0} for name in doc["choices"]}
+    open(path, "w").write(json.dumps(doc))
+    monkeypatch.setattr(products, "_TABLES", {})
+    again = json.loads(run_cli([*args, "--refresh"]).stdout)["tables"][0]
+    assert again["measured"] == again["choices"] == first["choices"]
+    redone = json.loads(open(path).read())
+    assert set(redone["choices"]) == set(doc["choices"])
+    assert not any("planted" in times for times in redone["timings"].values())

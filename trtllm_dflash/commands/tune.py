@@ -5,12 +5,15 @@ and row bucket comes up (``models.products``), and keeps the choice on disk per 
 those measurements land on their latency; ``tune`` runs the pair's forwards through every bucket a served or
 in-process step uses (verify widths, prefills, draft passes of several rows) so that the table is complete before
 the first request. It is what ``trtllm-build`` is to a GPU engine: done once per machine, thread count and pair shape.
+A choice timed while another process computes can be the wrong one and is kept, so ``tune`` says when the machine is
+busy, and ``--refresh`` measures every choice again (in memory and on disk).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -26,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="widest target forward to tune, a prefill's or a batch verify's (default 512)")
     parser.add_argument("--max-rows", type=int, default=16, help="most rows of one draft pass (default 16)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
-    parser.add_argument("--refresh", action="store_true", help="measure again what the table already holds")
+    parser.add_argument("--refresh", action="store_true", help="forget the table's choices (the file too) and measure every one again")
 
 
 def _counts(top: int) -> list[int]:
@@ -61,14 +64,17 @@ def main(args: argparse.Namespace) -> int:
     target, drafter = load_pair(target_dir, drafter_dir, dtype=dtype)
     dec = SpeculativeDecoder(target, drafter, drafter.spec.block_size) if drafter is not None else None
     widths, draft_rows = _counts(args.max_tokens), _counts(args.max_rows)
+    load = os.getloadavg()[0]
+    if load >= 1.0:  # a choice measured beside another computing process may be the wrong one, and it is kept
+        print(f"tune: the load average is {load:.2f}: another process is computing, so kernels timed now may be "
+              "chosen wrongly; run `trtllm-dflash tune --refresh` again on an idle machine", file=sys.stderr)
     started = time.perf_counter()
     summary = []
     for n in threads:
         torch.set_num_threads(n)
         table = products.table()
-        if args.refresh:
-            table.choices.clear()
-            table.timings.clear()
+        if args.refresh:  # the file too: a save merges what the file holds back in
+            table.forget()
         before = len(table.choices)
         jobs = [("target", w) for w in widths] + ([("draft", r) for r in draft_rows] if dec is not None else [])
         with torch.inference_mode():
@@ -85,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
                     dec.propose(torch.zeros(size, dtype=torch.long), cache, None, cache.lengths, bsz - 1)
         summary.append({"threads": n, "table": str(table.path), "choices": len(table.choices),
                         "measured": len(table.choices) - before})
-    print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "tables": summary,
+    print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "load_average": load,
+                      "tables": summary,
                       "seconds": round(time.perf_counter() - started, 1)}))
     return 0

@@ -309,14 +309,15 @@ def attention_kind(q: torch.Tensor, k: torch.Tensor) -> str:
     kv = k.shape[1]
     rows, queries = products.bucket(b), products.bucket(s)
     name = f"attention:{str(q.dtype).removeprefix('torch.')}:{h}x{kv}x{d}:{rows}x{queries}"
-    plans = _ATTENTION_PLANS.get((name, torch.get_num_threads()))
+    key = (name, torch.get_num_threads(), products.GENERATION)
+    plans = _ATTENTION_PLANS.get(key)
     if plans is None:
-        plans = _ATTENTION_PLANS[(name, torch.get_num_threads())] = products.table().choose(
+        plans = _ATTENTION_PLANS[key] = products.table().choose(
             name, lambda: _measure_attention(rows, h, kv, queries, d, q.dtype))
     return plans
 
 
-_ATTENTION_PLANS: dict[tuple[str, int], str] = {}
+_ATTENTION_PLANS: dict[tuple[str, int, int], str] = {}
 
 
 def _measure_attention(b: int, h: int, kv: int, s: int, d: int, dtype: torch.dtype, slots: int = 512,

@@ -48,6 +48,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _FLOP_BUDGET = 4e8  # floating-point work of one timed run, so a wide bucket's measurement stays short
 
 
+GENERATION = 0  # raised when a table forgets its choices: every cached plan names the generation it was made in
 _SETTING = os.environ.get(ENV, "auto")  # read once: an environment look-up per product costs more than a product
 _FORCED = _SETTING if _SETTING in KINDS else None
 
@@ -194,6 +195,16 @@ class ProductTable:
         self._lock = threading.Lock()
         self._read()
 
+    def forget(self) -> None:
+        """Drop every choice, in memory and on disk, so that each is measured again at its next use."""
+        with self._lock:
+            self.choices.clear()
+            self.timings.clear()
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+        global GENERATION
+        GENERATION += 1  # plans cached on weights and in layers.attention_kind are made again
+
     @staticmethod
     def entry(dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:
         return f"{str(dtype).removeprefix('torch.')}:{out_features}x{in_features}:{bucket(rows)}"
@@ -280,7 +291,8 @@ def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[tor
     parts = [*weights, *(b for b in biases if b is not None)]
     stamp = tuple([(id(p), p._version) for p in parts])
     plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
-    name = (_FORCED, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype, weights[0].data_ptr())
+    name = (_FORCED, GENERATION, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype,
+            weights[0].data_ptr())
     found = plans.get(name)
     if found is not None and found[0] == stamp:
         return found[1]

@@ -171,7 +171,8 @@ def step_parity(args, log) -> dict:
 
     def decode(dtype, device, block, kernels=None, pair=(tdir, ddir), tree=False):
         target, drafter = load_pair(*pair, dtype=dtype, device=device)
-        dec = SpeculativeDecoder(target, drafter if block > 1 else None, block, kernels=kernels, tree=tree)
+        dec = SpeculativeDecoder(target, drafter if block > 1 else None, block, kernels=kernels, tree=tree,
+                                 cuda_graphs="off")  # the eager kernels' parity (step_graphs runs the graphs)
         outs = dec.generate(reqs)
         taus = [t for o in outs for t in o.acceptance_lengths]
         return [o.token_ids for o in outs], (sum(taus) / len(taus) if taus else None), getattr(dec, "kernels", None)

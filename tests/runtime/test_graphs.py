@@ -111,6 +111,19 @@ def test_pooled_caches_are_bucketed_emptied_and_evicted_with_their_graphs(tiny_m
     assert all(c is not first for c in graphs.caches.values()) and not graphs.steps
 
 
+def test_graphs_are_on_by_default_on_cuda_only():
+    """``auto``, the default of the decoder, the step engines, ``generate`` and ``make-repo``: CUDA graphs on a CUDA
+    device (where batch-1 steps are paced by kernel launches), none on a CPU, and no error either way."""
+    from trtllm_dflash.serve.settings import ModelSettings
+    from trtllm_dflash.serve.triton.render import RepoConfig
+
+    assert StepGraphs.for_device(torch.device("cpu"), "auto") is None
+    assert StepGraphs.for_device(torch.device("cuda"), "auto").mode == "cuda"  # constructing touches no GPU
+    assert StepGraphs.for_device(torch.device("cpu"), "rehearse").mode == "rehearse"
+    assert ModelSettings().cuda_graphs == "auto"
+    assert RepoConfig.__dataclass_fields__["cuda_graphs"].default == "auto"
+
+
 def test_cuda_graphs_need_cuda(tiny_models):
     target, drafter = tiny_models["llama"]
     with pytest.raises(ConfigError, match="cuda_graphs"):

@@ -178,7 +178,7 @@ def resolve_mode(args, drafter, backend: str = "torch"):
 
 
 def make_decoder(target, drafter, mode, drafter_dir=None, datastore: str | None = "auto",
-                 cuda_graphs: bool | str = False):
+                 cuda_graphs: bool | str = "auto"):
     """A SpeculativeDecoder for ``mode`` (``runtime.mode.DecodeMode``); under ``auto`` with the acceptance prior from
     the drafter's training log (and, with ``ngram``, prompt-lookup proposals too); ``tree``: the tree verify, with
     lookup chains only with ``ngram``, and proposals from ``datastore`` (``resolve_datastore``; "auto": the drafter

@@ -34,9 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto (default): the drafter directory's datastore.dflash if it has one")
     add_draft_vocab_argument(parser)
     parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="CUDA only: replay the verify and draft forwards as CUDA graphs (captured once per step "
-                             "shape; for small models at small batch, whose steps are paced by kernel launches)")
+    parser.add_argument("--cuda-graphs", nargs="?", const=True, default="auto", choices=["auto", "off", "on"],
+                        help="replay the verify and draft forwards as CUDA graphs (captured once per step shape; for "
+                             "small models at small batch, whose steps are paced by kernel launches): auto (default) "
+                             "on a CUDA device only, off, on (alone: the same) needs CUDA")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     parser.add_argument("--bad-word", action="append", default=[], metavar="TEXT",
                         help="text never generated, tokenized without special tokens (TensorRT-LLM's bad_words: a "

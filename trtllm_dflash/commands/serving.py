@@ -75,10 +75,11 @@ def add_make_repo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not render dflash again as ensemble and tensorrt_llm_bls, the names TensorRT-LLM's "
                              "deployments give their text-level models (its example client's --model-name choices, "
                              "its quick start's /v2/models/ensemble/generate); saves their two processes")
-    parser.add_argument("--cuda-graphs", default=d.cuda_graphs, choices=["off", "on", "rehearse"],
-                        help="the torch step models replay their verify and draft forwards as CUDA graphs (on: CUDA; "
-                             "rehearse: the same static forwards on any device, without the capture); the drafting "
-                             "plugin's kernels run on CUDA whatever this says")
+    parser.add_argument("--cuda-graphs", default=d.cuda_graphs, choices=["auto", "off", "on", "rehearse"],
+                        help="the torch step models replay their verify and draft forwards as CUDA graphs (auto, the "
+                             "default: on a CUDA device, not elsewhere; on: CUDA or an error; rehearse: the same "
+                             "static forwards on any device, without the capture); the drafting plugin's kernels run "
+                             "on CUDA whatever this says")
     parser.add_argument("--force", action="store_true", help="replace an existing --out")
 
 

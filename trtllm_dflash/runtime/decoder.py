@@ -95,7 +95,7 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
                  prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False,
-                 datastore: Datastore | None = None, cuda_graphs: bool | str = False) -> None:
+                 datastore: Datastore | None = None, cuda_graphs: bool | str = "auto") -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -115,8 +115,8 @@ class SpeculativeDecoder:
         (``runtime.datastore``): its proposals take some of the tree's lookup chains (True then means
         ``TreeShape.for_block(B − 1, datastore=True)``).
 
-        ``cuda_graphs`` (CUDA only; ``"rehearse"`` anywhere): the verify, tree verify and draft forwards replay CUDA
-        graphs (``runtime.graphs``), and the decoder keeps its caches between ``generate`` calls."""
+        ``cuda_graphs`` (``"auto"``: on CUDA only; ``"rehearse"`` anywhere): the verify, tree verify and draft forwards
+        replay CUDA graphs (``runtime.graphs``), and the decoder keeps its caches between ``generate`` calls."""
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",

@@ -72,11 +72,14 @@ class StepGraphs:
 
     @classmethod
     def for_device(cls, device: torch.device, requested: "bool | str | StepGraphs") -> "StepGraphs | None":
-        """``requested``: True or "on" (graphs on CUDA; an error elsewhere, where there is nothing to capture),
-        "rehearse", or False / "off" (None: no graphs) — a ``--cuda-graphs`` choice passes as it is; a StepGraphs
-        (one shared by the step engines of one decoder) is returned as it is."""
+        """``requested``: "auto" (the default everywhere: graphs on a CUDA device, none elsewhere), True or "on"
+        (graphs on CUDA; an error elsewhere, where there is nothing to capture), "rehearse", or False / "off" (None:
+        no graphs) — a ``--cuda-graphs`` choice passes as it is; a StepGraphs (one shared by the step engines of one
+        decoder) is returned as it is."""
         if isinstance(requested, StepGraphs):
             return requested
+        if requested == "auto":
+            requested = "on" if torch.device(device).type == "cuda" else "off"
         if not requested or requested == "off":
             return None
         if requested == "rehearse":

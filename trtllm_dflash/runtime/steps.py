@@ -14,8 +14,9 @@ Sequences are keyed by a client-chosen integer ``seq_id``; rows are allocated on
 ``free`` or after ``idle_timeout_s`` without use. The same engines run in-process (``runtime.decoder`` builds them
 over its own models, ``cache`` and ``rows_by_seq_id``) and behind the Triton step models, with the fast paths:
 ``kernels`` (``plugin.dispatch.Impl``; AUTO: the drafting plugin's Triton kernels on CUDA, the drafter's torch code
-elsewhere) for the KV injection and the draft pass, and ``cuda_graphs`` (``runtime.graphs``: True / "on" on CUDA,
-"rehearse" anywhere; or a ``StepGraphs`` the engines share) for the verify, the tree verify and the draft pass.
+elsewhere) for the KV injection and the draft pass, and ``cuda_graphs`` (``runtime.graphs``: "auto", the default,
+on a CUDA device only; True / "on" on CUDA, "rehearse" anywhere; or a ``StepGraphs`` the engines share) for the
+verify, the tree verify and the draft pass.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def verify_forward(target: TargetModel, graphs: StepGraphs | None, cache: KVCach
 class TargetVerifier:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
                  max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0,
-                 cuda_graphs: bool | str | StepGraphs = False, cache: KVCache | None = None,
+                 cuda_graphs: bool | str | StepGraphs = "auto", cache: KVCache | None = None,
                  rows_by_seq_id: bool = False) -> None:
         """``max_tree_nodes``: the widest tree verify allowed (0: none); the cache keeps that many scratch slots past
         a sequence's committed tokens (else one block's). ``cuda_graphs``: the verify and tree-verify forwards replay
@@ -470,7 +471,8 @@ class TargetHead:
 
 class BlockDrafter:
     def __init__(self, drafter: DrafterModel, head: TargetHead, max_sequences: int, max_seq_len: int,
-                 idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO, cuda_graphs: bool | str | StepGraphs = False,
+                 idle_timeout_s: float = 120.0, kernels: Impl = Impl.AUTO,
+                 cuda_graphs: bool | str | StepGraphs = "auto",
                  cache: KVCache | None = None, rows_by_seq_id: bool = False, propose=None) -> None:
         """``kernels``: AUTO runs the draft pass's attention through the drafting plugin's Triton kernel on CUDA
         (``plugin.dispatch.draft``) and the drafter's torch code elsewhere; ``cuda_graphs``: the whole draft (block

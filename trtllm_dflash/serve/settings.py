@@ -40,7 +40,7 @@ class ModelSettings:
     idle_timeout_s: float = 120.0
     torch_threads: int = 0  # 0: by load (handlers.CpuThreads)
     max_batch_size: int = 64
-    cuda_graphs: str = "off"  # off | on | rehearse (runtime.graphs)
+    cuda_graphs: str = "auto"  # auto (on with CUDA) | off | on | rehearse (runtime.graphs)
     draft_vocab: str = ""  # drafter: a reduced draft vocabulary file (models.draft_vocab; "" = the drafter's own)
     # the loop models (dflash_bls, baseline_bls, the entry points, tensorrt_llm)
     block_size: int | str = 16  # a fixed block (1: autoregressive) or "auto" (step models: the block they serve)
@@ -96,7 +96,7 @@ class ModelSettings:
         return params if isinstance(params, cls) else cls.from_parameters(params)
 
     def validate(self) -> None:
-        choices = {"backend": ("torch", "trtllm-engine"), "cuda_graphs": ("off", "on", "rehearse"),
+        choices = {"backend": ("torch", "trtllm-engine"), "cuda_graphs": ("off", "on", "rehearse", "auto"),
                    "frontend": ("off", "on", "tokens")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

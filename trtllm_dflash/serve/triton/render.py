@@ -140,7 +140,7 @@ class RepoConfig:
     trtllm_names: bool = True  # also render dflash as TensorRT-LLM's ensemble and tensorrt_llm_bls (TRTLLM_NAMES)
     # the torch step models' verify and draft forwards replay CUDA graphs (runtime.graphs): "on" (CUDA), "rehearse"
     # (any device: the same static forwards without the capture) or "off"
-    cuda_graphs: str = "off"
+    cuda_graphs: str = "auto"
 
     @property
     def adaptive(self) -> bool:
@@ -210,9 +210,9 @@ class RepoConfig:
         require(self.max_queue >= 0, "--max-queue", self.max_queue, "must be >= 0 (0 = refuse at once when full)")
         require(self.queue_timeout_s > 0, "--queue-timeout-s", self.queue_timeout_s, "must be > 0")
         require(0 <= self.io_nice <= 19, "--io-nice", self.io_nice, "must be in [0, 19] (0 = no priority split)")
-        require(self.cuda_graphs in ("off", "on", "rehearse"), "--cuda-graphs", self.cuda_graphs,
-                "must be off, on or rehearse")
-        require(self.cuda_graphs == "off" or self.backend == "torch", "--cuda-graphs", self.cuda_graphs,
+        require(self.cuda_graphs in ("auto", "off", "on", "rehearse"), "--cuda-graphs", self.cuda_graphs,
+                "must be auto, off, on or rehearse")
+        require(self.cuda_graphs in ("auto", "off") or self.backend == "torch", "--cuda-graphs", self.cuda_graphs,
                 f"applies to the torch step models, not --backend {self.backend} (its engines bring their own)",
                 "drop --cuda-graphs or use --backend torch")
         require(not self.tree or self.backend == "torch", "--tree", True,

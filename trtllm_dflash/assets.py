@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from trtllm_dflash.errors import ArtifactError
+from trtllm_dflash.staging import cache_dir  # noqa: F401 (re-exported: assets.cache_dir)
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,6 @@ RANDOM_DRAFTER_NAME = "smollm2-135m-dflash-random"
 SHIPPED_DRAFTER = Path(__file__).parent / "data" / "drafters" / "smollm2-135m-instruct-dflash"
 MASK_TOKEN_ID = 16  # "<empty_output>"; see the module docstring
 COMPLETE = ".complete"
-
-
-def cache_dir() -> Path:
-    """Root for generated assets: $TRTLLM_DFLASH_CACHE, else ~/.cache/trtllm_dflash."""
-    return Path(os.environ.get("TRTLLM_DFLASH_CACHE") or Path.home() / ".cache" / "trtllm_dflash")
 
 
 def _gguf_path() -> Path:

@@ -9,7 +9,7 @@ import torch
 
 from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
-from trtllm_dflash.models.weights import write_json, write_state_dict
+from trtllm_dflash.models.weights import write_drafter, write_json, write_state_dict  # noqa: F401 (re-exported)
 from trtllm_dflash.specs import DrafterSpec, TargetSpec, build_target_layer_ids, check_pair
 
 
@@ -54,19 +54,6 @@ def random_drafter_state(spec: DrafterSpec, seed: int, std: float = 0.02) -> dic
             else:
                 p.normal_(0.0, std)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def write_drafter(out_dir: str | Path, spec: DrafterSpec, target: TargetSpec, state: dict[str, torch.Tensor],
-                  dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
-    """Write a z-lab-format drafter directory (config.json + model.safetensors), atomically as a whole."""
-    from trtllm_dflash.staging import staged_output
-
-    out_dir = Path(out_dir)
-    with staged_output(out_dir, force=True) as tmp:
-        cfg = spec.to_hf_config(target=target) | {"torch_dtype": str(dtype).removeprefix("torch.")}
-        write_json(cfg | (extra_config or {}), tmp / "config.json")
-        write_state_dict({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors")
-    return out_dir
 
 
 def write_tiny_target(out_dir: str | Path, *, family: str = "llama", seed: int = 0, vocab_size: int = 256,

@@ -1,4 +1,6 @@
-"""All-or-nothing output directories: build in a temporary directory next to OUT, rename into place at the end."""
+"""Where the toolkit writes, and how: the cache root (``cache_dir``) for generated assets and per-machine measurements,
+and all-or-nothing outputs (a directory built in a temporary directory next to OUT and renamed into place at the end;
+a file written to a temporary file and renamed)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import tempfile
 from pathlib import Path
 
 from trtllm_dflash.errors import ArtifactError
+
+
+def cache_dir() -> Path:
+    """Root for generated assets and per-machine measurements: $TRTLLM_DFLASH_CACHE, else ~/.cache/trtllm_dflash."""
+    return Path(os.environ.get("TRTLLM_DFLASH_CACHE") or Path.home() / ".cache" / "trtllm_dflash")
 
 
 def refuse_existing(out: Path, force: bool) -> None:

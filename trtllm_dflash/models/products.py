@@ -258,7 +258,7 @@ _TABLES: dict[tuple[str, int], ProductTable] = {}
 
 
 def table_path(key: dict) -> Path:
-    from trtllm_dflash.assets import cache_dir
+    from trtllm_dflash.staging import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "products" / f"products-{digest}.json"
@@ -266,7 +266,7 @@ def table_path(key: dict) -> Path:
 
 def table() -> ProductTable:
     """This machine's table at the current thread count, for the current model cache (one per process each)."""
-    from trtllm_dflash.assets import cache_dir
+    from trtllm_dflash.staging import cache_dir
 
     name = (str(cache_dir()), torch.get_num_threads())
     found = _TABLES.get(name)

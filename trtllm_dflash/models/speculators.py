@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from trtllm_dflash.errors import ConfigError, read_json, require
-from trtllm_dflash.models.weights import load_into, read_state_dict, write_json, write_state_dict
+from trtllm_dflash.models.weights import load_into, read_state_dict, write_drafter, write_json, write_state_dict
 from trtllm_dflash.specs import DrafterSpec, LayerType, TargetSpec
 
 log = logging.getLogger(__name__)
@@ -229,8 +229,6 @@ def write_zlab_copy(model_dir: str | Path, out_dir: str | Path, target: TargetSp
     """A full-vocabulary speculators drafter rewritten in the z-lab layout (``DFlashDraftModel`` config with
     ``dflash_config``), for consumers that read only that layout (TensorRT-LLM's DFlash loader). A reduced
     vocabulary is refused by ``DrafterSpec.to_hf_config``: the z-lab layout has no head to carry it."""
-    from trtllm_dflash.checkpoints import write_drafter
-
     spec = DrafterSpec.load(model_dir)
     body, _, _ = split_state(read_state_dict(model_dir), spec, model_dir)
     spec.to_hf_config(target=target)  # refuses a reduced vocabulary before anything is written

@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -14,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from trtllm_dflash.errors import ArtifactError
+
+if TYPE_CHECKING:
+    from trtllm_dflash.specs import DrafterSpec, TargetSpec
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -105,3 +109,16 @@ def write_json(obj, path: str | Path) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def write_drafter(out_dir: str | Path, spec: DrafterSpec, target: TargetSpec, state: dict[str, torch.Tensor],
+                  dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> Path:
+    """Write a z-lab-format drafter directory (config.json + model.safetensors), atomically as a whole."""
+    from trtllm_dflash.staging import staged_output
+
+    out_dir = Path(out_dir)
+    with staged_output(out_dir, force=True) as tmp:
+        cfg = spec.to_hf_config(target=target) | {"torch_dtype": str(dtype).removeprefix("torch.")}
+        write_json(cfg | (extra_config or {}), tmp / "config.json")
+        write_state_dict({k: v.to(dtype) for k, v in state.items()}, tmp / "model.safetensors")
+    return out_dir

@@ -84,10 +84,10 @@ class CostModel:
         values[i] *= 1 + alpha * (1 - w) * (ratio - 1)
         # every point above n moves by the estimate's change at n, keeping what each further token costs: a served
         # step's time includes a cost per call (the BLS round trip, the step barrier) that wider verifies pay too.
-        # Moved only locally and then kept monotone, 16 concurrent sequences that observed only 16-token verifies
-        # (135 ms served, 50 calibrated) raised the 32- and 64-token points to the same 135 ms: K = 3 for the
-        # whole batch looked free, and the served loop verified prompt lookup's proposals at twice a plain step's
-        # compute.
+        # Moved only locally and then kept monotone, sequences that observed only 16-token verifies served (a served
+        # step well above its calibrated cost) raised the 32- and 64-token points to that same time: a wider verify
+        # for the whole batch looked free, and the served loop verified prompt lookup's proposals at twice a plain
+        # step's compute.
         shift = alpha * (ratio - 1) * predicted
         for j in range(i + 1, len(values)):
             values[j] += shift
@@ -179,8 +179,8 @@ def calibrate_context(measure: Callable[[int, int, int], float], context: int = 
     ``width`` tokens over ``context`` cached tokens a row): ``rows`` rows of one token and of ``width`` tokens, each
     over an empty cache and over ``context`` tokens, interleaved, the fastest of ``repeats``. Per context token the
     first pair differs by rows · (α + β), the second by rows · (α + width · β); a step's share that does not grow with
-    its rows (~2 ms over 300 tokens here) cancels out of β. (One row of ``rows`` tokens as the second probe, the first
-    version, put that share into β: 0.66–1.03 µs against 0.31 µs fitted over 20 shapes.)"""
+    its rows cancels out of β. (One row of ``rows`` tokens as the second probe would put that share into β, which
+    then disagrees with β fitted over many shapes.)"""
     shapes = [(rows, 1, 0), (rows, 1, context), (rows, width, 0), (rows, width, context)]
     for shape in shapes:
         measure(*shape)  # warm-up

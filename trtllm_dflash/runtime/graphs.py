@@ -1,10 +1,9 @@
 """CUDA graphs for the decode loop's fixed-shape forwards (``SpeculativeDecoder(cuda_graphs=True)``).
 
-On the one GPU this project has measured (the first GPU lease, an H200, perf/results/gpu/2026-11-26-h200;
-SmolLM2-135M, eager PyTorch), autoregressive decoding ran at ~50 tok/s: ~20 ms a token for a model whose weights
-stream from HBM in well under a millisecond. The step is paced by launching its ~1,200 kernels one by one from
-Python, and a DFlash step pays that for the verify and again for the draft. A CUDA graph records a forward's kernels
-once and replays them with one launch.
+On a GPU a small model's eager step is paced by launching its kernels (over a thousand per forward) one by one from
+Python, not by reading its weights from HBM (``docs/gpu.md`` has the measurement), and a DFlash step pays that for
+the verify and again for the draft. A CUDA graph records a forward's kernels once and replays them with one
+launch.
 
 What a graph needs, and how the runtime provides it:
 - **Fixed shapes and addresses.** A graph is captured per step shape (rows, tokens, all of the cache's rows or a

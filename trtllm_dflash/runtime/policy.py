@@ -105,8 +105,8 @@ class AdaptivePolicy:
         best_rate, best = sum(w) / self.cost.step(b, 0, 0, context=self.context), (0, [], [0.0] * b)
         # host work every step, which a CUDA-graphed step may not hide: the rows verifying a lookup are counted per
         # plan and listed for the best plan only (listed per plan, O(K · b³)), the verify's price is taken once per k,
-        # and a row's expectations are remembered until its counts or the prior change (``git show ede48fc:perf/bench_policy.py``,
-        # perf/results/policy/: 0.58-0.59 -> 0.24-0.25 ms a step at b = 16, 66 -> 59-60 µs at b = 1)
+        # and a row's expectations are remembered until its counts or the prior change (measured in
+        # perf/results/policy/ with ``git show ede48fc:perf/bench_policy.py``)
         for k in range(1, self.max_k + 1):
             free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
             extra = sorted((((expected[i][k] - free[i]) * w[i], i) for i in range(b)
@@ -152,10 +152,9 @@ class AdaptivePolicy:
         return [1.0 if r >= most - slack else ahead for r in remaining]
 
     def row_share(self, rows: int, context: float = 0.0) -> float:
-        """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on
-        the 2-core CPU ~0.03 at batch 16 (a row adds ~1.5 ms to a ~75 ms step; ``perf/policy_replay.py`` replays
-        HumanEval at batch 16 at 1.076 x autoregressive with this against 1.064 x with a guessed 0.25), on a
-        GPU, where a batch's plain step costs about one row's, about 0."""
+        """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on a
+        CPU, where every row is compute, a few percent at batch 16 (``perf/policy_replay.py`` compares this with a
+        guessed share); on a GPU, where a batch's plain step costs about one row's, about 0."""
         if rows <= 1:
             return 1.0
         full = self.cost.step(rows, 0, 0, context=context)

@@ -605,7 +605,7 @@ def add_data_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--size", type=int, required=True, help="response tokens (whole shards, at least this many)")
     q.add_argument("--taps-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="dtype of the teacher-forced forward that makes the taps (stored as bf16 either way; "
-                        "default bfloat16, ~2x faster on this CPU)")
+                        "default bfloat16, the faster one on a CPU with bfloat16 products)")
     q.add_argument("--tap-layers", type=int, nargs="+", default=[1, 14, 27],
                    help="target layers tapped (default 1 14 27, the shipped drafter's)")
 

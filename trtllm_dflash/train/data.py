@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save_file
 
-from trtllm_dflash.datasets import Prompt
 from trtllm_dflash.models.target import TargetModel
 
 log = logging.getLogger(__name__)
@@ -133,55 +132,6 @@ def read_shard(path: Path) -> list[Sample]:
 
 
 TAPS_TOP_K = 8  # the target's next-token logits kept per response token in the taps cache (--distill, --tv)
-
-
-def build_taps_cache(
-    target: TargetModel,
-    tokenizer,
-    prompts: list[Prompt],
-    out_dir: Path,
-    *,
-    tap_layers: tuple[int, ...],
-    max_new_tokens: int,
-    max_prompt_len: int,
-    stop_token_ids: tuple[int, ...],
-    batch_size: int,
-    max_shards: int | None = None,
-    progress=None,
-) -> list[Path]:
-    """Regenerate responses for ``prompts`` in chunks of ``batch_size`` (the first ``max_shards`` chunks only, if
-    given) and cache their taps with the target's top-k next-token logits (``regen.regenerate``: what ``--distill``
-    and ``--tv`` train against); resumes by chunk."""
-    from trtllm_dflash.runtime.text import encode_prompt
-    from trtllm_dflash.train.regen import regenerate
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # top_k: shards written without the target's top-k (before the cache kept it) are refused, not mixed in
-    meta = {"tap_layers": list(tap_layers), "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            "top_k": TAPS_TOP_K}
-    meta_path = out_dir / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
-        raise ValueError(f"{out_dir} holds taps for different settings {meta_path.read_text()}; use a new --out")
-    meta_path.write_text(json.dumps(meta) + "\n")
-    encoded = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
-    keep = [e for e in encoded if len(e) <= max_prompt_len]
-    # Chunks of similar prompt lengths (less padding), taken in a seeded random order so that the shards written
-    # before an interruption are a fair sample of the whole prompt mix.
-    order = sorted(range(len(keep)), key=lambda i: len(keep[i]))
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0)).tolist()]
-    chunks = chunks[:max_shards]
-    paths = []
-    for c, chunk in enumerate(chunks):
-        path = out_dir / f"shard-{c:05d}.safetensors"
-        paths.append(path)
-        if not path.is_file():
-            prompts_ids = [keep[i] for i in chunk]
-            regen = regenerate(target, prompts_ids, max_new_tokens, stop_token_ids, TAPS_TOP_K, tap_layers=tap_layers)
-            write_shard(path, [r.as_sample() for r in regen])
-        if progress is not None:
-            progress(sum(len(ch) for ch in chunks[: c + 1]), len(keep))
-    return paths
 
 
 @torch.inference_mode()

@@ -56,7 +56,7 @@ def stage_taps(cfg: TrainConfig, work: Path, target, spec: DrafterSpec, prompts:
     from tqdm import tqdm
 
     from trtllm_dflash.runtime.text import load_tokenizer, stop_token_ids
-    from trtllm_dflash.train.data import build_taps_cache
+    from trtllm_dflash.train.regen import build_taps_cache
 
     tok = load_tokenizer(cfg.target)
     bar = tqdm(total=len(prompts), desc="regenerating responses", unit="prompt", mininterval=10)

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from trtllm_dflash.datasets import Prompt
 from trtllm_dflash.models.target import TargetModel
-from trtllm_dflash.train.data import Sample, pack_sequences, save_atomic, write_shard
+from trtllm_dflash.train.data import TAPS_TOP_K, Sample, pack_sequences, save_atomic, write_shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,4 +232,52 @@ def tap_shards(target: TargetModel, regen_paths: list[Path], out_dir: Path, tap_
             write_shard(dst, samples)
         if progress is not None:
             progress(n + 1, len(regen_paths))
+    return paths
+
+
+def build_taps_cache(
+    target: TargetModel,
+    tokenizer,
+    prompts: list[Prompt],
+    out_dir: Path,
+    *,
+    tap_layers: tuple[int, ...],
+    max_new_tokens: int,
+    max_prompt_len: int,
+    stop_token_ids: tuple[int, ...],
+    batch_size: int,
+    max_shards: int | None = None,
+    progress=None,
+) -> list[Path]:
+    """Regenerate responses for ``prompts`` in chunks of ``batch_size`` (the first ``max_shards`` chunks only, if
+    given) and cache their taps with the target's top-k next-token logits (``regen.regenerate``: what ``--distill``
+    and ``--tv`` train against); resumes by chunk."""
+    from trtllm_dflash.runtime.text import encode_prompt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # top_k: shards written without the target's top-k (before the cache kept it) are refused, not mixed in
+    meta = {"tap_layers": list(tap_layers), "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "top_k": TAPS_TOP_K}
+    meta_path = out_dir / "meta.json"
+    if meta_path.is_file() and json.loads(meta_path.read_text()) != meta:
+        raise ValueError(f"{out_dir} holds taps for different settings {meta_path.read_text()}; use a new --out")
+    meta_path.write_text(json.dumps(meta) + "\n")
+    encoded = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
+    keep = [e for e in encoded if len(e) <= max_prompt_len]
+    # Chunks of similar prompt lengths (less padding), taken in a seeded random order so that the shards written
+    # before an interruption are a fair sample of the whole prompt mix.
+    order = sorted(range(len(keep)), key=lambda i: len(keep[i]))
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0)).tolist()]
+    chunks = chunks[:max_shards]
+    paths = []
+    for c, chunk in enumerate(chunks):
+        path = out_dir / f"shard-{c:05d}.safetensors"
+        paths.append(path)
+        if not path.is_file():
+            prompts_ids = [keep[i] for i in chunk]
+            regen = regenerate(target, prompts_ids, max_new_tokens, stop_token_ids, TAPS_TOP_K, tap_layers=tap_layers)
+            write_shard(path, [r.as_sample() for r in regen])
+        if progress is not None:
+            progress(sum(len(ch) for ch in chunks[: c + 1]), len(keep))
     return paths

@@ -29,7 +29,7 @@ from trtllm_dflash.assets import cache_dir
 from trtllm_dflash.errors import ArtifactError
 from trtllm_dflash.serve.triton.lifecycle import StubWatch
 
-OMP_SPINCOUNT = 50_000  # libgomp spin iterations (~2 ms here) before an idle thread sleeps (server_command)
+OMP_SPINCOUNT = 50_000  # libgomp spin iterations (a few ms) before an idle thread sleeps (server_command)
 EXIT_TIMEOUT_S = 5  # Triton's own wait for in-flight requests on SIGTERM
 STOP_GRACE_S = 10.0  # then TritonServer.stop kills what is left (stubs still generating included)
 STUB_RESCAN_S = 30.0  # dead_models looks for new stubs this often; a known stub's exit is seen at the next call
@@ -136,11 +136,10 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     ]
     env = dict(os.environ)
     # The step models are torch processes sharing the cores. How their idle OpenMP threads wait sets the CPU speed:
-    # a futex sleep after every op (OMP_WAIT_POLICY=PASSIVE) or a short spin (5k iterations, ~0.2 ms) costs a
-    # wake-up on many of a forward's ops (Triton c=1 at 0.88-0.90 of in-process,
-    # perf/results/bench-serving-cpu/README.md); libgomp's default (300k, ~10 ms) keeps one process's threads
-    # spinning while the next stage computes. 50k (~2 ms) spans the gaps inside a forward and sleeps between stages:
-    # c=1 at 0.92-1.0 of in-process. Concurrency is handled by the step models' thread count instead
+    # a futex sleep after every op (OMP_WAIT_POLICY=PASSIVE) or a short spin (5k iterations) costs a wake-up on many
+    # of a forward's ops; libgomp's default (300k) keeps one process's threads spinning while the next stage
+    # computes. 50k spans the gaps inside a forward and sleeps between stages (measured against in-process in
+    # perf/results/bench-serving-cpu/README.md). Concurrency is handled by the step models' thread count instead
     # (handlers.CpuThreads: one thread each once DFlash sequences overlap).
     # A user-set OMP_WAIT_POLICY or GOMP_SPINCOUNT is left alone.
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:

@@ -186,6 +186,24 @@ def test_fused_projections_equal_the_separate_ones(monkeypatch, tmp_path):
     assert seen == [(1, 3, 64)]
 
 
+def test_products_take_weights_made_under_inference_mode(monkeypatch, tmp_path):
+    """A model built inside ``torch.inference_mode`` holds inference tensors, which keep no version counter: its
+    products run (fused and single) and equal ``F.linear`` within float32 rounding."""
+    import torch.nn.functional as F
+
+    from trtllm_dflash.models import layers, products
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    with torch.inference_mode():
+        mods = [layers.Linear(64, n, bias=True) for n in (64, 16, 16)]
+        x = torch.randn(1, 1, 64)
+        for out, mod in zip(layers.fused(x, *mods), mods):
+            exact = F.linear(x.double(), mod.weight.double(), mod.bias.double())
+            assert ((out.double() - exact).abs() <= _product_tolerance(x, mod.weight) + 1e-6).all()
+        torch.testing.assert_close(mods[0](x), F.linear(x, mods[0].weight, mods[0].bias))
+
+
 def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch):
     """The Triton drafter model's LM head (``runtime.steps.BlockDrafter.logits``) runs the product every other head of
     the runtime runs (``layers.linear``, the kernel the machine's table chose), bit for bit: with the weight-major

@@ -289,7 +289,8 @@ def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[tor
     weight per (forced kind, threads, row bucket, its dtype and storage) until a weight or bias changes (identity or
     in-place version), so a step's products pay a dictionary look-up each, not a table query."""
     parts = [*weights, *(b for b in biases if b is not None)]
-    stamp = tuple([(id(p), p._version) for p in parts])
+    # an inference tensor (made under torch.inference_mode) keeps no version counter: its identity stamps it
+    stamp = tuple([(id(p), -1 if p.is_inference() else p._version) for p in parts])
     plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
     name = (_FORCED, GENERATION, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype,
             weights[0].data_ptr())
@@ -317,15 +318,13 @@ def project(x: torch.Tensor, weights: Sequence[torch.Tensor],
             biases: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, ...]:
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))``, as one product over the weights concatenated
     where the table runs it (CPU inference), the outputs views into its result."""
-    biases = biases if biases is not None else [None] * len(weights)
-    if not all(eligible(x, w) for w in weights) or x.numel() == 0:
+    biases = biases if biases is not None else (None,) * len(weights)
+    if not all([eligible(x, w) for w in weights]) or x.numel() == 0:
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
     kind, prepared, bias, sizes, out_features = _plan(x, weights, biases, flat.shape[0])
     out = run(kind, flat, prepared, bias).view(*x.shape[:-1], out_features)
-    return tuple(out.split(sizes, dim=-1)) if len(sizes) > 1 else (out,)
+    return tuple(out.split_with_sizes(sizes, -1)) if len(sizes) > 1 else (out,)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

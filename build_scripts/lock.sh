@@ -12,12 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-UV_VERSION=0.13.9
-UV=.cache/uv/bin/uv
-if ! { [ -x "$UV" ] && "$UV" --version | grep -q " $UV_VERSION"; }; then
-    python3 -m venv .cache/uv
-    .cache/uv/bin/python -m pip --disable-pip-version-check -q install "uv==$UV_VERSION"
-fi
+source build_scripts/uv.sh   # UV: the pinned uv
 
 args=(--python-version 3.11 --python-platform x86_64-manylinux_2_36 --generate-hashes)
 if [ -d /opt/wheels ]; then

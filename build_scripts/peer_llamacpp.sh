@@ -20,12 +20,7 @@ PYTHON=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 
 if [ "${1:-}" = "--lock" ]; then
-  UV_VERSION=0.13.9   # the same uv build_scripts/lock.sh pins
-  UV=.cache/uv/bin/uv
-  if ! { [ -x "$UV" ] && "$UV" --version | grep -q " $UV_VERSION"; }; then
-    "$PYTHON" -m venv .cache/uv
-    .cache/uv/bin/python -m pip --disable-pip-version-check -q install "uv==$UV_VERSION"
-  fi
+  source build_scripts/uv.sh   # UV: the uv build_scripts/lock.sh pins
   "$UV" pip compile build_scripts/peers/llamacpp.in --python-version 3.11 --python-platform x86_64-manylinux_2_36 \
     --generate-hashes --custom-compile-command "bash build_scripts/peer_llamacpp.sh --lock" -q -o "$LOCK"
   echo "peer_llamacpp: wrote $LOCK ($(grep -c '^[a-z]' "$LOCK") packages)"

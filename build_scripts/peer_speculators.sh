@@ -18,10 +18,7 @@ find_links=()
 if [ -d /opt/wheels ]; then find_links=(--find-links /opt/wheels); fi
 
 if [ "${1:-}" = "--lock" ]; then
-  UV=.cache/uv/bin/uv
-  if ! [ -x "$UV" ]; then  # the uv build_scripts/lock.sh pins
-    python3 -m venv .cache/uv && .cache/uv/bin/python -m pip --disable-pip-version-check -q install "uv==0.13.9"
-  fi
+  source build_scripts/uv.sh   # UV: the uv build_scripts/lock.sh pins
   "$UV" pip compile build_scripts/peers/speculators.in --no-deps --python-version 3.11 \
       --python-platform x86_64-manylinux_2_36 --generate-hashes "${find_links[@]}" \
       --custom-compile-command "bash build_scripts/peer_speculators.sh --lock" -o "$LOCK"

@@ -21,12 +21,7 @@ if [ -d /opt/wheels ]; then
 fi
 
 if [ "${1:-}" = "--lock" ]; then
-  UV_VERSION=0.13.9   # the same uv build_scripts/lock.sh pins
-  UV=.cache/uv/bin/uv
-  if ! { [ -x "$UV" ] && "$UV" --version | grep -q " $UV_VERSION"; }; then
-    "$PYTHON" -m venv .cache/uv
-    .cache/uv/bin/python -m pip --disable-pip-version-check -q install "uv==$UV_VERSION"
-  fi
+  source build_scripts/uv.sh   # UV: the uv build_scripts/lock.sh pins
   "$UV" pip compile build_scripts/peers/vllm.in --excludes build_scripts/peers/vllm.excludes \
     --python-version 3.11 --python-platform x86_64-manylinux_2_36 --generate-hashes "${find_links[@]}" \
     --custom-compile-command "bash build_scripts/peer_vllm.sh --lock" -q -o "$LOCK"

@@ -150,6 +150,15 @@ def llamacpp_problem(peer: Path) -> str | None:
     return None
 
 
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait ``timeout`` seconds for a side's process that was asked to end, then kill it."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class Tally:
     """One configuration's totals over the units of one dataset and concurrency (a plain class: tests load this
     script by path, outside sys.modules, where dataclasses cannot resolve their module)."""
@@ -220,11 +229,7 @@ class VllmSide:
             self.proc.stdin.close()  # EOF: the worker shuts its engine down and exits
         except OSError:  # it has already ended
             pass
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        wait_or_kill(self.proc, 60)
         self.log.close()
 
 
@@ -238,7 +243,8 @@ def gguf_of(source: str, peer: Path, log_dir: Path, target: str | None = None) -
     for d in filter(None, (source, target)):
         for f in sorted(Path(d).iterdir()):
             if f.is_file():
-                digest.update(f"{f.name} {f.stat().st_size} {f.stat().st_mtime_ns}\n".encode())
+                st = f.stat()
+                digest.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\n".encode())
     out = peer / "models" / f"{Path(source).name}-{digest.hexdigest()[:16]}-f32.gguf"
     if out.is_file():
         return out, 0.0
@@ -250,11 +256,12 @@ def gguf_of(source: str, peer: Path, log_dir: Path, target: str | None = None) -
     # the converter runs in .venv (torch, transformers) with the tree's own gguf package and the peer's sentencepiece
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(peer / "tools")])}
     t0 = time.perf_counter()
-    with open(log_dir / f"convert-{Path(source).name}.log", "w") as log:
+    log_path = log_dir / f"convert-{Path(source).name}.log"
+    with open(log_path, "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py refused {source} (exit {done.returncode}); see "
-                           f"{log_dir / f'convert-{Path(source).name}.log'}")
+                           f"{log_path}")
     os.replace(f"{out}.tmp", out)
     return out, round(time.perf_counter() - t0, 2)
 
@@ -276,14 +283,15 @@ def wheel_q4_gguf(target: str) -> Path | None:
 class LlamaCppSide:
     """``llama-server`` of the llama.cpp peer, one slot per concurrent prompt, fed token ids over HTTP."""
 
-    def __init__(self, args, mode: str, model: Path, drafter: Path | None, log_dir: Path, prep_s: float) -> None:
+    def __init__(self, args, mode: str, model: Path, drafter: Path | None, log_dir: Path, prep_s: float,
+                 info: dict) -> None:
+        """``info``: the peer's install.json (its build)."""
         import urllib.request
 
         self.mode, self.port = mode, free_port()
-        self.ctx = args.llamacpp_ctx
         slots = max(args.concurrencies)
         cmd = [str(args.llamacpp_dir / "build" / "bin" / "llama-server"), "-m", str(model), "-t", str(args.threads),
-               "-tb", str(args.threads), "-np", str(slots), "-c", str(self.ctx * slots), "--host", "127.0.0.1",
+               "-tb", str(args.threads), "-np", str(slots), "-c", str(args.llamacpp_ctx * slots), "--host", "127.0.0.1",
                "--port", str(self.port), "--no-webui"]
         if drafter is not None:
             cmd += ["-md", str(drafter), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(BLOCK - 1)]
@@ -302,8 +310,7 @@ class LlamaCppSide:
             except OSError:
                 time.sleep(0.2)
         self.startup_s = round(prep_s + time.perf_counter() - t0, 2)
-        info = json.loads(Path(args.llamacpp_dir, "install.json").read_text())
-        self.version = f"b{info['build_number']}"
+        self.version, self.build = f"b{info['build_number']}", info["version"]
 
     def _complete(self, ids, max_new_tokens) -> dict:
         import urllib.request
@@ -333,11 +340,7 @@ class LlamaCppSide:
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        wait_or_kill(self.proc, 60)
         self.log.close()
 
 
@@ -386,11 +389,7 @@ class TritonServerProcess:
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGTERM)  # serve stops its server and exits
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        wait_or_kill(self.proc, 120)
         self.err.close()
 
 
@@ -440,31 +439,27 @@ def first_difference(mine: dict, ref: dict) -> dict | None:
         a, b = mine[pid], ref.get(pid)
         if b is None or a == b:
             continue
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        i = common_prefix(a, b)
         return {"prompt": pid, "index": i, "this": a[i] if i < len(a) else None,
                 "reference": b[i] if i < len(b) else None, "len_this": len(a), "len_reference": len(b)}
     return None
 
 
+def common_prefix(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def agreement(mine: dict, ref: dict) -> float:
     """The share of ``ref``'s tokens that ``mine`` reproduces before each prompt's first difference."""
     total = sum(len(v) for v in ref.values())
-    same = 0
-    for pid, b in ref.items():
-        a = mine.get(pid, ())
-        same += next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    same = sum(common_prefix(mine.get(pid, ()), b) for pid, b in ref.items())
     return round(same / total, 4) if total else 1.0
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def start_llamacpp(args, sides: dict, closers: list, log_dir: Path) -> None:
     """Convert the pair (cached) and start one llama-server per llama.cpp mode."""
+    info = json.loads((args.llamacpp_dir / "install.json").read_text())
     target_gguf, prep_s = gguf_of(args.target, args.llamacpp_dir, log_dir)
     for mode in args.llamacpp_mode_list:
         if mode == "ar-q4_1":
@@ -473,14 +468,14 @@ def start_llamacpp(args, sides: dict, closers: list, log_dir: Path) -> None:
                 print("bench_peers: llama.cpp ar-q4_1 skipped: no Q4_1 GGUF for this target (--llamacpp-q4)",
                       file=sys.stderr)
                 continue
-            side = LlamaCppSide(args, mode, Path(q4), None, log_dir, 0.0)
+            side = LlamaCppSide(args, mode, Path(q4), None, log_dir, 0.0, info)
         elif mode == "ar":
-            side = LlamaCppSide(args, mode, target_gguf, None, log_dir, prep_s)
+            side = LlamaCppSide(args, mode, target_gguf, None, log_dir, prep_s, info)
         else:
             if args.drafter is None:
                 continue
             drafter_gguf, convert_s = gguf_of(args.drafter, args.llamacpp_dir, log_dir, target=args.target)
-            side = LlamaCppSide(args, mode, target_gguf, drafter_gguf, log_dir, prep_s + convert_s)
+            side = LlamaCppSide(args, mode, target_gguf, drafter_gguf, log_dir, prep_s + convert_s, info)
         closers.append(side.close)
         sides[(LLAMA, "server", mode)] = side
 
@@ -625,9 +620,9 @@ def main(argv=None) -> int:
     versions = {VLLM: next((s.version for s in sides.values() if isinstance(s, VllmSide)), None), OURS: ours_version,
                 LLAMA: next((s.version for s in sides.values() if isinstance(s, LlamaCppSide)), None)}
     vllm_threads = next((s.threads for s in sides.values() if isinstance(s, VllmSide)), None)
+    from trtllm_dflash.hardware import cpu_model
+
     machine = f"{cpu_model()}, {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}"
-    llama_build = (json.loads((args.llamacpp_dir / "install.json").read_text())["version"]
-                   if "server" in args.path_list else None)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     records = []
     for (d, c, key), t in tallies.items():
@@ -655,7 +650,7 @@ def main(argv=None) -> int:
             "system": system, "version": versions[system], "mode": mode, "path": path, "dataset": d,
             "num_prompts": len(token_ids[d]), "max_new_tokens": args.max_new_tokens, "concurrency": c,
             "threads": vllm_threads if system == VLLM else args.threads,
-            **({"weights": "q4_1" if mode == "ar-q4_1" else "f32", "build": llama_build}
+            **({"weights": "q4_1" if mode == "ar-q4_1" else "f32", "build": sides[key].build}
                if system == LLAMA else {}),
             "tokens_per_second": round(num_tokens / t.seconds, 3), "num_new_tokens": num_tokens,
             "seconds": round(t.seconds, 3), "tau": tau,

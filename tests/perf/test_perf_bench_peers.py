@@ -17,11 +17,15 @@ PEER = ROOT / ".peers" / "vllm"
 PEER_PROBLEM = perf_script("bench_peers").peer_problem(PEER)  # None where the peer is installed
 
 
-def test_refuses_without_the_peer_and_names_the_install_script(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--peer-venv", str(tmp_path / "none"),
+@pytest.mark.parametrize("flags, script", [
+    (["--peer-venv"], "bash build_scripts/peer_vllm.sh"),  # vLLM: in the default paths
+    (["--paths", "in-process,server", "--llamacpp-dir"], "bash build_scripts/peer_llamacpp.sh"),
+])
+def test_refuses_without_the_peer_and_names_the_install_script(tmp_path, flags, script):
+    run = subprocess.run([sys.executable, str(SCRIPT), *flags, str(tmp_path / "none"),
                           "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
-    assert "bash build_scripts/peer_vllm.sh" in run.stderr and str(tmp_path / "none") in run.stderr
+    assert script in run.stderr and str(tmp_path / "none") in run.stderr
     assert not (tmp_path / "out").exists()  # refused before writing anything
 
 
@@ -79,15 +83,6 @@ def test_against_the_real_vllm_peer(smollm2, tmp_path):
 
 LLAMACPP = ROOT / ".peers" / "llamacpp"
 LLAMACPP_PROBLEM = perf_script("bench_peers").llamacpp_problem(LLAMACPP)  # None where llama.cpp is built
-
-
-def test_refuses_without_llamacpp_and_names_the_build_script(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--paths", "in-process,server", "--llamacpp-dir",
-                          str(tmp_path / "none"), "--out-dir", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert "bash build_scripts/peer_llamacpp.sh" in run.stderr and str(tmp_path / "none") in run.stderr
-    assert not (tmp_path / "out").exists()
 
 
 def test_bad_llamacpp_modes_exit_2_naming_the_choices():

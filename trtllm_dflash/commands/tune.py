@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="widest target forward to tune, a prefill's or a batch verify's (default 512)")
     parser.add_argument("--max-rows", type=int, default=16, help="most rows of one draft pass (default 16)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
-    parser.add_argument("--refresh", action="store_true", help="forget the table's choices (the file too) and measure every one again")
+    parser.add_argument("--refresh", action="store_true",
+                        help="forget the table's choices (the file too) and measure every one again")
 
 
 def _counts(top: int) -> list[int]:

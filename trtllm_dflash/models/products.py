@@ -319,7 +319,7 @@ def project(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """``tuple(F.linear(x, w, b) for w, b in zip(weights, biases))``, as one product over the weights concatenated
     where the table runs it (CPU inference), the outputs views into its result."""
     biases = biases if biases is not None else (None,) * len(weights)
-    if not all([eligible(x, w) for w in weights]) or x.numel() == 0:
+    if not all(eligible(x, w) for w in weights) or x.numel() == 0:
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     kind, prepared, bias, sizes, out_features = _plan(x, weights, biases, flat.shape[0])

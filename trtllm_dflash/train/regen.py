@@ -250,8 +250,8 @@ def build_taps_cache(
     progress=None,
 ) -> list[Path]:
     """Regenerate responses for ``prompts`` in chunks of ``batch_size`` (the first ``max_shards`` chunks only, if
-    given) and cache their taps with the target's top-k next-token logits (``regen.regenerate``: what ``--distill``
-    and ``--tv`` train against); resumes by chunk."""
+    given) and cache their taps with the target's top-k next-token logits (``regenerate``: what ``--distill`` and
+    ``--tv`` train against); resumes by chunk."""
     from trtllm_dflash.runtime.text import encode_prompt
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,12 +264,7 @@ def build_taps_cache(
     meta_path.write_text(json.dumps(meta) + "\n")
     encoded = [encode_prompt(tokenizer, p.text, p.chat) for p in prompts]
     keep = [e for e in encoded if len(e) <= max_prompt_len]
-    # Chunks of similar prompt lengths (less padding), taken in a seeded random order so that the shards written
-    # before an interruption are a fair sample of the whole prompt mix.
-    order = sorted(range(len(keep)), key=lambda i: len(keep[i]))
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0)).tolist()]
-    chunks = chunks[:max_shards]
+    chunks = plan_chunks([len(e) for e in keep], batch_size, seed=0)[:max_shards]
     paths = []
     for c, chunk in enumerate(chunks):
         path = out_dir / f"shard-{c:05d}.safetensors"

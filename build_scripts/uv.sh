@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the lock scripts (lock.sh, peer_*.sh --lock), from the repository root: sets UV to the pinned uv
 # resolver, installed into .cache/uv (never into .venv) the first time or when another version is there.
 UV_VERSION=0.13.9

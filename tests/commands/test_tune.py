@@ -69,3 +69,22 @@ def test_refresh_measures_every_choice_again(tiny_dirs, tmp_path, monkeypatch):
     redone = json.loads(open(path).read())
     assert set(redone["choices"]) == set(doc["choices"])
     assert not any("planted" in times for times in redone["timings"].values())
+
+
+def test_tune_compile_records_the_faster_decode_step(tiny_dirs, tmp_path, monkeypatch):
+    """``--compile`` compiles the target's decode step in each variant a process meets (into the cache's inductor
+    folder), times it against the eager step and records the faster, which ``auto`` then runs."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    target, drafter = tiny_dirs["llama"]
+    r = run_cli(["tune", "--target", str(target), "--drafter", str(drafter), "--threads", "1", "--max-tokens", "2",
+                 "--max-rows", "1", "--compile"], fresh=True)
+    assert r.returncode == 0, r.stderr
+    (table,) = json.loads(r.stdout)["tables"]
+    step = table["compiled_step"]
+    assert step["choice"] in ("compiled", "eager") and set(step["step_ms"]) == {"compiled", "eager"}
+    assert len(step["first_step_seconds"]) == 4
+    doc = json.loads(open(table["table"]).read())
+    (entry,) = [name for name in doc["choices"] if name.startswith("compiled:")]
+    assert doc["choices"][entry] == step["choice"]
+    assert any((tmp_path / "inductor").iterdir())

@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=512,
                         help="widest target forward to tune, a prefill's or a batch verify's (default 512)")
     parser.add_argument("--max-rows", type=int, default=16, help="most rows of one draft pass (default 16)")
+    parser.add_argument("--max-step-tokens", type=int, default=64,
+                        help="widest target forward whose kernel kind is also measured on whole forwards "
+                             "(default 64: decode and verify steps; 0: none)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile the target's decode step (models.compiled: minutes on two cores, once per "
+                             "machine) and time it against the eager step; the faster one runs from then on")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
     parser.add_argument("--refresh", action="store_true",
                         help="forget the table's choices (the file too) and measure every one again")
@@ -39,6 +45,67 @@ def _counts(top: int) -> list[int]:
         out.append(n)
         n *= 2
     return out + [top]
+
+
+def _choose_step(target, taps: tuple[int, ...], width: int, context: int = 256) -> str:
+    """The product kind for the target's forwards of ``width`` tokens (a decode or verify step over ``context``
+    cached tokens, with the drafter's taps and the LM head over every token), measured on the forward itself
+    (``products.choose_step``)."""
+    import torch
+
+    from trtllm_dflash.models import products
+
+    cache = target.new_cache(1, context + width + 1)
+    ids = torch.zeros(1, width, dtype=torch.long)
+
+    def forward():
+        cache.lengths.fill_(context)
+        hidden, _ = target(ids, cache, tap_layers=taps)
+        return target.logits(hidden)
+
+    return products.choose_step(target.step_name, target.dtype, width, forward)
+
+
+def _choose_compiled(target, context: int = 256) -> dict | None:
+    """Compiles the target's decode step in each variant a process meets (one row or several, starting at the
+    cache's first row or past it), which leaves them in TorchInductor's on-disk cache, then times one-row steps
+    compiled and eager and records the faster in the table (``TargetModel.compiled_entry``). None where the compiled
+    step does not apply (another dtype or device)."""
+    import torch
+    from tqdm import tqdm
+
+    from trtllm_dflash.models import compiled, products
+
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        return None
+    seconds = {}
+    with compiled.forcing("on"):
+        for b, first in tqdm(((1, 0), (1, 1), (2, 0), (2, 1)), desc="compiling the decode step", file=sys.stderr,
+                             disable=None):
+            cache = target.new_cache(first + b, context + 2)
+            cache.lengths.fill_(context)
+            started = time.perf_counter()
+            target(torch.zeros(b, 1, dtype=torch.long), cache, torch.arange(first, first + b))
+            seconds[f"{b} row{'s' if b > 1 else ''} from row {first}"] = round(time.perf_counter() - started, 1)
+    cache = target.new_cache(1, context + 2)
+
+    def step(setting: str):
+        def run():
+            with compiled.forcing(setting):
+                cache.lengths.fill_(context)
+                hidden, _ = target(torch.zeros(1, 1, dtype=torch.long), cache)
+                return target.logits(hidden)
+        return run
+
+    timings = {}
+
+    def measure() -> dict[str, float]:
+        timings.update(products.fastest({"compiled": step("on"), "eager": step("off")}, repeats=5, calls=3))
+        return timings
+
+    choice = products.table().choose(target.compiled_entry, measure)
+    return {"choice": choice, "first_step_seconds": seconds,
+            "step_ms": {k: round(v * 1e3, 2) for k, v in timings.items()} or None}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -54,6 +121,8 @@ def main(args: argparse.Namespace) -> int:
     if not all(p.isdigit() and int(p) >= 1 for p in parts):
         raise ConfigError("--threads", args.threads, "is not a comma list of integers >= 1", "e.g. --threads 1,2")
     threads = [int(p) for p in parts]
+    if args.max_step_tokens < 0:
+        raise ConfigError("--max-step-tokens", args.max_step_tokens, "must be >= 0", "pass 0 or more")
     for name in ("max_tokens", "max_rows"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "must be >= 1", "pass 1 or more")
@@ -90,8 +159,12 @@ def main(args: argparse.Namespace) -> int:
                     cache = drafter.new_cache(size, bsz + 2)
                     cache.lengths.fill_(1)
                     dec.propose(torch.zeros(size, dtype=torch.long), cache, None, cache.lengths, bsz - 1)
+            steps = [w for w in widths if w <= args.max_step_tokens]
+            for w in tqdm(steps, desc=f"whole steps ({n} threads)", file=sys.stderr, disable=None):
+                _choose_step(target, drafter.spec.target_layer_ids if drafter is not None else (), w)
+            compiled_step = _choose_compiled(target) if args.compile else None
         summary.append({"threads": n, "table": str(table.path), "choices": len(table.choices),
-                        "measured": len(table.choices) - before})
+                        "measured": len(table.choices) - before, "compiled_step": compiled_step})
     print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "load_average": load,
                       "tables": summary,
                       "seconds": round(time.perf_counter() - started, 1)}))

@@ -81,6 +81,60 @@ def forcing(kind: str | None):
         _FORCED = before
 
 
+PER_PRODUCT = "per-product"  # a step's choice: every product runs its own measured kind
+_LOCAL = threading.local()  # the step kind of the forward this thread runs (``step_kind``)
+
+
+@contextlib.contextmanager
+def step_kind(kind: str | None):
+    """Within the block, on this thread, every product runs ``kind`` (one of ``KINDS``): the kind measured fastest
+    for a whole step (``step_choice``). ``PER_PRODUCT``: each product's own choice; None: as outside the block. A
+    forced kind (``TRTLLM_DFLASH_CPU_GEMM``, ``forcing``) still wins."""
+    if kind is None:  # nothing measured for this step: whatever an enclosing block says
+        yield
+        return
+    before = getattr(_LOCAL, "kind", None)
+    _LOCAL.kind = None if kind == PER_PRODUCT else kind
+    try:
+        yield
+    finally:
+        _LOCAL.kind = before
+
+
+def step_entry(step: str, dtype: torch.dtype, rows: int) -> str:
+    """The table's name for a whole step's choice: ``step`` names the model and pass (its shapes), ``rows`` the
+    products' row count."""
+    return f"step:{step}:{str(dtype).removeprefix('torch.')}:{bucket(rows)}"
+
+
+def step_choice(step: str, dtype: torch.dtype, rows: int) -> str | None:
+    """The kind ``tune`` measured fastest for a whole forward of this step and row bucket on this machine (a kind
+    or ``PER_PRODUCT``), or None where it has not been measured: then each product runs its own choice.
+
+    Products are chosen one shape at a time, each timed alone; inside a thirty-layer forward their ranking can
+    differ (the kernels' threading, prefetching and cache state between products), and where kinds are close the
+    per-product choices can mix into a slower step than any one kind. ``tune`` therefore times the forwards
+    themselves under each kind and under the per-product choices, and keeps the fastest."""
+    if _FORCED is not None or dtype not in _DTYPES:
+        return None
+    return table().choices.get(step_entry(step, dtype, rows))
+
+
+def choose_step(step: str, dtype: torch.dtype, rows: int, forward: Callable[[], object], repeats: int = 5,
+                calls: int = 2) -> str:
+    """``step_choice`` for ``step`` at ``rows`` rows, measured now where the table has none: ``forward()`` (one whole
+    step, its weights streamed from memory) timed under each kind and under the per-product choices, interleaved."""
+    kinds = (PER_PRODUCT, *candidates(dtype))
+
+    def under(kind: str) -> Callable[[], object]:
+        def run_step():
+            with step_kind(kind):
+                return forward()
+        return run_step
+
+    return table().choose(step_entry(step, dtype, rows), lambda: fastest({k: under(k) for k in kinds}, repeats, calls))
+
+
 def bucket(rows: int) -> int:
     """The row bucket a product of ``rows`` rows is chosen by: the next power of two, at most ``MAX_BUCKET``."""
     return min(1 << max(rows - 1, 0).bit_length(), MAX_BUCKET)
@@ -284,32 +338,55 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], rows: int):
-    """(kind, prepared weight, bias) of a product of ``rows`` rows with ``weights`` concatenated: cached on the first
-    weight per (forced kind, threads, row bucket, its dtype and storage) until a weight or bias changes (identity or
-    in-place version), so a step's products pay a dictionary look-up each, not a table query."""
+def _stamp(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> tuple:
+    """What tells a derived copy of these parameters stale: their identities and in-place versions (an inference
+    tensor, made under torch.inference_mode, keeps no version counter: its identity stamps it)."""
     parts = [*weights, *(b for b in biases if b is not None)]
-    # an inference tensor (made under torch.inference_mode) keeps no version counter: its identity stamps it
-    stamp = tuple([(id(p), -1 if p.is_inference() else p._version) for p in parts])
-    plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
-    name = (_FORCED, GENERATION, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype,
-            weights[0].data_ptr())
-    found = plans.get(name)
-    if found is not None and found[0] == stamp:
-        return found[1]
-    _check_setting()
-    out_features = sum(w.shape[0] for w in weights)
-    kind = table().kind(x.dtype, out_features, x.shape[-1], rows)
+    return tuple([(id(p), -1 if p.is_inference() else p._version) for p in parts])
+
+
+def _form(kind: str, weights: Sequence[torch.Tensor], stamp: tuple) -> torch.Tensor:
+    """The weights joined along their outputs in ``kind``'s form, kept beside the first until the stamp changes."""
     forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})
     key = ("onednn" if kind == "onednn" else "plain", len(weights))  # linear and weight-major read the same copy
     form = forms.get(key)
     if form is None or form[0] != stamp:
         plain = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
         form = forms[key] = (stamp, prepare(kind, plain))
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else x.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
-    plan = (kind, form[1], bias, [w.shape[0] for w in weights], out_features)
+    return form[1]
+
+
+def _joined_bias(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+
+
+def joined(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights joined along their outputs, their biases joined or None): the copy ``project``'s plain kinds read,
+    for code that runs its own products over it (``models.compiled``)."""
+    biases = biases if biases is not None else (None,) * len(weights)
+    return _form("plain", weights, _stamp(weights, biases)), _joined_bias(weights, biases)
+
+
+def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], rows: int):
+    """(kind, prepared weight, bias) of a product of ``rows`` rows with ``weights`` concatenated: cached on the first
+    weight per (forced kind, threads, row bucket, its dtype and storage) until a weight or bias changes (identity or
+    in-place version), so a step's products pay a dictionary look-up each, not a table query."""
+    stamp = _stamp(weights, biases)
+    plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
+    step = getattr(_LOCAL, "kind", None)
+    name = (_FORCED, step, GENERATION, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype,
+            weights[0].data_ptr())
+    found = plans.get(name)
+    if found is not None and found[0] == stamp:
+        return found[1]
+    _check_setting()
+    out_features = sum(w.shape[0] for w in weights)
+    kind = step if step is not None and _FORCED is None else table().kind(x.dtype, out_features, x.shape[-1], rows)
+    plan = (kind, _form(kind, weights, stamp), _joined_bias(weights, biases), [w.shape[0] for w in weights],
+            out_features)
     plans[name] = (stamp, plan)
     return plan
 

@@ -8,11 +8,16 @@ residual stream after each layer, before the final norm; ``hidden_states[i + 1]`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from trtllm_dflash.models.layers import MLP, KVCache, Linear, Packing, RMSNorm, RopeAt, Rotary, fused
+import torch.nn.functional as F
+
+from trtllm_dflash.models.layers import MLP, KVCache, Linear, Packing, RMSNorm, RopeAt, Rotary, fused, rms_norm
+from trtllm_dflash.models import compiled, products
+from trtllm_dflash.models.products import linear, project
 from trtllm_dflash.models.weights import load_into, read_state_dict
 from trtllm_dflash.specs import TargetSpec
 
@@ -63,6 +68,79 @@ class TargetLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class BoundLayer(NamedTuple):
+    """One decoder layer's parameters as the flat loop reads them (``bind_layers``)."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    eps: float
+    qkv: tuple[torch.Tensor, ...]
+    qkv_bias: tuple[torch.Tensor | None, ...]
+    o: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up: tuple[torch.Tensor, torch.Tensor]
+    down: torch.Tensor
+    heads: tuple[int, int, int]  # query heads, KV heads, head dim
+
+
+def _plain(*modules: nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def bind_layers(layers: nn.ModuleList) -> list[BoundLayer] | None:
+    """The layers' parameters for ``TargetModel``'s flat loop, read afresh each forward (a weight replaced or loaded
+    is seen at once), or None where the loop must call every module: a hook on any of them (global ones too), or a
+    projection that is not this package's ``Linear`` (a quantizer's or ``plain_linears``' conversion). The flat loop
+    runs the same operators in the same order as the modules' forwards; it saves their calls and attribute look-ups,
+    which in a one-token step of a small model add up to a share of the time the products take."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return None
+    bound = []
+    for layer in layers:
+        mods = layer._modules
+        attn, mlp, n1, n2 = mods["self_attn"], mods["mlp"], mods["input_layernorm"], mods["post_attention_layernorm"]
+        am, mm = attn._modules, mlp._modules
+        q, k, v, o, gate, up, down = am["q_proj"], am["k_proj"], am["v_proj"], am["o_proj"], mm["gate_proj"], \
+            mm["up_proj"], mm["down_proj"]
+        qn, kn = am.get("q_norm"), am.get("k_norm")
+        norms = (n1, n2) if qn is None else (n1, n2, qn, kn)
+        linears = (q, k, v, o, gate, up, down)
+        if not (all(type(m) is Linear for m in linears) and _plain(layer, attn, mlp, *norms, *linears)
+                and all(type(n) is RMSNorm and n.eps == n1.eps for n in norms)):
+            return None
+        bound.append(BoundLayer(
+            n1._parameters["weight"], n2._parameters["weight"], n1.eps,
+            (q._parameters["weight"], k._parameters["weight"], v._parameters["weight"]),
+            (q._parameters["bias"], k._parameters["bias"], v._parameters["bias"]),
+            o._parameters["weight"],
+            None if qn is None else qn._parameters["weight"], None if kn is None else kn._parameters["weight"],
+            (gate._parameters["weight"], up._parameters["weight"]), down._parameters["weight"],
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim)))
+    return bound
+
+
+def flat_layer(p: BoundLayer, x, rope: RopeAt, slots, cache: KVCache, layer: int, rows, row_idx, allowed, blocked,
+               kv_len, packing: Packing | None = None):
+    """``TargetLayer.forward`` over its bound parameters: the same operators in the same order, bit for bit."""
+    q, k, v = project(rms_norm(x, p.norm1, p.eps), p.qkv, p.qkv_bias)
+    if packing is not None:
+        q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+    b, s = q.shape[:2]
+    heads, kv_heads, d = p.heads
+    q, k, v = q.view(b, s, heads, d), k.view(b, s, kv_heads, d), v.view(b, s, kv_heads, d)
+    if p.q_norm is not None:
+        q, k = rms_norm(q, p.q_norm, p.eps), rms_norm(k, p.k_norm, p.eps)
+    q, k = rope.apply(q), rope.apply(k)
+    cache.write(layer, rows, slots, k, v, row_idx)
+    out = cache.attend(layer, q.transpose(1, 2), rows, kv_len, allowed, blocked)
+    x = x + linear(out if packing is None else packing.pack(out), p.o)
+    gate, up = project(rms_norm(x, p.norm2, p.eps), p.gate_up)
+    return x + linear(F.silu(gate) * up, p.down)
+
+
 class TargetBody(nn.Module):
     """Mirrors HF's ``model.`` submodule so parameter names match the checkpoint."""
 
@@ -74,6 +152,8 @@ class TargetBody(nn.Module):
 
 
 class TargetModel(nn.Module):
+    flat = True  # run the layers through ``flat_layer`` where ``bind_layers`` allows (False: every module's forward)
+
     def __init__(self, spec: TargetSpec, dtype: torch.dtype = torch.float32, device="cpu") -> None:
         super().__init__()
         self.spec = spec
@@ -112,10 +192,76 @@ class TargetModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [b, S] -> [b, S, hidden]
         return self.model.embed_tokens(ids)
 
+    @property
+    def compiled_entry(self) -> str:
+        """The product table's record that ``tune --compile`` found this model's compiled decode step faster than its
+        eager one on this machine (``models.compiled``)."""
+        return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}"
+
+    def decode_engine(self) -> "compiled.CompiledDecode | None":
+        """The compiled decode step, where ``TRTLLM_DFLASH_COMPILED_STEP`` and this machine's table ask for it."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or products.forced_kind() == "linear":
+            return None
+        mode = compiled.setting()
+        if mode == "off" or (mode == "auto" and products.table().choices.get(self.compiled_entry) != "compiled"):
+            return None
+        engine = self.__dict__.get("_decode")
+        if engine is None:
+            engine = self.__dict__["_decode"] = compiled.CompiledDecode(self.spec.num_hidden_layers)
+        return engine
+
+    def _decode_compiled(self, input_ids, cache: KVCache, rows, tap_layers):
+        """``forward`` of one token per row through the compiled step, or None where it does not apply: not asked
+        for, autograd, hooks or converted modules, rows that are not one run of consecutive cache rows, or a cache
+        holding fewer than two tokens in some row (the compiled shapes start there)."""
+        engine = self.decode_engine()
+        if engine is None or torch.is_grad_enabled():
+            return None
+        bound = bind_layers(self.model.layers)
+        if bound is None:
+            return None
+        first = 0
+        if rows is not None:
+            listed = rows.tolist()
+            first = listed[0]
+            if listed != list(range(first, first + len(listed))):
+                return None
+        b = input_ids.shape[0]
+        lengths = cache.lengths[first:first + b]
+        n = int(lengths.max())
+        if int(lengths.min()) < 2:
+            return None
+        cache.require_capacity(n + 1)
+        layers = [self._decode_layer(p) for p in bound]
+        rope = self.rotary.at(lengths[:, None])
+        shape = compiled.Shape(*bound[0].heads, bound[0].eps)
+        outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first, lengths)
+        taps = torch.cat([outs[i] for i in tap_layers], dim=-1)[:, None] if tap_layers else None
+        return self.model.norm(outs[-1])[:, None], taps
+
+    @staticmethod
+    def _decode_layer(p: BoundLayer) -> "compiled.DecodeLayer":
+        qkv, qkv_bias = products.joined(p.qkv, p.qkv_bias)
+        gate_up, _ = products.joined(p.gate_up)
+        return compiled.DecodeLayer(p.norm1, p.norm2, qkv, qkv_bias, p.o, p.q_norm, p.k_norm, gate_up, p.down)
+
+    @property
+    def step_name(self) -> str:
+        """What names this model's steps in the product table (``products.step_choice``): its products' shapes."""
+        s = self.spec
+        return f"target:{s.num_hidden_layers}x{s.hidden_size}x{s.intermediate_size}x{s.vocab_size}"
+
+    def step_kind(self, rows: int):
+        """The product kind of a step of ``rows`` token rows, as ``tune`` measured it for whole forwards on this
+        machine (``products.step_kind``; a no-op where it did not)."""
+        return products.step_kind(products.step_choice(self.step_name, self.dtype, rows))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # hidden (final-normed): [..., hidden] -> [..., vocab]
         # one GEMM over all positions: a view whose leading dimensions do not merge (hidden[:, :1] of a wider step)
         # would otherwise go through one GEMM per row, each reading the whole head (``draft_block``)
-        return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], self.spec.vocab_size)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        with self.step_kind(flat.shape[0]):
+            return self.lm_head(flat).view(*hidden.shape[:-1], self.spec.vocab_size)
 
     def verify_widths(self, widths: list[int]) -> torch.Tensor | None:
         """``forward``'s ``widths`` for a verify step whose rows hold ``widths`` real tokens (the rest padding to the
@@ -143,8 +289,16 @@ class TargetModel(nn.Module):
         (attention runs over all ``cache.max_len`` slots, the uncommitted ones masked; capacity is the caller's to
         check), so a CUDA graph can replay the forward (``runtime.graphs``); not with ``layout`` or ``widths``.
         """
+        with self.step_kind(input_ids.numel()):
+            return self._forward(input_ids, cache, rows, tap_layers, layout, widths, static)
+
+    def _forward(self, input_ids, cache, rows, tap_layers, layout, widths, static):
         b, s = input_ids.shape
         rows = rows if static else cache.every_row(rows)
+        if s == 1 and layout is None and not static and (widths is None or int(widths.min()) >= 1):
+            found = self._decode_compiled(input_ids, cache, rows, tap_layers)
+            if found is not None:
+                return found
         if layout is None:
             positions = slots = cache.step_positions(rows, s, check=not static)  # [b, S]
             kv_len = cache.max_len if static else int(positions[:, -1].max()) + 1
@@ -163,8 +317,9 @@ class TargetModel(nn.Module):
             x = packing.pack(x)  # [N, hidden]: the residual stream of the real tokens
         wanted = {layer: i for i, layer in enumerate(tap_layers)}
         taps: list[torch.Tensor | None] = [None] * len(tap_layers)
+        bound = bind_layers(self.model.layers) if self.flat else None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, *step, i, *shared)
+            x = layer(x, *step, i, *shared) if bound is None else flat_layer(bound[i], x, *step, i, *shared)
             if i in wanted:
                 taps[wanted[i]] = x
         tapped = torch.cat(taps, dim=-1) if tap_layers else None  # type: ignore[arg-type]

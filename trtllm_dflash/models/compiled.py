@@ -1,0 +1,219 @@
+"""The target's one-token step compiled, for CPUs: the decoder layers of a decode step (each row's next token) as
+TorchInductor graphs with a C++ wrapper, so that no Python runs between the operators of a graph.
+
+A decode step of a small model on a CPU streams the weights once through a few dozen products, and between them
+runs a few hundred small operators (norms, RoPE, attention over the cache, residual adds) that each cost more to
+dispatch from Python than to compute. Compiled, the small operators fuse into generated loops run from C++; the
+products stay library calls (``torch.mm`` in the weight-major form ``models.products`` measures: W·xᵀ, one row padded
+to two columns).
+
+The graphs are pure: they read the cache and return the step's new K/V, which the caller writes into the cache for
+all layers at once (``KVCache``'s layout is one five-dimensional tensor, and a write into a view of it inside a graph
+makes the compiler copy the whole cache). Attention runs over each row's committed keys (masked past the row's
+length) and the new token's own key. One graph covers a group of consecutive layers and serves every group
+(``CompiledDecode``). Shapes are dynamic (rows, cached length); the compiler still specialises a graph to one row or
+several and to where in the cache the rows start, so a process compiles up to four variants, each at its first step:
+from TorchInductor's on-disk cache where ``trtllm-dflash tune --compile`` filled it
+(``$TRTLLM_DFLASH_CACHE/inductor``), otherwise from scratch, which takes a minute or more on two cores.
+
+Numerics: the mathematics of the eager forward in float32, with the float rounding of fused loops: outputs stay
+token-identical to autoregressive decoding wherever the top two logits are further apart than float32's rounding, as
+between any two kernels (tested on the real model).
+
+``TRTLLM_DFLASH_COMPILED_STEP``: ``auto`` (the default) runs the compiled step where ``tune --compile`` timed it
+faster than the eager one on this machine, for this model (the product table records it); ``on`` compiles at the
+first step regardless; ``off`` never.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+ENV = "TRTLLM_DFLASH_COMPILED_STEP"
+SETTINGS = ("auto", "on", "off")
+MOST_LAYERS = 10  # layers of one compiled graph at most (``CompiledDecode``)
+_FORCED: str | None = None
+
+
+@contextlib.contextmanager
+def forcing(value: str | None):
+    """Within the block the compiled step is ``value`` (``on``, ``off``, ``auto``; None: as the environment says),
+    whatever the environment says: ``tune --compile`` compiles and times both."""
+    global _FORCED
+    before, _FORCED = _FORCED, value
+    try:
+        yield
+    finally:
+        _FORCED = before
+
+
+def setting() -> str:
+    """``TRTLLM_DFLASH_COMPILED_STEP`` (or ``forcing``'s value); a value that names no setting is a ConfigError."""
+    value = _FORCED or os.environ.get(ENV, "auto")
+    if value not in SETTINGS:
+        from trtllm_dflash.errors import ConfigError
+
+        raise ConfigError(ENV, value, f"is not one of {', '.join(SETTINGS)}", "unset it or set one of those")
+    return value
+
+
+def inductor_cache() -> None:
+    """TorchInductor's on-disk cache beside the model cache (kept per machine with the product table), unless the
+    environment names one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        from trtllm_dflash.staging import cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [b, in] times w [out, in] -> [b, out], weight-major (W·xᵀ), one row padded to two columns."""
+    if x.shape[0] == 1:
+        return torch.mm(w, torch.cat([x, torch.zeros_like(x)]).T)[:, :1].T
+    return torch.mm(w, x.T).T
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class DecodeLayer(NamedTuple):
+    """One decoder layer's parameters as the graph reads them: the projections that share an input joined."""
+
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: torch.Tensor  # [q; k; v] weights joined
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up: torch.Tensor  # [gate; up] joined
+    down: torch.Tensor
+
+
+class Shape(NamedTuple):
+    """What a compiled step is specialised to (the graph's constants)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n: int, blocked):
+    """One decoder layer over one token per row: the graph each layer's step runs (the layers share it, their
+    parameters being its inputs).
+
+    x [b, hidden] the residual stream; cos, sin [b, 1, head_dim] RoPE at the new tokens' positions (sign folded in,
+    ``layers.RopeAt``); cache_k, cache_v the layer's cache rows of the step [b, max_len, kv, d], their first ``n``
+    slots the keys; blocked [b, 1, 1, n] the slots past each row's committed tokens. Returns (the layer's output [b, hidden], the new token's K and V [b, kv, d])."""
+    b = x.shape[0]
+    heads, kv_heads, d, eps = shape
+    qkv = _product(_rms(x, p.norm1, eps), p.qkv)
+    if p.qkv_bias is not None:
+        qkv = qkv + p.qkv_bias
+    q, k, v = qkv.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)
+    q, k, v = q.reshape(b, heads, d), k.reshape(b, kv_heads, d), v.reshape(b, kv_heads, d)
+    if p.q_norm is not None:
+        q, k = _rms(q, p.q_norm, eps), _rms(k, p.k_norm, eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    ck = cache_k[:, :n].transpose(1, 2)  # [b, kv, n, d]
+    cv = cache_v[:, :n].transpose(1, 2)
+    qg = q.reshape(b, kv_heads, heads // kv_heads, d)
+    scale = d ** -0.5
+    scores = torch.matmul(qg, ck.transpose(-1, -2)) * scale  # [b, kv, group, n]
+    own = (qg * k[:, :, None, :]).sum(-1, keepdim=True) * scale  # [b, kv, group, 1]: the token's own key
+    probs = torch.softmax(torch.cat([scores.masked_fill(blocked, float("-inf")), own], -1), dim=-1)
+    out = torch.matmul(probs[..., :n], cv) + probs[..., n:] * v[:, :, None, :]  # [b, kv, group, d]
+    x = x + _product(out.reshape(b, heads * d), p.o)
+    gate, up = _product(_rms(x, p.norm2, eps), p.gate_up).chunk(2, -1)
+    return x + _product(F.silu(gate) * up, p.down), k, v
+
+
+def decode_layers(shape: Shape, layers: list[DecodeLayer], x, cos, sin, caches_k, caches_v, n: int, blocked):
+    """``decode_layer`` through consecutive layers (their caches ``caches_k``, ``caches_v``) -> (each layer's
+    output, the new K and V stacked [len(layers), b, kv, d])."""
+    outs, new_k, new_v = [], [], []
+    for p, cache_k, cache_v in zip(layers, caches_k, caches_v):
+        x, k, v = decode_layer(shape, p, x, cos, sin, cache_k, cache_v, n, blocked)
+        outs.append(x)
+        new_k.append(k)
+        new_v.append(v)
+    return outs, torch.stack(new_k), torch.stack(new_v)
+
+
+def group_size(num_layers: int, most: int) -> int:
+    """The layers of one compiled graph: ``num_layers`` split into as few equal groups of at most ``most`` as
+    divide it (one graph then serves every group)."""
+    for groups in range(-(-num_layers // most), num_layers + 1):
+        if num_layers % groups == 0:
+            return num_layers // groups
+    return 1
+
+
+class CompiledDecode:
+    """A target's compiled decode step: ``decode_layers`` over ``group`` layers compiled once per ``Shape`` (at its
+    first call) and run for each group of layers in turn; the new K/V of every layer are written into the cache
+    together after the last.
+
+    A graph of all the layers runs fastest (nothing but C++ between the first operator and the last), but its
+    compilation grows with it: minutes for thirty layers on two cores. One layer a graph compiles in seconds, but
+    each call of a compiled function costs its dispatch (guards, argument handling) once per layer. Groups of a few
+    layers keep both small."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.group = group_size(num_layers, MOST_LAYERS)
+        self.graphs: dict[Shape, Callable] = {}
+        self.seconds: dict[tuple[Shape, int, int], float] = {}  # the first step of each row count and first row
+        self.steps = 0
+
+    def graph(self, shape: Shape) -> Callable:
+        fn = self.graphs.get(shape)
+        if fn is None:
+            inductor_cache()
+
+            def layers_step(*inputs):
+                return decode_layers(shape, *inputs)
+
+            fn = self.graphs[shape] = torch.compile(layers_step, dynamic=True, fullgraph=True,
+                                                    options={"cpp_wrapper": True})
+        return fn
+
+    def __call__(self, shape: Shape, layers: list[DecodeLayer], x, cos, sin, cache, first_row: int, lengths):
+        """The decoder layers over one token per row (x [b, hidden] embedded, the rows ``first_row + [0, b)`` of
+        ``cache`` holding ``lengths`` [b] committed tokens) -> every layer's output [b, hidden]; the new tokens' K/V
+        are written into the cache at their positions."""
+        fn = self.graph(shape)
+        started = time.perf_counter()
+        b = x.shape[0]
+        n = int(lengths.max())
+        blocked = torch.arange(n, device=x.device)[None, None, None, :] >= lengths[:, None, None, None]
+        g = self.group
+        outs, new_k, new_v = [], [], []
+        for i in range(0, len(layers), g):
+            caches_k = [cache.k[j, first_row:first_row + b] for j in range(i, i + g)]
+            caches_v = [cache.v[j, first_row:first_row + b] for j in range(i, i + g)]
+            group_outs, k, v = fn(layers[i:i + g], x, cos, sin, caches_k, caches_v, n, blocked)
+            x = group_outs[-1]
+            outs += group_outs
+            new_k.append(k)
+            new_v.append(v)
+        index = (slice(None), torch.arange(first_row, first_row + b), lengths)
+        cache.k[index] = torch.cat(new_k)
+        cache.v[index] = torch.cat(new_v)
+        self.seconds.setdefault((shape, b, first_row), time.perf_counter() - started)
+        self.steps += 1
+        return outs

@@ -67,31 +67,26 @@ def _choose_step(target, taps: tuple[int, ...], width: int, context: int = 256) 
 
 
 def _choose_compiled(target, context: int = 256) -> dict | None:
-    """Compiles the target's decode step in each variant a process meets (one row or several, starting at the
-    cache's first row or past it), which leaves them in TorchInductor's on-disk cache, then times one-row steps
-    compiled and eager and records the faster in the table (``TargetModel.compiled_entry``). None where the compiled
-    step does not apply (another dtype or device)."""
+    """Compiles the target's decode step with each product form (``compiled.FORMS``) in each variant a process meets
+    (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then times one-row steps
+    compiled in each form and eager, and records the fastest in the table (``TargetModel.compiled_entry``). None
+    where the compiled step does not apply (another dtype or device)."""
     import torch
-    from tqdm import tqdm
 
     from trtllm_dflash.models import compiled, products
 
     if target.device.type != "cpu" or target.dtype != torch.float32:
         return None
+    print("tune: compiling the target's decode step (minutes the first time on a few cores)", file=sys.stderr)
     seconds = {}
-    with compiled.forcing("on"):
-        for b, first in tqdm(((1, 0), (1, 1), (2, 0), (2, 1)), desc="compiling the decode step", file=sys.stderr,
-                             disable=None):
-            cache = target.new_cache(first + b, context + 2)
-            cache.lengths.fill_(context)
-            started = time.perf_counter()
-            target(torch.zeros(b, 1, dtype=torch.long), cache, torch.arange(first, first + b))
-            seconds[f"{b} row{'s' if b > 1 else ''} from row {first}"] = round(time.perf_counter() - started, 1)
+    for form in compiled.FORMS:
+        with compiled.forcing("on", form):
+            seconds[form] = target.warm_decode(context)
     cache = target.new_cache(1, context + 2)
 
-    def step(setting: str):
+    def step(setting: str, form: str | None = None):
         def run():
-            with compiled.forcing(setting):
+            with compiled.forcing(setting, form):
                 cache.lengths.fill_(context)
                 hidden, _ = target(torch.zeros(1, 1, dtype=torch.long), cache)
                 return target.logits(hidden)
@@ -100,7 +95,8 @@ def _choose_compiled(target, context: int = 256) -> dict | None:
     timings = {}
 
     def measure() -> dict[str, float]:
-        timings.update(products.fastest({"compiled": step("on"), "eager": step("off")}, repeats=5, calls=3))
+        runs = {form: step("on", form) for form in compiled.FORMS}
+        timings.update(products.fastest({**runs, "eager": step("off")}, repeats=5, calls=3))
         return timings
 
     choice = products.table().choose(target.compiled_entry, measure)

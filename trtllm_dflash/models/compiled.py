@@ -4,8 +4,8 @@ TorchInductor graphs with a C++ wrapper, so that no Python runs between the oper
 A decode step of a small model on a CPU streams the weights once through a few dozen products, and between them
 runs a few hundred small operators (norms, RoPE, attention over the cache, residual adds) that each cost more to
 dispatch from Python than to compute. Compiled, the small operators fuse into generated loops run from C++; the
-products stay library calls (``torch.mm`` in the weight-major form ``models.products`` measures: W·xᵀ, one row padded
-to two columns).
+products stay library calls (``torch.mm`` in one of the forms ``models.products`` measures: weight-major W·xᵀ, one
+row padded to two columns, or x·Wᵀ).
 
 The graphs are pure: they read the cache and return the step's new K/V, which the caller writes into the cache for
 all layers at once (``KVCache``'s layout is one five-dimensional tensor, and a write into a view of it inside a graph
@@ -20,9 +20,9 @@ Numerics: the mathematics of the eager forward in float32, with the float roundi
 token-identical to autoregressive decoding wherever the top two logits are further apart than float32's rounding, as
 between any two kernels (tested on the real model).
 
-``TRTLLM_DFLASH_COMPILED_STEP``: ``auto`` (the default) runs the compiled step where ``tune --compile`` timed it
-faster than the eager one on this machine, for this model (the product table records it); ``on`` compiles at the
-first step regardless; ``off`` never.
+``TRTLLM_DFLASH_COMPILED_STEP``: ``auto`` (the default) runs the compiled step where ``tune --compile`` timed it, in
+one of its product forms, faster than the eager step on this machine, for this model (the product table records the
+winner); ``on`` compiles at the first step regardless (the recorded form, else weight-major); ``off`` never.
 """
 
 from __future__ import annotations
@@ -38,24 +38,29 @@ import torch.nn.functional as F
 ENV = "TRTLLM_DFLASH_COMPILED_STEP"
 SETTINGS = ("auto", "on", "off")
 MOST_LAYERS = 10  # layers of one compiled graph at most (``CompiledDecode``)
-_FORCED: str | None = None
+_FORCED: tuple[str | None, str | None] = (None, None)
 
 
 @contextlib.contextmanager
-def forcing(value: str | None):
-    """Within the block the compiled step is ``value`` (``on``, ``off``, ``auto``; None: as the environment says),
-    whatever the environment says: ``tune --compile`` compiles and times both."""
+def forcing(value: str | None, form: str | None = None):
+    """Within the block the compiled step is ``value`` (``on``, ``off``, ``auto``; None: as the environment says)
+    whatever the environment says, and its products take ``form`` (one of ``FORMS``; None: the recorded one):
+    ``tune --compile`` compiles and times each."""
     global _FORCED
-    before, _FORCED = _FORCED, value
+    before, _FORCED = _FORCED, (value, form)
     try:
         yield
     finally:
         _FORCED = before
 
 
+def forced_form() -> str | None:
+    return _FORCED[1]
+
+
 def setting() -> str:
     """``TRTLLM_DFLASH_COMPILED_STEP`` (or ``forcing``'s value); a value that names no setting is a ConfigError."""
-    value = _FORCED or os.environ.get(ENV, "auto")
+    value = _FORCED[0] or os.environ.get(ENV, "auto")
     if value not in SETTINGS:
         from trtllm_dflash.errors import ConfigError
 
@@ -74,8 +79,15 @@ def inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
-def _product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [b, in] times w [out, in] -> [b, out], weight-major (W·xᵀ), one row padded to two columns."""
+FORMS = ("weight-major", "linear")  # the products' forms a graph can call (``_product``)
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
+    """x [b, in] times w [out, in] -> [b, out]: ``weight-major`` W·xᵀ (one row padded to two columns), or ``linear``
+    x·Wᵀ, the two forms of ``models.products`` a compiled graph calls without Python (oneDNN's prepacked product is
+    not one: its lowering takes no prepacked weight as an input)."""
+    if form == "linear":
+        return torch.mm(x, w.T)
     if x.shape[0] == 1:
         return torch.mm(w, torch.cat([x, torch.zeros_like(x)]).T)[:, :1].T
     return torch.mm(w, x.T).T
@@ -111,6 +123,7 @@ class Shape(NamedTuple):
     kv_heads: int
     head_dim: int
     eps: float
+    product: str  # one of ``FORMS``
 
 
 def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n: int, blocked):
@@ -121,8 +134,8 @@ def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n:
     ``layers.RopeAt``); cache_k, cache_v the layer's cache rows of the step [b, max_len, kv, d], their first ``n``
     slots the keys; blocked [b, 1, 1, n] the slots past each row's committed tokens. Returns (the layer's output [b, hidden], the new token's K and V [b, kv, d])."""
     b = x.shape[0]
-    heads, kv_heads, d, eps = shape
-    qkv = _product(_rms(x, p.norm1, eps), p.qkv)
+    heads, kv_heads, d, eps, form = shape
+    qkv = _product(_rms(x, p.norm1, eps), p.qkv, form)
     if p.qkv_bias is not None:
         qkv = qkv + p.qkv_bias
     q, k, v = qkv.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)
@@ -138,9 +151,9 @@ def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n:
     own = (qg * k[:, :, None, :]).sum(-1, keepdim=True) * scale  # [b, kv, group, 1]: the token's own key
     probs = torch.softmax(torch.cat([scores.masked_fill(blocked, float("-inf")), own], -1), dim=-1)
     out = torch.matmul(probs[..., :n], cv) + probs[..., n:] * v[:, :, None, :]  # [b, kv, group, d]
-    x = x + _product(out.reshape(b, heads * d), p.o)
-    gate, up = _product(_rms(x, p.norm2, eps), p.gate_up).chunk(2, -1)
-    return x + _product(F.silu(gate) * up, p.down), k, v
+    x = x + _product(out.reshape(b, heads * d), p.o, form)
+    gate, up = _product(_rms(x, p.norm2, eps), p.gate_up, form).chunk(2, -1)
+    return x + _product(F.silu(gate) * up, p.down, form), k, v
 
 
 def decode_layers(shape: Shape, layers: list[DecodeLayer], x, cos, sin, caches_k, caches_v, n: int, blocked):
@@ -174,8 +187,9 @@ class CompiledDecode:
     each call of a compiled function costs its dispatch (guards, argument handling) once per layer. Groups of a few
     layers keep both small."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, form: str) -> None:
         self.group = group_size(num_layers, MOST_LAYERS)
+        self.form = form
         self.graphs: dict[Shape, Callable] = {}
         self.seconds: dict[tuple[Shape, int, int], float] = {}  # the first step of each row count and first row
         self.steps = 0

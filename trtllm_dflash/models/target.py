@@ -7,6 +7,7 @@ residual stream after each layer, before the final norm; ``hidden_states[i + 1]`
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,8 +195,8 @@ class TargetModel(nn.Module):
 
     @property
     def compiled_entry(self) -> str:
-        """The product table's record that ``tune --compile`` found this model's compiled decode step faster than its
-        eager one on this machine (``models.compiled``)."""
+        """The product table's record of which decode step ``tune --compile`` found fastest on this machine: a
+        compiled one (its product form, ``compiled.FORMS``) or ``eager`` (``models.compiled``)."""
         return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}"
 
     def decode_engine(self) -> "compiled.CompiledDecode | None":
@@ -203,12 +204,32 @@ class TargetModel(nn.Module):
         if self.device.type != "cpu" or self.dtype != torch.float32 or products.forced_kind() == "linear":
             return None
         mode = compiled.setting()
-        if mode == "off" or (mode == "auto" and products.table().choices.get(self.compiled_entry) != "compiled"):
+        recorded = products.table().choices.get(self.compiled_entry) if mode != "off" else None
+        if mode == "off" or (mode == "auto" and recorded not in compiled.FORMS):
             return None
-        engine = self.__dict__.get("_decode")
-        if engine is None:
-            engine = self.__dict__["_decode"] = compiled.CompiledDecode(self.spec.num_hidden_layers)
-        return engine
+        form = compiled.forced_form() or (recorded if recorded in compiled.FORMS else compiled.FORMS[0])
+        engines = self.__dict__.setdefault("_decode_engines", {})
+        if form not in engines:
+            engines[form] = compiled.CompiledDecode(self.spec.num_hidden_layers, form)
+        return engines[form]
+
+    VARIANTS = ((1, 0), (1, 1), (2, 0), (2, 1))  # (rows, first row): the compiled step's specialisations
+
+    def warm_decode(self, context: int = 8) -> dict[str, float]:
+        """Runs the compiled decode step once in each variant a process meets (one row or several, starting at the
+        cache's first row or past it), so that no request waits for its compilation -> seconds of each first step;
+        {} where the compiled step is off."""
+        if self.decode_engine() is None:
+            return {}
+        seconds = {}
+        with torch.inference_mode():
+            for b, first in self.VARIANTS:
+                cache = self.new_cache(first + b, context + 2)
+                cache.lengths.fill_(context)
+                started = time.perf_counter()
+                self(torch.zeros(b, 1, dtype=torch.long, device=self.device), cache, torch.arange(first, first + b))
+                seconds[f"{b} row{'s' if b > 1 else ''} from row {first}"] = round(time.perf_counter() - started, 1)
+        return seconds
 
     def _decode_compiled(self, input_ids, cache: KVCache, rows, tap_layers):
         """``forward`` of one token per row through the compiled step, or None where it does not apply: not asked
@@ -234,7 +255,7 @@ class TargetModel(nn.Module):
         cache.require_capacity(n + 1)
         layers = [self._decode_layer(p) for p in bound]
         rope = self.rotary.at(lengths[:, None])
-        shape = compiled.Shape(*bound[0].heads, bound[0].eps)
+        shape = compiled.Shape(*bound[0].heads, bound[0].eps, engine.form)
         outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first, lengths)
         taps = torch.cat([outs[i] for i in tap_layers], dim=-1)[:, None] if tap_layers else None
         return self.model.norm(outs[-1])[:, None], taps

@@ -254,6 +254,7 @@ class TargetVerifyModel:
                                                  s.max_sequences, s.max_seq_len, s.idle_timeout_s, s.max_batch_size)
             return
         target = TargetModel.from_pretrained(s.target_dir, device=_device())
+        target.warm_decode()  # the compiled step, where this machine's table asks for it: compiled at load
         self.verifier = TargetVerifier(target, taps, s.max_sequences, s.max_seq_len, s.max_block_size,
                                        s.idle_timeout_s, s.max_tree_nodes, cuda_graphs=s.cuda_graphs)
         self.tap_width = len(taps) * target.spec.hidden_size

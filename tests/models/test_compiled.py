@@ -173,3 +173,13 @@ def test_decoding_with_the_compiled_step_is_lossless_on_the_real_model(real_comp
             assert [g.token_ids for g in got] == want[:len(batch)], block_size
             if block_size == 1:  # the decode steps ran compiled
                 assert engine.steps - before >= 39
+
+
+def test_a_choice_measured_inside_another_one_completes(monkeypatch, tmp_path):
+    """Timing a whole step measures the products and attention shapes it meets first (their own choices) while the
+    step's choice is being made: the table's lock is taken again by the same thread, not waited on."""
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    table = products.table()
+    outer = table.choose("step:outer", lambda: {"a": 2.0, "b": table.choose("inner", lambda: {"x": 1.0}) and 1.0})
+    assert outer == "b" and table.choices["inner"] == "x"

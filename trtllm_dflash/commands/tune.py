@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 64: decode and verify steps; 0: none)")
     parser.add_argument("--compile", action="store_true",
                         help="also compile the target's decode step (models.compiled: minutes on two cores, once per "
-                             "machine) and time it against the eager step; the faster one runs from then on")
+                             "machine) and time it against the eager step at 1 to --max-rows rows; the faster runs "
+                             "from then on")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
     parser.add_argument("--refresh", action="store_true",
                         help="forget the table's choices (the file too) and measure every one again")
@@ -66,12 +67,13 @@ def _choose_step(target, taps: tuple[int, ...], width: int, context: int = 256) 
     return products.choose_step(target.step_name, target.dtype, width, forward)
 
 
-def _choose_compiled(target, context: int = 256) -> dict | None:
+def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None:
     """Compiles the target's decode step with each product form (``compiled.FORMS``) in each variant a process meets
-    (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then times one-row steps
-    compiled in each form and eager, and records the fastest in the table (``TargetModel.compiled_entry``). None
-    where the compiled step does not apply (another dtype or device)."""
+    (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then times decode steps of each
+    of ``rows`` rows compiled in each form and eager, and records the fastest per row bucket in the table
+    (``TargetModel.compiled_entry``). None where the compiled step does not apply (another dtype or device)."""
     import torch
+    from tqdm import tqdm
 
     from trtllm_dflash.models import compiled, products
 
@@ -82,26 +84,27 @@ def _choose_compiled(target, context: int = 256) -> dict | None:
     for form in compiled.FORMS:
         with compiled.forcing("on", form):
             seconds[form] = target.warm_decode(context)
-    cache = target.new_cache(1, context + 2)
+    choices, step_ms = {}, {}
+    for b in tqdm(rows, desc="timing decode steps", file=sys.stderr, disable=None):
+        cache = target.new_cache(b, context + 2)
+        ids = torch.zeros(b, 1, dtype=torch.long)
 
-    def step(setting: str, form: str | None = None):
-        def run():
-            with compiled.forcing(setting, form):
-                cache.lengths.fill_(context)
-                hidden, _ = target(torch.zeros(1, 1, dtype=torch.long), cache)
-                return target.logits(hidden)
-        return run
+        def step(setting: str, form: str | None = None):
+            def run():
+                with compiled.forcing(setting, form):
+                    cache.lengths.fill_(context)
+                    hidden, _ = target(ids, cache)
+                    return target.logits(hidden)
+            return run
 
-    timings = {}
+        def measure() -> dict[str, float]:
+            runs = {form: step("on", form) for form in compiled.FORMS}
+            step_ms[b] = products.fastest({**runs, "eager": step("off")}, repeats=5, calls=3)
+            return step_ms[b]
 
-    def measure() -> dict[str, float]:
-        runs = {form: step("on", form) for form in compiled.FORMS}
-        timings.update(products.fastest({**runs, "eager": step("off")}, repeats=5, calls=3))
-        return timings
-
-    choice = products.table().choose(target.compiled_entry, measure)
-    return {"choice": choice, "first_step_seconds": seconds,
-            "step_ms": {k: round(v * 1e3, 2) for k, v in timings.items()} or None}
+        choices[b] = products.table().choose(target.compiled_entry(b), measure)
+    return {"choices": choices, "first_step_seconds": seconds,
+            "step_ms": {b: {k: round(v * 1e3, 2) for k, v in t.items()} for b, t in step_ms.items()}}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -158,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
             steps = [w for w in widths if w <= args.max_step_tokens]
             for w in tqdm(steps, desc=f"whole steps ({n} threads)", file=sys.stderr, disable=None):
                 _choose_step(target, drafter.spec.target_layer_ids if drafter is not None else (), w)
-            compiled_step = _choose_compiled(target) if args.compile else None
+            compiled_step = _choose_compiled(target, draft_rows) if args.compile else None
         summary.append({"threads": n, "table": str(table.path), "choices": len(table.choices),
                         "measured": len(table.choices) - before, "compiled_step": compiled_step})
     print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "load_average": load,

@@ -246,7 +246,7 @@ class ProductTable:
         self.path, self.key = path, key
         self.choices: dict[str, str] = {}
         self.timings: dict[str, dict[str, float]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a whole step timed under it measures its products at first use
         self._read()
 
     def forget(self) -> None:

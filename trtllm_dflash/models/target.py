@@ -193,18 +193,18 @@ class TargetModel(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [b, S] -> [b, S, hidden]
         return self.model.embed_tokens(ids)
 
-    @property
-    def compiled_entry(self) -> str:
-        """The product table's record of which decode step ``tune --compile`` found fastest on this machine: a
-        compiled one (its product form, ``compiled.FORMS``) or ``eager`` (``models.compiled``)."""
-        return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}"
+    def compiled_entry(self, rows: int) -> str:
+        """The product table's record of which decode step of ``rows`` rows (its bucket) ``tune --compile`` found
+        fastest on this machine: a compiled one (its product form, ``compiled.FORMS``) or ``eager``."""
+        return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}:{products.bucket(rows)}"
 
-    def decode_engine(self) -> "compiled.CompiledDecode | None":
-        """The compiled decode step, where ``TRTLLM_DFLASH_COMPILED_STEP`` and this machine's table ask for it."""
+    def decode_engine(self, rows: int = 1) -> "compiled.CompiledDecode | None":
+        """The compiled decode step for ``rows`` rows, where ``TRTLLM_DFLASH_COMPILED_STEP`` and this machine's table
+        ask for it."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or products.forced_kind() == "linear":
             return None
         mode = compiled.setting()
-        recorded = products.table().choices.get(self.compiled_entry) if mode != "off" else None
+        recorded = products.table().choices.get(self.compiled_entry(rows)) if mode != "off" else None
         if mode == "off" or (mode == "auto" and recorded not in compiled.FORMS):
             return None
         form = compiled.forced_form() or (recorded if recorded in compiled.FORMS else compiled.FORMS[0])
@@ -219,7 +219,7 @@ class TargetModel(nn.Module):
         """Runs the compiled decode step once in each variant a process meets (one row or several, starting at the
         cache's first row or past it), so that no request waits for its compilation -> seconds of each first step;
         {} where the compiled step is off."""
-        if self.decode_engine() is None:
+        if self.decode_engine() is None and self.decode_engine(2) is None:
             return {}
         seconds = {}
         with torch.inference_mode():
@@ -235,7 +235,7 @@ class TargetModel(nn.Module):
         """``forward`` of one token per row through the compiled step, or None where it does not apply: not asked
         for, autograd, hooks or converted modules, rows that are not one run of consecutive cache rows, or a cache
         holding fewer than two tokens in some row (the compiled shapes start there)."""
-        engine = self.decode_engine()
+        engine = self.decode_engine(input_ids.shape[0])
         if engine is None or torch.is_grad_enabled():
             return None
         bound = bind_layers(self.model.layers)

@@ -127,6 +127,9 @@ class SpeculativeDecoder:
         require(isinstance(block_size, int) and block_size >= 1, "block_size", block_size,
                 "must be an integer >= 1 (1 = autoregressive baseline) or 'auto'")
         assert isinstance(block_size, int)
+        # the compiled decode step where this machine's table asks for it, loaded now: not inside a request's first
+        # steps or the policy's calibration, which would time the loading
+        target.warm_decode()
         if block_size > 1:
             require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
             assert drafter is not None

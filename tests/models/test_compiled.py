@@ -183,3 +183,23 @@ def test_a_choice_measured_inside_another_one_completes(monkeypatch, tmp_path):
     table = products.table()
     outer = table.choose("step:outer", lambda: {"a": 2.0, "b": table.choose("inner", lambda: {"x": 1.0}) and 1.0})
     assert outer == "b" and table.choices["inner"] == "x"
+
+
+def test_a_failing_compiler_leaves_decoding_eager(tiny, monkeypatch, capsys):
+    """A compiled step that fails (a toolchain, a locale) is reported once on stderr and the step runs eagerly, with
+    the eager step's outputs; the process does not try again."""
+    def broken(self, *args):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled.CompiledDecode, "__call__", broken)
+    tiny.__dict__.pop("_decode_engines", None)
+    outs = []
+    for setting in ("on", "off"):
+        cache = _filled(tiny, 1, [6])
+        with torch.inference_mode(), compiled.forcing(setting):
+            outs.append(tiny(torch.tensor([[5]]), cache)[0])
+    assert torch.equal(outs[0], outs[1])
+    with compiled.forcing("on"):
+        assert tiny.decode_engine().failed == "RuntimeError: no compiler here"
+    assert "the compiled decode step failed (RuntimeError: no compiler here)" in capsys.readouterr().err
+    tiny.__dict__.pop("_decode_engines", None)

@@ -190,6 +190,7 @@ class CompiledDecode:
     def __init__(self, num_layers: int, form: str) -> None:
         self.group = group_size(num_layers, MOST_LAYERS)
         self.form = form
+        self.failed: str | None = None  # why compiling or running it failed: the process then decodes eagerly
         self.graphs: dict[Shape, Callable] = {}
         self.seconds: dict[tuple[Shape, int, int], float] = {}  # the first step of each row count and first row
         self.steps = 0

@@ -7,6 +7,7 @@ residual stream after each layer, before the final norm; ``hidden_states[i + 1]`
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -236,7 +237,7 @@ class TargetModel(nn.Module):
         for, autograd, hooks or converted modules, rows that are not one run of consecutive cache rows, or a cache
         holding fewer than two tokens in some row (the compiled shapes start there)."""
         engine = self.decode_engine(input_ids.shape[0])
-        if engine is None or torch.is_grad_enabled():
+        if engine is None or engine.failed or torch.is_grad_enabled():
             return None
         bound = bind_layers(self.model.layers)
         if bound is None:
@@ -256,7 +257,14 @@ class TargetModel(nn.Module):
         layers = [self._decode_layer(p) for p in bound]
         rope = self.rotary.at(lengths[:, None])
         shape = compiled.Shape(*bound[0].heads, bound[0].eps, engine.form)
-        outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first, lengths)
+        try:
+            outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first,
+                          lengths)
+        except Exception as exc:  # a compiler that fails here (a toolchain, a locale) must not fail the step
+            engine.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"trtllm-dflash: the compiled decode step failed ({engine.failed}); decoding runs eagerly",
+                  file=sys.stderr, flush=True)
+            return None
         taps = torch.cat([outs[i] for i in tap_layers], dim=-1)[:, None] if tap_layers else None
         return self.model.norm(outs[-1])[:, None], taps
 

@@ -145,6 +145,7 @@ def server_command(repo: Path, http_port: int, grpc_port: int, metrics_port: int
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["GOMP_SPINCOUNT"] = str(OMP_SPINCOUNT)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("PYTHONUTF8", "1")  # the stubs' files read as UTF-8 under a C locale (TorchInductor's templates)
     system = shutil.which("tritonserver")
     if system:
         return ServerCommand([system, *common], env)

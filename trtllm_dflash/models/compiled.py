@@ -132,7 +132,8 @@ def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n:
 
     x [b, hidden] the residual stream; cos, sin [b, 1, head_dim] RoPE at the new tokens' positions (sign folded in,
     ``layers.RopeAt``); cache_k, cache_v the layer's cache rows of the step [b, max_len, kv, d], their first ``n``
-    slots the keys; blocked [b, 1, 1, n] the slots past each row's committed tokens. Returns (the layer's output [b, hidden], the new token's K and V [b, kv, d])."""
+    slots the keys; blocked [b, 1, 1, n] the slots past each row's committed tokens. Returns (the layer's output
+    [b, hidden], the new token's K and V [b, kv, d])."""
     b = x.shape[0]
     heads, kv_heads, d, eps, form = shape
     qkv = _product(_rms(x, p.norm1, eps), p.qkv, form)
@@ -207,14 +208,13 @@ class CompiledDecode:
                                                     options={"cpp_wrapper": True})
         return fn
 
-    def __call__(self, shape: Shape, layers: list[DecodeLayer], x, cos, sin, cache, first_row: int, lengths):
+    def __call__(self, shape: Shape, layers: list[DecodeLayer], x, cos, sin, cache, first_row: int, lengths, n: int):
         """The decoder layers over one token per row (x [b, hidden] embedded, the rows ``first_row + [0, b)`` of
-        ``cache`` holding ``lengths`` [b] committed tokens) -> every layer's output [b, hidden]; the new tokens' K/V
-        are written into the cache at their positions."""
+        ``cache`` holding ``lengths`` [b] committed tokens, at most ``n``) -> every layer's output [b, hidden]; the
+        new tokens' K/V are written into the cache at their positions."""
         fn = self.graph(shape)
         started = time.perf_counter()
         b = x.shape[0]
-        n = int(lengths.max())
         blocked = torch.arange(n, device=x.device)[None, None, None, :] >= lengths[:, None, None, None]
         g = self.group
         outs, new_k, new_v = [], [], []

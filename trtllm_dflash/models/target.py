@@ -259,7 +259,7 @@ class TargetModel(nn.Module):
         shape = compiled.Shape(*bound[0].heads, bound[0].eps, engine.form)
         try:
             outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first,
-                          lengths)
+                          lengths, n)
         except Exception as exc:  # a compiler that fails here (a toolchain, a locale) must not fail the step
             engine.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"trtllm-dflash: the compiled decode step failed ({engine.failed}); decoding runs eagerly",

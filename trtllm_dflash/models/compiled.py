@@ -14,7 +14,7 @@ length) and the new token's own key. One graph covers a group of consecutive lay
 (``CompiledDecode``). Shapes are dynamic (rows, cached length); the compiler still specialises a graph to one row or
 several and to where in the cache the rows start, so a process compiles up to four variants, each at its first step:
 from TorchInductor's on-disk cache where ``trtllm-dflash tune --compile`` filled it
-(``$TRTLLM_DFLASH_CACHE/inductor``), otherwise from scratch, which takes a minute or more on two cores.
+(``$TRTLLM_DFLASH_CACHE/inductor``), otherwise from scratch, which on a CPU takes far longer than a request.
 
 Numerics: the mathematics of the eager forward in float32, with the float rounding of fused loops: outputs stay
 token-identical to autoregressive decoding wherever the top two logits are further apart than float32's rounding, as
@@ -184,8 +184,8 @@ class CompiledDecode:
     together after the last.
 
     A graph of all the layers runs fastest (nothing but C++ between the first operator and the last), but its
-    compilation grows with it: minutes for thirty layers on two cores. One layer a graph compiles in seconds, but
-    each call of a compiled function costs its dispatch (guards, argument handling) once per layer. Groups of a few
+    compilation time grows with it. One layer a graph compiles quickly, but each call of a compiled function pays
+    its dispatch (guards, argument handling) once per layer. Groups of a few
     layers keep both small."""
 
     def __init__(self, num_layers: int, form: str) -> None:

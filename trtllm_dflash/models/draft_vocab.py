@@ -3,7 +3,7 @@
 Drafters trained with vLLM's ``speculators`` may predict over a *draft vocabulary*: the ``draft_vocab_size`` most
 frequent target tokens (``speculators/train/vocab_mapping.py``), sorted by target id. Their ``lm_head`` is
 [draft_vocab_size, hidden] and only meaningful with its own id map; the target's head is the wrong matrix for them
-(another port that fed such a drafter the target's head saw acceptance fall from 25% to 1.7%). Two tables travel
+(fed the target's head, such a drafter's drafts are hardly ever accepted). Two tables travel
 with the checkpoint, EAGLE-3 style:
 
   d2t [draft_vocab_size] int64   offsets: target_id = draft_id + d2t[draft_id]

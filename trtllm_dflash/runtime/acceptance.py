@@ -3,9 +3,9 @@
 (``AcceptanceModel``, one per sequence): p_j = P(draft j accepted | drafts 1..j−1 were), from
 decayed success/failure counts plus a prior: the drafter's held-out per-slot accuracy from its training log,
 lowered to the workload's (``AdaptivePolicy.workload``: every sequence's drafter outcomes pooled) where that is
-less. The training log's accuracy (0.63 at slot 1 for the shipped drafter, on text like its training data) made
-every row of a batch draft its first steps on MT-Bench, where 16 rows' first outcomes say at once that it accepts
-far less; a new request to a server starts from what the drafter has been achieving on its traffic.
+less. The training log's accuracy (on text like the drafter's training data) would have every row of a batch draft
+its first steps on a workload where the drafter accepts far less, which the batch's first outcomes show at once; a new
+request to a server starts from what the drafter has been achieving on its traffic.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def prior_from_training_log(drafter_dir: str | Path | None, num_drafts: int) -> 
 DEFAULT_PRIOR = 0.3  # per-slot conditional acceptance without a training log
 # Per-slot conditional acceptance of a prompt-lookup continuation (of a recurring 2- or 3-gram) before any
 # observation: `perf/ngram_acceptance.py` on 1,152 regenerated training responses of SmolLM2 (a sample of the training
-# pool, artifacts/curve19/regen, 193k positions, 78 % with a proposal); on the 164 HumanEval greedy outputs the same
-# script gives 0.73, 0.82, 0.87 …
+# pool, artifacts/curve19/regen); other text (HumanEval's greedy outputs) accepts less, so …
 NGRAM_PRIOR = (0.86, 0.91, 0.93, 0.94, 0.95, 0.95, 0.96, 0.96, 0.96, 0.96, 0.96, 0.97, 0.97, 0.97, 0.97)
 # … held lightly (half a pseudo-observation): a sequence's own lookups decide after a step or two, and a sequence
 # whose lookups keep failing goes back to k = 0 (a strong prior would keep a floor under the decayed estimate)

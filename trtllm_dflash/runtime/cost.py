@@ -5,8 +5,8 @@ of the tokens they process (all rows together, so a batch pays the verify once p
 by a short calibration, cached on disk keyed by device, dtype, threads and model, and pulled toward the step times
 actually observed. The verify curve is timed without context; attending over the rows' cached tokens adds α per
 row and β per verified token for each context token (``CostModel.context``, calibrated by timing the same shapes
-over an empty and a filled cache): without it a batch's K = 0 step, which reads all its rows' K/V, looked as cheap
-as one row's, and once observed at its true price the curve's flat segment above it made K = 1 look free.
+over an empty and a filled cache): without it a batch's K = 0 step, which reads all its rows' K/V, would look as
+cheap as one row's, and once observed at its true price the curve's flat segment above it would make K = 1 look free.
 """
 
 from __future__ import annotations
@@ -78,15 +78,16 @@ class CostModel:
         if predicted <= 0 or seconds <= 0:
             return
         # scale the bracketing points toward the observation, by their weight; one step moves them at most by a
-        # factor of MAX_STEP_RATIO (a served verify that queued behind other requests' prefills took seconds, and
-        # one such step made every width look as dear as the widest: the policy then verified wide blocks always)
+        # factor of MAX_STEP_RATIO (a served verify that queues behind other requests' prefills takes many times its
+        # own work, and one such step unbounded would make every width look as dear as the widest, so that the policy
+        # verified wide blocks always)
         ratio = min(max(seconds / predicted, 1 / MAX_STEP_RATIO), MAX_STEP_RATIO)
         values[i] *= 1 + alpha * (1 - w) * (ratio - 1)
         # every point above n moves by the estimate's change at n, keeping what each further token costs: a served
         # step's time includes a cost per call (the BLS round trip, the step barrier) that wider verifies pay too.
-        # Moved only locally and then kept monotone, sequences that observed only 16-token verifies served (a served
-        # step well above its calibrated cost) raised the 32- and 64-token points to that same time: a wider verify
-        # for the whole batch looked free, and the served loop verified prompt lookup's proposals at twice a plain
+        # Moved only locally and then kept monotone, observations of narrow served verifies only (a served step well
+        # above its calibrated cost) would raise the wider points to that same time: a wider verify for the whole
+        # batch would look free, and the served loop would verify prompt lookup's proposals at several times a plain
         # step's compute.
         shift = alpha * (ratio - 1) * predicted
         for j in range(i + 1, len(values)):
@@ -140,9 +141,8 @@ def device_name(device) -> str:
     return cpu_model()
 
 
-# Raised when what a calibration times changes, so caches written before are calibrated again (the history is in
-# git: the draft pass's one LM-head GEMM, the context's coefficients, the CPU's product kernels, and now the kernels
-# and attention measured per machine by ``models.products``, with fused projections).
+# Raised when what a calibration times changes, so caches written before are calibrated again (it now times the
+# kernels and attention ``models.products`` chooses per machine, with fused projections).
 CALIBRATION_VERSION = 4
 
 

@@ -17,11 +17,12 @@ emitted tokens per second of the next step:
   sorted by expected gain. K = 0 is a plain autoregressive step with no draft pass. A row that stops drafting is
   re-probed (``probe_k`` drafts) now and then, so a good stretch of text is picked up again. A probe costs the
   batch one draft pass and a longer verify; the interval is at least what keeps that below ``probe_budget`` of the
-  decoding time by the cost model (on the 2-core development CPU at 2 %: ~20 steps at batch 1, the cap at batch 16;
-  on a GPU, where a probe is nearly free, ``probe_every``), and it doubles after every failed probe up to
-  ``max_probe_every``. A row that never drafted (its acceptance is only the prior's guess) gets its first probe after
-  ``probe_every``, if it has at least that interval's worth of tokens left (``SeqState.remaining``): at batch 16 on a
-  CPU, where the first probe of every row costs about two plain steps, a 48-token reply would not earn it back.
+  decoding time by the cost model (on a CPU, where a probe costs about a plain step, tens of steps at batch 1 and the
+  cap at a large batch; on a GPU, where a probe is nearly free, ``probe_every``), and it doubles after every failed
+  probe up to ``max_probe_every``. A row that never drafted (its acceptance is only the prior's guess) gets its first
+  probe after ``probe_every``, if it has at least that interval's worth of tokens left (``SeqState.remaining``): at a
+  large batch on a CPU, where the first probe of every row costs more than a plain step, a short reply would not earn
+  it back.
 - **Tree** (``tree_nodes`` > 0: ``--block-size auto --tree``): after ``decide`` has its best plan, ``choose_tree``
   compares it with a tree step for every row (``runtime.tree``: the drafter's block, its runner-ups and the lookup
   chains, ``tree_nodes`` tokens per row in one verify): expected tokens per second with each row's tree estimate (an
@@ -45,9 +46,9 @@ from trtllm_dflash.runtime.cost import CostModel
 from trtllm_dflash.runtime.telemetry import Telemetry
 
 
-# A row's tree estimate before its first tree step: this many times the tokens its chain plan expects. The tree's
-# replayed τ over ``--ngram``'s with the shipped drafter and datastore (B = 16, all 164 HumanEval / 80 MT-Bench
-# prompts; perf/results/tree/2026-11-26-datastore/): 4.32 / 2.64 = 1.64 and 2.52 / 1.82 = 1.38.
+# A row's tree estimate before its first tree step: this many times the tokens its chain plan expects; between the
+# ratios of the tree's replayed τ to ``--ngram``'s on HumanEval and on MT-Bench with the shipped drafter and datastore
+# (perf/results/tree/2026-11-26-datastore/).
 TREE_PRIOR_GAIN = 1.5
 TREE_EMA = 0.3  # weight of a row's latest tree step in its estimate
 # The workload's acceptance (``AdaptivePolicy.workload``): the training log's prior held as two observations, each
@@ -105,8 +106,7 @@ class AdaptivePolicy:
         best_rate, best = sum(w) / self.cost.step(b, 0, 0, context=self.context), (0, [], [0.0] * b)
         # host work every step, which a CUDA-graphed step may not hide: the rows verifying a lookup are counted per
         # plan and listed for the best plan only (listed per plan, O(K · b³)), the verify's price is taken once per k,
-        # and a row's expectations are remembered until its counts or the prior change (measured in
-        # perf/results/policy/ with ``git show ede48fc:perf/bench_policy.py``)
+        # and a row's expectations are remembered until its counts or the prior change (perf/results/policy/)
         for k in range(1, self.max_k + 1):
             free = [f[min(k, lens[i])] if f is not None else 0.0 for i, f in enumerate(free_exp)]
             extra = sorted((((expected[i][k] - free[i]) * w[i], i) for i in range(b)
@@ -153,8 +153,8 @@ class AdaptivePolicy:
 
     def row_share(self, rows: int, context: float = 0.0) -> float:
         """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on a
-        CPU, where every row is compute, a few percent at batch 16 (``perf/policy_replay.py`` compares this with a
-        guessed share); on a GPU, where a batch's plain step costs about one row's, about 0."""
+        CPU, where every row is compute, a small share at a large batch (``perf/policy_replay.py`` compares this with
+        a guessed share); on a GPU, where a batch's plain step costs about one row's, about 0."""
         if rows <= 1:
             return 1.0
         full = self.cost.step(rows, 0, 0, context=context)

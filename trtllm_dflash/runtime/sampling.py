@@ -391,12 +391,11 @@ def verify_samples(
     """Target samples and accepted lengths of one verify step (= ``target_samples`` then ``accepted_lengths``).
 
     On a CPU with all rows greedy the LM head (a 49k × 576 GEMM per slot for SmolLM2) runs lazily: slots in chunks
-    of 1, 2, 4, ... and only for rows that accepted every draft so far, so a step that rejects d_1 (most of them at
-    τ ≈ 1.3) computes one slot instead of B; in-process B=16 decoding got 3.5% faster on the 2-core VM. Slots after a
-    row's bonus token are left at −1. Sampled rows and GPUs (where the full head is one cheap GEMM and a host sync
-    per chunk would cost more) take the eager path. A draft of −1 (padding under ``--block-size auto``) never matches.
-    Rows with a min_tokens ban (``SamplingParams.banned_ids``), penalties or bad words have them applied to each
-    chunk's logits.
+    of 1, 2, 4, ... and only for rows that accepted every draft so far, so a step that rejects d_1 (most steps where
+    acceptance is low) computes one slot instead of B. Slots after a row's bonus token are left at −1. Sampled rows
+    and GPUs (where the full head is one cheap GEMM and a host sync per chunk would cost more) take the eager path. A
+    draft of −1 (padding under ``--block-size auto``) never matches. Rows with a min_tokens ban
+    (``SamplingParams.banned_ids``), penalties or bad words have them applied to each chunk's logits.
     """
     if hidden.device.type != "cpu" or not all(p.greedy for p in params):
         samples = target_samples(head(hidden), params, generators, positions, history=history, logprobs=logprobs)

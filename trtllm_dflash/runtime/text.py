@@ -45,7 +45,7 @@ class IncrementalDetokenizer:
     Each call decodes a window, not the whole sequence: the tokens of the previous delta (context, e.g. for a
     SentencePiece word-start space) and the new ones; the delta is what the new ones add to the window's text.
     Decoding everything so far on every call would grow with the response, paid per stream and per step in the
-    Triton entry model's loop process (measured by ``git show ede48fc:perf/bench_detokenize.py``).
+    Triton entry model's loop process (perf/results/detokenize/).
     """
 
     def __init__(self, tokenizer) -> None:

@@ -43,32 +43,29 @@ from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import History, target_samples
 
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
-# (``perf/tree_shapes.py``: first 40 HumanEval / MT-Bench prompts, B = 16, 128 tokens; perf/results/tree/): the
-# drafter's 2nd–8th choices at slot 1 and its runner-up at slots 2–4, each continued by the main chain up to 4 nodes
-# (8 or 15 gained 0.02 τ for 40 more nodes), raise τ over the two-branch tree (main + lookup, 31 nodes) from 2.95 to
-# 3.64 on HumanEval and 1.70 to 2.06 on MT-Bench, for 71 nodes. (slot, rank): rank 2 = the drafter's second choice.
+# (``perf/tree_shapes.py``; perf/results/tree/): the drafter's 2nd–8th choices at slot 1 and its runner-up at slots
+# 2–4, each continued by the main chain up to 4 nodes (longer continuations cost many nodes for almost no τ), raise
+# τ over the two-branch tree (main + lookup) on HumanEval and MT-Bench alike. (slot, rank): rank 2 = the drafter's
+# second choice.
 DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2, 9)) + ((2, 2), (3, 2), (4, 2))
 DEFAULT_ALTERNATE_LEN = 4
 # Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest
 # earlier occurrences of the context's last n tokens, n = MAX_N down to MIN_N (``lookup.ngram_candidates``). Picked
-# by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter, B = 16; perf/results/tree/2026-11-26-shapes/shapes-*):
-# with the alternates above, one chain of the latest 2- or 3-gram's continuation gets τ 3.52 / 2.23; falling back to
-# 1-grams and matching up to 5-grams 3.69 / 2.31 (same 71 nodes); two chains, two occurrences per n, 3.77 / 2.36
-# (86 nodes); three 3.79 / 2.37 (101 nodes), eight 3.80 / 2.37 (176 nodes).
+# by replay (perf/results/tree/2026-11-26-shapes/): with the alternates above, falling back to 1-grams and matching up
+# to 5-grams beats one chain of the latest 2- or 3-gram's continuation at the same node count, and a second chain (two
+# occurrences per n) raises τ again; a third or more add nodes for almost nothing.
 LOOKUP_MAX_N, LOOKUP_MIN_N, LOOKUP_PER_N = 5, 1, 2
 DEFAULT_LOOKUP_CHAINS = 2
-# With a retrieval datastore (``runtime.datastore``, the shipped one: 1.35M tokens of the target's regenerated
-# responses): two chains of prompt lookup's and one of the datastore's, 3.77 / 2.36 -> 4.07 / 2.45 (101 nodes; same
-# replay; in scratch replays of the same drafter choices a second datastore chain gave 4.09 / 2.46, three of each
-# 4.12 / 2.47 for 146 nodes).
+# With a retrieval datastore (``runtime.datastore``, the target's regenerated responses): two chains of prompt
+# lookup's and one of the datastore's raise τ over the two of prompt lookup's (same replay) and beat a third prompt
+# lookup chain of the same node count; more datastore chains add nodes for little.
 DATASTORE_LOOKUP_CHAINS = 3
 # Lookup chains grafted onto the main chain (``TreeShape.grafts``): after the drafter's first draft, the same lookup
 # chains again, proposed from the context extended by that draft (where prompt lookup and the datastore find nothing
 # for the context, a guessed next token often gives them a match; when the draft is right they propose what the next
-# step's lookup would). Picked by replay (all 164 HumanEval / 80 MT-Bench prompts, the shipped drafter and datastore,
-# B = 16; perf/results/tree/2026-11-26-datastore/shapes-*): 3.77 / 2.36 -> 3.95 / 2.41 (86 -> 114 nodes); with the datastore
-# 4.07 / 2.45 -> 4.32 / 2.52 (101 -> 143 nodes); grafts at depths 1 and 2 4.37 / 2.53 (182 nodes). A proposal that a
-# chain from x already holds after the same draft is skipped (+0.03 / +0.01 in scratch replays).
+# step's lookup would). Picked by replay (perf/results/tree/2026-11-26-datastore/): grafts after the first draft raise
+# τ with and without the datastore; grafts at depth 2 as well add many nodes for little more. A proposal that a chain
+# from x already holds after the same draft is skipped (it would spend nodes verifying the same tokens twice).
 DEFAULT_GRAFTS: tuple[int, ...] = (1,)
 
 

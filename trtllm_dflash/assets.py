@@ -57,7 +57,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to a Hugging Face directory at %s (once, ~30 s)", gguf.name, out)
+    log.info("converting %s to a Hugging Face directory at %s (once; it takes a while)", gguf.name, out)
     from trtllm_dflash.models.weights import write_state_dict
     from trtllm_dflash.staging import staged_output
 

@@ -1,10 +1,9 @@
 """What CPU this is, read from ``/proc/cpuinfo`` (one place for the model name and the bf16 question).
 
 Our development machines are x86-64, Intel or AMD. Numerics never depend on which (the runtime is float32 on a CPU),
-but speed does: bfloat16 matmuls are fast only where the CPU has bf16 units (``avx512_bf16`` or ``amx_bf16``: there a
-bf16 regeneration ran at ~2x float32's speed and bf16-autocast training at 2.6x). Without them PyTorch emulates bf16:
-on an AMD EPYC without either flag (2026-11-25) regenerating the same 64 prompts made 14.8 tokens per CPU-second in
-bf16 and 56.3 in float32 (3.8x).
+but speed does: bfloat16 matmuls are fast only where the CPU has bf16 units (``avx512_bf16`` or ``amx_bf16``), and
+there bf16 regeneration and bf16-autocast training outrun float32. Without them PyTorch emulates bf16, which runs
+several times slower than float32: asking for bf16 on such a CPU draws a warning (``slow_bf16_warning``).
 """
 
 from __future__ import annotations

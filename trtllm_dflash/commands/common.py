@@ -107,8 +107,8 @@ def block_size_arg(text: str) -> int | str:
 def resolve_block_size(args, drafter) -> int | str:
     """The block size to decode with (an int, or "auto"); checks --max-block-size goes with auto. The default is
     "auto": a fixed block size verifies every step's drafts whether they pay or not, which on a device where a wide
-    verify costs several narrow ones (a CPU) makes decoding slower than autoregressive when the drafter is weak
-    (README "Adaptive block size": 0.48x with B = 16 on MT-Bench on our CPU, 1.03x with auto)."""
+    verify costs several narrow ones (a CPU) makes decoding slower than autoregressive when the drafter is weak,
+    where auto stops drafting (README "Adaptive block size")."""
     max_block = getattr(args, "max_block_size", None)
     if max_block is not None:
         require(args.block_size in ("auto", None), "--max-block-size", max_block,

@@ -5,8 +5,8 @@ the ``dflash`` ensemble over gRPC, then has the ``baseline`` ensemble (autoregre
 answer the same question in turns until each has answered ``--repeats`` times (which goes first alternates), and
 prints τ, the median speed of each (every answer's in ``runs``), the speed-up of the medians and whether every answer
 equals the baseline's; then stops the server. ``--in-process`` skips Triton and runs the same comparison in this
-process. Why medians: one request of 128 tokens takes a few seconds, and on a shared 2-core machine one busy second
-moved a single-request speed-up from ~1.03x to 0.73x (measured on a freshly started VM).
+process. Why medians: one request of 128 tokens takes a few seconds, and on a shared machine one busy second moves a
+single request's speed-up far from its typical value; the median of alternating turns is robust to such a second.
 """
 
 from __future__ import annotations

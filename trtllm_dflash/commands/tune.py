@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="widest target forward whose kernel kind is also measured on whole forwards "
                              "(default 64: decode and verify steps; 0: none)")
     parser.add_argument("--compile", action="store_true",
-                        help="also compile the target's decode step (models.compiled: minutes on two cores, once per "
+                        help="also compile the target's decode step (models.compiled: slow on a CPU, once per "
                              "machine) and time it against the eager step at 1 to --max-rows rows; the faster runs "
                              "from then on")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
@@ -79,7 +79,7 @@ def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None
 
     if target.device.type != "cpu" or target.dtype != torch.float32:
         return None
-    print("tune: compiling the target's decode step (minutes the first time on a few cores)", file=sys.stderr)
+    print("tune: compiling the target's decode step (slow the first time on a CPU)", file=sys.stderr)
     seconds = {}
     for form in compiled.FORMS:
         with compiled.forcing("on", form):

@@ -30,7 +30,7 @@ def fp8_quantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
     The division happens in w's own dtype (a 0-dim scale does not promote it), as modelopt 0.47's
     ``to_quantized_weight`` does when it exports: for a bf16 checkpoint the quotient is rounded to bf16 before the cast
-    to e4m3, which moves about 5 % of the elements by one e4m3 step compared with an fp32 division. Matching it keeps
+    to e4m3, which moves some elements by one e4m3 step compared with an fp32 division. Matching it keeps
     this checkpoint and modelopt's unified HF export (hf_export.py) bit-identical."""
     return (w / scale.float().reshape(())).to(torch.float8_e4m3fn)
 

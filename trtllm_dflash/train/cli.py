@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a shared 2-core machine 2 threads run small GEMMs slower)")
+                   help="torch CPU threads (default 1: on a shared machine with few cores, more threads run small "
+                        "GEMMs slower)")
     p.add_argument("--log-every", type=int, default=10, help="steps between training-log records")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between resumable checkpoints (and exports)")
     p.add_argument("--resume", action="store_true", help="continue from the work directory's last checkpoint")
@@ -99,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def use_huge_pages() -> None:
     """Ask PyTorch's CPU allocator for transparent huge pages (``THP_MEM_ALLOC_ENABLE``, read once, before torch's
     first allocation: call this before importing torch). Training allocates and frees activations far above glibc's
-    mmap threshold every step, so each one faulted in afresh 4 KiB at a time: on the 2-core VM 186k page faults/s and a
-    third of the CPU in the kernel (7.2 s/step); with huge pages 6.8k faults/s and 6.0 s/step. Set it to 0 to opt out."""
+    mmap threshold every step, so each one is faulted in afresh 4 KiB at a time and a large share of the CPU goes to
+    page faults in the kernel; huge pages cut the faults by orders of magnitude and shorten the step. Set it to 0 to
+    opt out."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

@@ -121,7 +121,7 @@ def write_shard(path: Path, samples: list[Sample]) -> None:
 
 def read_shard(path: Path) -> list[Sample]:
     """The samples of one training shard, in anonymous memory: ``load_file`` would leave them file-backed (mmap), and a
-    long run holding gigabytes of such pages had the kernel evict and re-read them (system time 20-100 %)."""
+    long run holding gigabytes of such pages makes the kernel evict and re-read them, spending the run's time there."""
     t = load(Path(path).read_bytes())
     cu = t["cu_seqlens"].tolist()
     ti, tl = t.get("topk_ids"), t.get("topk_logits")

@@ -2,7 +2,7 @@
 
 A randomly initialised drafter on long contexts sits on a unigram plateau: its block queries spread evenly over
 hundreds of context keys, so the anchor's information barely reaches the masked slots and its gradient is tiny
-(measured on SmolLM2: after 80 steps on one fixed batch every slot still predicted the same token). The target's
+(on SmolLM2, even many steps on one fixed batch leave every slot predicting the same token). The target's
 layers 2, 3, ... already hold previous-token and copying heads over exactly these inputs:
 
     drafter layer i  <-  target layer first_tap + 1 + i (attention, MLP and both norms copied)

@@ -105,9 +105,9 @@ def collate(samples, anchors: list[torch.Tensor], device, dtype: torch.dtype = t
 def tap_standardizer(samples) -> torch.Tensor:  # [K·H]
     """Per-channel 1 / RMS of the target taps over ``samples``.
 
-    Transformer residual streams carry a few "massive activation" channels (SmolLM2: channel 507 at RMS ≈ 1760 against
-    a median of 5-16; six channels hold 96 % of the energy). Through a randomly initialised ``fc`` and
-    ``hidden_norm`` they would make every context feature nearly the same vector, and Adam's per-weight steps on
+    Transformer residual streams carry a few "massive activation" channels (SmolLM2's: RMS orders of magnitude above
+    the median channel's, a handful of channels holding nearly all the energy). Through a randomly initialised ``fc``
+    and ``hidden_norm`` they would make every context feature nearly the same vector, and Adam's per-weight steps on
     those columns would be huge. Training therefore feeds standardised taps (taps · scale) to ``fc`` and the export
     folds the scale into its weight (``fc.weight · scale``), so the shipped drafter reads raw taps with exactly the
     same result."""

@@ -1,6 +1,6 @@
 """A large training-prompt pool from every installed Python package (no downloads): the scale-up of train/prompts.py.
 
-train/prompts.py mines top-level functions and class/module docstrings of eight packages (~8k items). Here every
+train/prompts.py mines top-level functions and class/module docstrings of eight packages. Here every
 package in the interpreter's site-packages and the stdlib is read, methods count as functions too, and every
 documentation paragraph (not only the first) of modules, classes, functions and methods becomes a chat prompt. Each
 mined item is used once, with one seeded template, so the count is of distinct content, not of template variants.

@@ -73,10 +73,9 @@ _MALLOC_TRIM = _malloc_trim()
 def release_free_memory() -> None:
     """Give the C heap's free pages back to the system. Every training step allocates and frees gigabytes of
     activations whose sizes change with the batch's sequence lengths; glibc keeps the freed blocks, cannot reuse all
-    of them for the next step's differently sized ones, and the process grew 60-120 MB a step (10.8 GB -> 18 GB in
-    100 steps of a real run) although nothing was live. perf/bench_trainer_memory.py (32 steps of the learning-curve
-    recipe, perf/results/drafter-trainer/memory.json): never trimmed +120 MB/step; trimmed every 8 steps, back to
-    1.6-1.7 GB at each trim, for ~8 % of step time; every step: flat, +22 %."""
+    of them for the next step's differently sized ones, so without a trim the process grows every step although
+    nothing is live. A trim returns the heap to its live size at a cost in step time, so the trainer trims every
+    ``TRIM_EVERY`` steps, not every step (perf/bench_trainer_memory.py; perf/results/drafter-trainer/)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

@@ -2,8 +2,8 @@
 computing models.
 
 Triton's python stub checks that its parent still exists, but a server that exited without being reaped (a zombie,
-e.g. when whatever started it was killed) still exists, so the stubs kept computing at full CPU for minutes after
-the server was gone. ``watch_parent`` ends the stub within a second of its server exiting, zombie or not.
+e.g. when whatever started it was killed) still exists, so the stubs would keep computing at full CPU after the
+server is gone. ``watch_parent`` ends the stub within a second of its server exiting, zombie or not.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
     def run() -> None:
         seen, gone = False, 0
         # /proc is scanned for a model only when its known stubs died (or none is known yet) and every 30 s: scanning
-        # it for every model at every check took ~5 % of a core per loop model
+        # it for every model at every check would take CPU from the step models for every loop model
         stubs = StubWatch(period_s=30.0, parent=parent)
         why = f"server {parent} gone"
         while parent_alive(parent):
@@ -89,8 +89,8 @@ def watch_parent(period_s: float = 0.5, needs: tuple[str, ...] = ()) -> None:
 def watchdog_argv(server: int, stub: int, shell: str | None = None) -> list[str]:
     """The shell watchdog of ``stub``, at niceness 19 where ``nice`` exists: it only polls, beside step models whose
     OpenMP teams stall whenever a core is taken. Under bash (the default where /bin/bash exists) it waits with the
-    ``read -t`` builtin instead of forking ``sleep`` every second (forking, nine watchdogs of an idle demo server
-    took 47 CPU ticks in 30 s at niceness 0, 1.6 % of a core)."""
+    ``read -t`` builtin instead of forking ``sleep`` every second (a fork a second per watchdog, one watchdog per
+    stub, keeps even an idle server's cores busy)."""
     shell = shell or ("/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh")
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     return [*nice, shell, "-c", _WATCHDOG, "dflash-stub-watchdog", str(server), str(stub)]
@@ -156,8 +156,7 @@ class StubWatch:
     is failed when all of them have exited (``died``); ``serve`` reports a model whose stubs all exited.
 
     One scan serves every model because a scan per model (every process's /proc entry read once per python model
-    every second) costs ~2.7 % of a core at niceness 0 on a machine with ~90 processes, growing with the process
-    count."""
+    every second) costs CPU in proportion to the python models times the machine's process count."""
 
     EMPTY_PERIOD_S = 1.0
 
@@ -224,10 +223,10 @@ def yield_to_compute(io_nice: int | str, pid: int | None = None) -> bool:
     """On a CPU server, run the processes that only move requests (the server's own threads, the loop, entry and
     tokenizer models) at niceness ``io_nice`` (the rendered parameter; 0 = off), so the step models' forwards, whose
     OpenMP teams stall whenever the scheduler lends one of their cores to a gRPC or IPC thread, get the cores first.
-    Measured on the 2-core machine (`perf/throughput_c16.py --models baseline --rounds 3 --io-nice N` of ede48fc): Triton /
-    in-process tokens/s at c=16 0.77 at N=0, 0.80 at 5, 0.87 at 10, 0.82 at 15, 0.90 at 19 (medians; rounds vary by
-    ±0.1), so the default is 19 (perf/results/reliability). A step model reloaded later inherits the server's niceness (equal
-    priority again until the server restarts). On a GPU the forwards do not share the cores: nothing is changed."""
+    Served throughput relative to in-process is highest at the lowest priority (``perf/throughput_c16.py --io-nice
+    N``; perf/results/reliability), so the default is 19. A step model reloaded later inherits the server's niceness
+    (equal priority again until the server restarts). On a GPU the forwards do not share the cores: nothing is
+    changed."""
     n = int(io_nice or 0)
     if n <= 0:
         return False

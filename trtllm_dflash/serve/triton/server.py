@@ -60,8 +60,8 @@ def shm_prefix(grpc_port: int) -> str:
 def remove_shm_regions(prefix: str | None = None, shm_dir: Path = SHM_DIR) -> list[str]:
     """Delete the python backend's shared-memory files (RAM, not disk) that no server uses any more: those named
     ``prefix*`` (a server just stopped), or with ``prefix=None`` those of every server whose starting process has
-    exited (its server died with it, ``_die_with_parent``, and a SIGKILLed server never frees its regions: 1.4 GB had
-    piled up on a development machine). Returns the names removed."""
+    exited (its server died with it, ``_die_with_parent``, and a SIGKILLed server never frees its regions, so they
+    pile up across restarts). Returns the names removed."""
     from trtllm_dflash.serve.triton.lifecycle import pid_alive
 
     removed = []

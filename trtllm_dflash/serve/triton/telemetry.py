@@ -8,8 +8,8 @@ decisions made together, no model call): requests sent (``dflash_step_requests_t
 carried (``dflash_step_rows_total``); rows / requests is how many sequences one step-model call served.
 
 Each metric call is a round trip to the server process: the counts are gathered here and handed over at most every
-``FLUSH_S`` and whenever a request ends (a call per metric and step of every sequence cost 16 served MT-Bench streams
-~7 % of their tokens/s on the 2-core VM, both entry models alike).
+``FLUSH_S`` and whenever a request ends (a call per metric and step of every sequence would take a visible share of a
+served stream's CPU time from decoding, in both entry models).
 
 The same counts are also exported under the names other servers use, so their dashboards work unchanged (labels
 ``model_name`` and ``model``):

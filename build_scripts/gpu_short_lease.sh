@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The last device command of a short GPU lease (15 device-minutes: the `recv` calls that `pack` plans, then this one).
 # It starts the drafter job (`gpu_train_drafter.sh start`, with the flags after `--`), runs perf/gpu_session.py's
-# correctness steps beside it (env, kernel_tests, parity, served_steps: they time nothing), waits for the job,
+# correctness steps beside it (env, kernel_tests, parity: they time nothing), waits for the job,
 # returns its checkpoint, stops it if it is still running (so no timing below shares the GPU), then spends what is
 # left of the command on gpu_session's timed steps with the drafter the job exported (the shipped one if it exported
 # none).
@@ -11,9 +11,8 @@
 # SECONDS: what this command may use (give the device call's timeout_s some 25 s more). Do not write anything else
 # under $OUT: this returns exactly the 8 files the device tool gives back, p/ (the job's checkpoint, config.json,
 # training_config.json and status.json: `gpu_train_drafter.sh merge --parts` takes it) and session.tgz (this
-# script's log and both gpu_session runs). LEASE_CHECKS: the correctness steps (default
-# env,kernel_tests,parity,served_steps);
-# LEASE_TIMED: the timed steps (default graphs,dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu; empty:
+# script's log and both gpu_session runs). LEASE_CHECKS: the correctness steps (default env,kernel_tests,parity);
+# LEASE_TIMED: the timed steps (default graphs,dflash_vs_ar,bench_kernels,bench_gpu; empty:
 # none, and the job gets the time: a next device call within 30 s finds the machine warm, its target and drafter under
 # /tmp/dflash-gpu, and runs them with perf/gpu_session.py itself); LEASE_BLOCK_SIZES, LEASE_LIMIT: dflash_vs_ar's
 # --block-sizes (16,8,16+ngram,auto+ngram,16+tree,auto+tree) and prompts per dataset (8); LEASE_PROMPTS: gpu_session's --prompts
@@ -37,9 +36,9 @@ bash build_scripts/gpu_train_drafter.sh start "$@"
 echo "lease: job started at $((SECONDS - t0)) s"
 OMP_NUM_THREADS=4 timeout -s INT 150 "$py" perf/gpu_session.py --device "$device" --out "$logs/checks" \
     --prompts "$prompts" --target "$home/target" --drafter "$shipped" \
-    --steps "${LEASE_CHECKS:-env,kernel_tests,parity,served_steps}" --budget-s 110 --commit "$commit"
+    --steps "${LEASE_CHECKS:-env,kernel_tests,parity}" --budget-s 110 --commit "$commit"
 echo "lease: correctness steps done at $((SECONDS - t0)) s"
-timed=${LEASE_TIMED-graphs,dflash_vs_ar,verify_cost,overhead,bench_kernels,bench_gpu}
+timed=${LEASE_TIMED-graphs,dflash_vs_ar,bench_kernels,bench_gpu}
 wait_s=$(($(left) - (${#timed} ? 170 : 30)))
 bash build_scripts/gpu_train_drafter.sh poll --wait $((wait_s > 5 ? wait_s : 5)) --out "$OUT/p"
 if pkill -f "build_scripts/gpu_pipeline.py run"; then

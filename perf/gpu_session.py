@@ -18,14 +18,9 @@ and no step starts once ``--budget-s`` is spent (the device tool allows 10 minut
 - ``parity``: the runtime on the device against the CPU oracle on a tiny random pair. float64 on both devices (the
   drafter in torch): the same greedy tokens; float32 on the device with the drafting kernels (``Impl.AUTO``): DFlash
   output equal to the same device's target-only greedy (lossless) and τ beside the torch drafter's τ.
-- ``served_steps``: ``perf/check_served_steps.py --device``: the Triton step engines (``runtime/steps.py``), driven
-  by the serving loop in-process with every engine on the device, give target-only greedy CPU tokens (tiny pair in
-  float64; the real pair in float32 with ``--target``/``--drafter``) at block size 16, ``auto`` + lookup and the tree.
 - ``graphs``: ``perf/bench_runtime.py`` at batch 1 on HumanEval in float32 (token identity required), first with
   every decoder's verify and draft forwards replayed as CUDA graphs (``--cuda-graphs on``; on the CPU ``rehearse``),
   then eager: what launching a step's kernels one by one costs, and DFlash against a baseline graphed alike.
-- ``overhead``: ``perf/bench_overhead.py --device``: per-step time and kernel-launching operators of AR and DFlash
-  on a tiny 30-layer pair (all overhead, no compute: what batch-1 decoding of a small model is bound by on a GPU).
 - ``bench_kernels``, ``bench_gpu`` (bf16 and fp8): ``perf/bench_kernels.py`` and ``perf/bench_gpu.py`` on Qwen3-8B
   shapes (CUDA only; recorded as skipped on the CPU).
 - ``dflash_vs_ar``: ``perf/bench_runtime.py --device`` on the prompt files, batch 1 and 8, block sizes
@@ -61,14 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-sizes", default="16,8,16+ngram,auto+ngram,16+tree,auto+tree",
                    help="comma list for bench_runtime --block-size")
     p.add_argument("--steps",
-                   default="env,kernel_tests,parity,served_steps,graphs,overhead,bench_kernels,bench_gpu,dflash_vs_ar,"
-                           "verify_cost")
+                   default="env,kernel_tests,parity,graphs,bench_kernels,bench_gpu,dflash_vs_ar")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds")
     p.add_argument("--commit", default=None)
     p.add_argument("--export-prompts", metavar="DIR", help="write the prompt files here and exit")
     args = p.parse_args(argv)
-    known = {"env", "kernel_tests", "parity", "overhead", "bench_kernels", "bench_gpu", "dflash_vs_ar", "verify_cost",
-             "graphs", "served_steps"}
+    known = {"env", "kernel_tests", "parity", "bench_kernels", "bench_gpu", "dflash_vs_ar", "graphs"}
     args.steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in args.steps if s not in known]
     if bad:
@@ -244,17 +237,6 @@ def step_dflash_vs_ar(args, log) -> dict:
     return {"runs": results}
 
 
-def step_served_steps(args, log) -> dict:
-    """perf/check_served_steps.py on the device: the step engines the Triton models call, against the CPU oracle (the
-    real pair too once its target is there: on a lease the drafter job converts it while these checks run)."""
-    ready = args.target and args.drafter and all((Path(args.target) / f).is_file()
-                                                 for f in ("config.json", "model.safetensors"))
-    real = ["--target", str(args.target), "--drafter", str(args.drafter)] if ready else []
-    out = run([sys.executable, "perf/check_served_steps.py", "--device", args.device, *real], log, 240)
-    return {"exit": out.returncode, "results": json.loads(out.stdout) if out.stdout.startswith("{") else None,
-            **({} if ready else {"real_pair": f"not checked: no target at {args.target}"})}
-
-
 GRAPH_BLOCK_SIZES = "16,16+ngram,16+tree,auto+ngram"
 
 
@@ -288,42 +270,9 @@ def succeeded(result) -> bool:
     return True
 
 
-def step_overhead(args, log) -> dict:
-    """perf/bench_overhead.py on the device: per-step time of AR and DFlash on a tiny 30-layer pair, whose cost is all
-    framework and launch overhead, beside the operator counts that the CPU measures too; then the same with CUDA
-    graphs (``graphs``: what the host still launches one by one, and the step's time with them). A CPU rehearsal
-    times one repeat of 32 tokens through 6 layers (its milliseconds mean nothing, its counts are a 6-layer pair's: it
-    rehearses the command): 124 s -> 40 s -> 28 s of CI."""
-    parts = []
-    sizes = [] if args.device == "cuda" else ["--tokens", "32", "--repeats", "1", "--layers", "6"]
-    for mode in ("off", "on" if args.device == "cuda" else "rehearse"):  # eager, then with CUDA graphs
-        out = run([sys.executable, "perf/bench_overhead.py", "--device", args.device, "--cuda-graphs", mode, *sizes],
-                  log, 300)
-        parts.append({"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None})
-    eager, graphed = parts
-    return {**eager, "graphs": graphed}
-
-
-def step_verify_cost(args, log) -> dict:
-    """perf/verify_cost.py on the real target: what a verify of n consecutive tokens and of the decoder's trees (B = 16
-    and 8, with and without the datastore's chain) costs against one autoregressive step, at batch 1 and 8 — how wide
-    a verify may be on this device before it costs more than the tokens it gains; on CUDA over 256 and 2,048 tokens of
-    context, interleaved (what attending over a context adds: ``CostModel.context``)."""
-    if not args.target:
-        return {"skipped": "needs --target"}
-    cuda = args.device == "cuda"
-    out = run([sys.executable, "perf/verify_cost.py", "--target", str(args.target), "--device", args.device,
-               "--dtype", "bfloat16" if cuda else "float32", "--sizes", "1,16,32,64,128,256" if cuda else "1,16",
-               "--trees", "15,7" if cuda else "7", "--batch", "1,8" if cuda else "1",
-               "--context", "256,2048" if cuda else "256",
-               "--repeats", "10" if cuda else "2"], log, 240)
-    return {"exit": out.returncode, "results": json.loads(out.stdout) if out.returncode == 0 else None}
-
-
-STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity, "overhead": step_overhead,
+STEPS = {"env": step_env, "kernel_tests": step_kernel_tests, "parity": step_parity,
          "bench_kernels": step_bench("perf/bench_kernels.py", []), "bench_gpu": step_bench_gpu,
-         "dflash_vs_ar": step_dflash_vs_ar, "verify_cost": step_verify_cost, "graphs": step_graphs,
-         "served_steps": step_served_steps}
+         "dflash_vs_ar": step_dflash_vs_ar, "graphs": step_graphs}
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Greedy token agreement of the FP8-quantized real demo target (SmolLM2-135M-Instruct) with its BF16 conversion, with
-the engine's activation quantization emulated (convert/agreement.py defines the metric; perf/bench_quant.py measures
-it on more prompts, for NVFP4 and the FP8 KV cache too: perf/results/quantization-cpu/quantization-cpu.json).
+the engine's activation quantization emulated (convert/agreement.py defines the metric; perf/bench_quant.py at 0620e3a
+measured it on more prompts, for NVFP4 and the FP8 KV cache too: perf/results/quantization-cpu/quantization-cpu.json).
 
 Fixed set, kept small for one CPU thread: calibration on the first 8 HumanEval prompts (up to 256 tokens each), the
 BF16 greedy continuations (32 tokens) of the last 4 HumanEval prompts, teacher-forced agreement.

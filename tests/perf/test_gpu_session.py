@@ -52,12 +52,6 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     assert parity["float64_device_equals_cpu"] and parity["float32_kernels_lossless"]
     assert parity["float32_torch_lossless"] and parity["real_float32_device_dflash_equals_cpu_ar"]
     assert parity["float64_device_tree_equals_cpu"] and parity["real_float32_device_tree_equals_cpu_ar"]
-    overhead = report["overhead"]["results"]["decoders"]
-    assert report["overhead"]["exit"] == 0 and set(overhead) == {"ar", "16", "16+ngram", "16+tree"}
-    assert overhead["16"]["launching_ops_per_step"] > overhead["ar"]["launching_ops_per_step"] > 0
-    graphed = report["overhead"]["graphs"]
-    assert graphed["exit"] == 0 and graphed["results"]["cuda_graphs"] == "rehearse"
-    assert set(graphed["results"]["decoders"]) == set(overhead)
     assert "needs CUDA" in report["bench_kernels"]["skipped"] and "needs CUDA" in report["bench_gpu"]["bf16"]["skipped"]
     runs = report["dflash_vs_ar"]["runs"]
     assert [(r["dataset"], r["batch_size"]) for r in runs] == [("humaneval", 1), ("mtbench", 1), ("humaneval", 8),
@@ -66,18 +60,12 @@ def test_cpu_rehearsal_runs_every_step(smollm2, tmp_path):
     for r in runs:
         (line,) = r["results"]
         assert r["exit"] == 0 and line["lossless"] and line["num_prompts"] == 2 and line["dtype"] == "float32"
-    served = report["served_steps"]  # the Triton step engines through the serving loop: CPU greedy tokens
-    assert served["exit"] == 0 and served["results"]["ok"]
-    assert set(served["results"]["real_float32"]) == {"16", "auto+ngram", "16+tree"}
     graphed = report["graphs"]["runs"]  # the graphs' static forwards rehearsed, then eager: both lossless
     assert [r["cuda_graphs"] for r in graphed] == ["rehearse", "off"] and all(r["exit"] == 0 for r in graphed)
     for r in graphed:
         assert [line["block_size"] for line in r["results"]] == [16, "16+ngram", "16+tree", "auto+ngram"]
         assert all(line["lossless"] and line["cuda_graphs"] == r["cuda_graphs"] for line in r["results"])
     assert all(line["graph_captures"] > 0 for line in graphed[0]["results"])
-    cost = report["verify_cost"]
-    assert cost["exit"] == 0 and cost["results"]["device"] == "cpu"
-    assert len(cost["results"]["dtypes"]["float32"]["trees"]) == 2  # B = 8's tree with and without the datastore
     assert json.loads(run.stdout.splitlines()[-1])["failed_steps"] == []
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_script
 from trtllm_dflash.perf.record import load_records
 from trtllm_dflash.perf.report import COLUMNS, PLOTS, speedups, write_report
 from trtllm_dflash.perf.sweep import summarize_profile
@@ -67,40 +66,3 @@ def test_report_without_a_baseline(sweep):
     assert [row["model"] for row in rows] == ["dflash"] * len(rows) and all(row["speed-up"] == "" for row in rows)
     assert all((sweep / name).stat().st_size > 1000 for name in PLOTS)
 
-
-def test_acceptance_plot_renders_recorded_bench_runtime_files(tmp_path):
-    """perf/plot_acceptance.py draws the recorded in-process evaluations; a file that is not bench_runtime output
-    is refused with exit 2 and a message naming it."""
-    root = Path(__file__).parents[2]
-    files = sorted(str(p) for p in (root / "perf" / "results" / "drafter-cpu").glob("step800-*.json"))
-    assert files
-    png = tmp_path / "tau.png"
-    run = run_script("perf/plot_acceptance.py", [*files, "--out", str(png)])
-    assert run.returncode == 0, run.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"dataset": "humaneval"}\n')
-    run = run_script("perf/plot_acceptance.py", [str(bad), "--out", str(png)])
-    assert run.returncode == 2 and "bad.json:1 has no acceptance_histogram" in run.stderr
-
-
-def test_shipped_plot_reads_every_recorded_drafter_and_refuses_a_missing_eval(tmp_path):
-    """perf/plot_shipped.py draws every shipped drafter of the recorded manifest from its eval files (τ read, never
-    typed in); a manifest row naming a file that is not there is refused with exit 2 and a message naming it."""
-    import json
-    root = Path(__file__).parents[2]
-    manifest = root / "perf" / "results" / "drafter-curve" / "full-sets" / "shipped.json"
-    png = tmp_path / "shipped.png"
-    run = run_script("perf/plot_shipped.py", [str(manifest), "--out", str(png)])
-    assert run.returncode == 0, run.stderr
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    points = json.loads(run.stdout)["points"]
-    assert len(points) == len(json.loads(manifest.read_text())) >= 7
-    assert [p["tokens"] for p in points] == sorted(p["tokens"] for p in points)
-    last = points[-1]
-    assert (last["humaneval"]["prompts"], last["mtbench"]["prompts"]) == (164, 80)
-    assert 1.0 < last["mtbench"]["tau"] < last["humaneval"]["tau"]
-    bad = tmp_path / "shipped.json"
-    bad.write_text(json.dumps([{"shipped_in": "2026-01-01", "new_tokens": 1, "evals": ["replay-nowhere.json"]}]))
-    run = run_script("perf/plot_shipped.py", [str(bad), "--out", str(png)])
-    assert run.returncode == 2 and "'replay-nowhere.json', which is not a file" in run.stderr

@@ -164,7 +164,7 @@ def test_retap_reproduces_the_decoding_pass_taps(tmp_path, one_thread):
 
 def test_trainer_returns_freed_heap_memory_every_few_steps(trained, tmp_path, monkeypatch):
     """glibc keeps what a step frees (a real run grew 60-110 MB a step): the loop trims the heap every TRIM_EVERY
-    steps and logs its resident memory (perf/bench_trainer_memory.py measures the effect)."""
+    steps and logs its resident memory (perf/bench_trainer_memory.py at 0620e3a measured the effect)."""
     from trtllm_dflash.train import trainer
 
     assert trainer._MALLOC_TRIM is not None  # glibc on our machines: the trim is real here, not a no-op

@@ -33,8 +33,8 @@ def prior_from_training_log(drafter_dir: str | Path | None, num_drafts: int) -> 
 
 DEFAULT_PRIOR = 0.3  # per-slot conditional acceptance without a training log
 # Per-slot conditional acceptance of a prompt-lookup continuation (of a recurring 2- or 3-gram) before any
-# observation: `perf/ngram_acceptance.py` on 1,152 regenerated training responses of SmolLM2 (a sample of the training
-# pool, artifacts/curve19/regen); other text (HumanEval's greedy outputs) accepts less, so …
+# observation: `perf/ngram_acceptance.py` (at 0620e3a) on 1,152 regenerated training responses of SmolLM2 (a sample of
+# the training pool, artifacts/curve19/regen); other text (HumanEval's greedy outputs) accepts less, so …
 NGRAM_PRIOR = (0.86, 0.91, 0.93, 0.94, 0.95, 0.95, 0.96, 0.96, 0.96, 0.96, 0.96, 0.97, 0.97, 0.97, 0.97)
 # … held lightly (half a pseudo-observation): a sequence's own lookups decide after a step or two, and a sequence
 # whose lookups keep failing goes back to k = 0 (a strong prior would keep a floor under the decayed estimate)

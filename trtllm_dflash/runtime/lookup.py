@@ -13,10 +13,10 @@ from typing import Sequence
 
 # P(first token accepted) by match length (bins: ≤ 2, 3, 4–5, 6–9, 10–19, ≥ 20 tokens), when the n-gram's latest two
 # earlier occurrences agree on the next token or it has one (row 0) and when they disagree (row 1); later slots'
-# conditional acceptance by match length. `perf/ngram_acceptance.py --by-match` on greedy outputs (128 tokens) of 325
-# training pool prompts (every 200th of the shipped drafter's training prompts); on HumanEval's and MT-Bench's greedy
-# outputs the same predictor has a lower log-loss per verified slot than the sequence's own history with
-# ``NGRAM_PRIOR``.
+# conditional acceptance by match length. `perf/ngram_acceptance.py --by-match` (at 0620e3a) on greedy outputs
+# (128 tokens) of 325 training pool prompts (every 200th of the shipped drafter's training prompts); on HumanEval's and
+# MT-Bench's greedy outputs the same predictor has a lower log-loss per verified slot than the sequence's own history
+# with ``NGRAM_PRIOR``.
 LOOKUP_MATCH_BINS = (2, 3, 5, 9, 19)
 LOOKUP_FIRST = ((0.63, 0.77, 0.85, 0.90, 0.93, 0.97), (0.17, 0.16, 0.24, 0.36, 0.54, 0.77))
 LOOKUP_NEXT = (0.81, 0.84, 0.88, 0.91, 0.94, 0.97)

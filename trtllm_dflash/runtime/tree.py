@@ -43,10 +43,10 @@ from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.sampling import History, target_samples
 
 # The decoder's tree (``TreeShape.for_block``), picked by replaying the shipped drafter over its greedy outputs
-# (``perf/tree_shapes.py``; perf/results/tree/): the drafter's 2nd–8th choices at slot 1 and its runner-up at slots
-# 2–4, each continued by the main chain up to 4 nodes (longer continuations cost many nodes for almost no τ), raise
-# τ over the two-branch tree (main + lookup) on HumanEval and MT-Bench alike. (slot, rank): rank 2 = the drafter's
-# second choice.
+# (``perf/tree_shapes.py`` at 0620e3a; perf/results/tree/): the drafter's 2nd–8th choices at slot 1 and its runner-up
+# at slots 2–4, each continued by the main chain up to 4 nodes (longer continuations cost many nodes for almost no
+# τ), raise τ over the two-branch tree (main + lookup) on HumanEval and MT-Bench alike. (slot, rank): rank 2 = the
+# drafter's second choice.
 DEFAULT_ALTERNATES: tuple[tuple[int, int], ...] = tuple((1, r) for r in range(2, 9)) + ((2, 2), (3, 2), (4, 2))
 DEFAULT_ALTERNATE_LEN = 4
 # Prompt lookup's proposals for the tree's lookup chains (``lookup_chains``): the continuations after the PER_N latest

@@ -75,7 +75,7 @@ def release_free_memory() -> None:
     activations whose sizes change with the batch's sequence lengths; glibc keeps the freed blocks, cannot reuse all
     of them for the next step's differently sized ones, so without a trim the process grows every step although
     nothing is live. A trim returns the heap to its live size at a cost in step time, so the trainer trims every
-    ``TRIM_EVERY`` steps, not every step (perf/bench_trainer_memory.py; perf/results/drafter-trainer/)."""
+    ``TRIM_EVERY`` steps, not every step (perf/bench_trainer_memory.py at 0620e3a; perf/results/drafter-trainer/)."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

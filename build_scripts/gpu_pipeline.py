@@ -84,9 +84,7 @@ def _write_json(path: Path, obj) -> None:
 def repo_relative(text: str) -> str:
     """Paths into this repository made repository-relative: the GPU machine runs from a checkout whose location means
     nothing where its files arrive (``--init`` of the shipped drafter in the training log, tracebacks in the log)."""
-    from trtllm_dflash.perf.sweep import repo_relative as relative
-
-    return relative(text)
+    return text.replace(f"{REPO}{os.sep}", "")
 
 
 # ---------------------------------------------------------------- pack (here)

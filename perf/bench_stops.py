@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from trtllm_dflash.perf.record import emit_json
+    from _lib.record import emit_json
     from trtllm_dflash.runtime.text import load_tokenizer
     from trtllm_dflash.runtime.protocol import StopMatcher
 

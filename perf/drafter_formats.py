@@ -10,7 +10,7 @@ speculators 0.9.0's own modules draft from it with what we draft. Then it builds
 with speculators' own classes: one DFlash drafter with a reduced draft vocabulary, and DSpark drafters with every
 Markov head type, with and without ``sample_from_anchor`` and a reduced vocabulary. For each it compares the blocks
 that speculators' own modules draft with those our loader drafts from the same directory, then writes the drafter out
-with our writer and compares what speculators drafts from that (``trtllm_dflash/perf/speculators_parity.py``). One
+with our writer and compares what speculators drafts from that (``perf/_lib/speculators_parity.py``). One
 JSON line per case and direction: the largest logit (and confidence) difference, the largest logit, whether the
 drafted tokens are equal, and for DSpark whether the Markov head changes drafts at all.
 
@@ -61,7 +61,7 @@ def run_parity(args, work: Path, emit) -> bool:
 
     from trtllm_dflash.checkpoints import load_pair
     from trtllm_dflash.models import speculators
-    from trtllm_dflash.perf.speculators_parity import NO_PEER, PEER_PYTHON, dflash_parity, dspark_parity, run_peer
+    from _lib.speculators_parity import NO_PEER, PEER_PYTHON, dflash_parity, dspark_parity, run_peer
 
     if not PEER_PYTHON.exists():
         print(f"drafter_formats: {NO_PEER}", file=sys.stderr)
@@ -243,7 +243,7 @@ def write_bases(target_dir: str, drafter_dir: str, work: Path) -> dict[str, Path
 
     from trtllm_dflash.checkpoints import load_pair, use_draft_vocab
     from trtllm_dflash.models import speculators
-    from trtllm_dflash.perf.speculators_parity import random_dspark_drafter
+    from _lib.speculators_parity import random_dspark_drafter
 
     def write(name: str, model) -> Path:
         return speculators.write_speculators_drafter(work / "bases" / name, model, target.spec, target_dir,

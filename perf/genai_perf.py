@@ -21,8 +21,8 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from _lib.record import emit_json
 from trtllm_dflash.models.weights import write_json
-from trtllm_dflash.perf.record import emit_json
 
 METRICS = {"output_token_throughput": "avg", "request_throughput": "avg", "time_to_first_token": "p50",
            "inter_token_latency": "p50", "request_latency": "p50", "output_sequence_length": "avg",
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         assets = prepare_demo_assets()
         tokenizer = tokenizer or assets["target"]
         if args.serve and not args.dry_run:
-            from trtllm_dflash.perf.sweep import render_demo_repo
+            from _lib.sweep import render_demo_repo
             from trtllm_dflash.serve.triton.server import TritonServer
 
             server = TritonServer(render_demo_repo(Path(args.out) / "repo", assets),

@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_side(checkout: str, script: list[str]) -> list[dict]:
     """The script's JSON output, run from ``checkout`` with its own package first on the import path."""
-    from trtllm_dflash.perf.pairing import checkout_env
+    from _lib.pairing import checkout_env
 
     env = checkout_env(checkout)
     run = subprocess.run([sys.executable, str(Path(checkout) / "perf" / script[0]), *script[1:]], cwd=checkout,
@@ -80,7 +80,7 @@ def lookup(doc, path: str):
 def main(argv=None) -> int:
     from tqdm import tqdm
 
-    from trtllm_dflash.perf.pairing import commit_of
+    from _lib.pairing import commit_of
 
     args = parse_args(argv)
     sides = {"base": args.base, "head": args.head}

@@ -79,7 +79,7 @@ def start_server(stack: ExitStack, checkout: str, repo_args: list[str], tmp: Pat
     """Render ``checkout``'s repository with its own make-repo and start its own ``serve`` on free ports (its shutdown
     registered on ``stack``); returns a function that waits until the server is ready and gives its gRPC address, so
     that both sides' servers load their models at the same time."""
-    from trtllm_dflash.perf.pairing import checkout_env
+    from _lib.pairing import checkout_env
 
     env, repo, log = checkout_env(checkout), tmp / "repo", tmp / "server.log"
     cli = [sys.executable, "-m", "trtllm_dflash"]
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     from trtllm_dflash.assets import pair_or_demo
     from trtllm_dflash.client.grpc import DFlashClient
     from trtllm_dflash.datasets import load_prompts
-    from trtllm_dflash.perf.pairing import commit_of, ratio_summary
+    from _lib.pairing import commit_of, ratio_summary
     from trtllm_dflash.staging import write_atomic
 
     target, drafter = pair_or_demo(args.target, args.drafter)

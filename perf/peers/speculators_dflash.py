@@ -12,7 +12,7 @@ Two commands, both with speculators 0.9.0's own classes and forward:
                           the inference arrangement); writes OUT/peer_io.safetensors: the inputs (taps, input_ids,
                           anchors) and per anchor the draft logits [B, draft_vocab] and drafted target ids [B].
 
-``trtllm_dflash/perf/speculators_parity.py`` runs this with the peer interpreter and compares against our loader, for
+``perf/_lib/speculators_parity.py`` runs this with the peer interpreter and compares against our loader, for
 the tests (tests/models/test_speculators_format.py) and ``perf/drafter_formats.py``.
 """
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _lib.speculators_parity import (NO_PEER, PEER_PYTHON, dspark_parity, random_dspark_drafter,
+                                     run_peer)
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models import speculators
 from trtllm_dflash.models.drafter import draft_block
-from trtllm_dflash.perf.speculators_parity import (NO_PEER, PEER_PYTHON, dspark_parity, random_dspark_drafter,
-                                                     run_peer)
 from trtllm_dflash.runtime.cost import GRID, CostModel
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.policy import AdaptivePolicy

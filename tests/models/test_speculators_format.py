@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from _lib.speculators_parity import NO_PEER, PEER_PYTHON, dflash_parity, run_peer
 from trtllm_dflash.checkpoints import drafter_spec_for, load_pair
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.models import speculators
 from trtllm_dflash.models.drafter import DrafterModel, draft_block
-from trtllm_dflash.perf.speculators_parity import NO_PEER, PEER_PYTHON, dflash_parity, run_peer
 from trtllm_dflash.specs import DrafterSpec, TargetSpec, check_pair
 
 DRAFT_VOCAB = 64

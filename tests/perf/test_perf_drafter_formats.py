@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from _lib.speculators_parity import NO_PEER, PEER_PYTHON
 from conftest import repo_script
-from trtllm_dflash.perf.speculators_parity import NO_PEER, PEER_PYTHON
 
 SCRIPT = Path(__file__).parents[2] / "perf" / "drafter_formats.py"
 pytestmark = pytest.mark.slow

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trtllm_dflash.perf.record import load_records
-from trtllm_dflash.perf.report import COLUMNS, PLOTS, speedups, write_report
-from trtllm_dflash.perf.sweep import summarize_profile
+from _lib.record import load_records
+from _lib.report import COLUMNS, PLOTS, speedups, write_report
+from _lib.sweep import summarize_profile
 
 SAMPLE = Path(__file__).parents[1] / "data" / "sweep_sample"
 

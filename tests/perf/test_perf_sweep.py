@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from _lib.record import PerfRecord, load_records
+from _lib.sweep import SweepConfig, parse_args, summarize_profile, write_input_data
 from conftest import install_perf_analyzer
 from trtllm_dflash.datasets import Prompt
 from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.perf.metrics import LoopCounters
-from trtllm_dflash.perf.record import PerfRecord, load_records
-from trtllm_dflash.perf.sweep import SweepConfig, parse_args, summarize_profile, write_input_data
 
 ROOT = Path(__file__).resolve().parents[2]
 MS = 1_000_000  # ns
@@ -116,7 +116,7 @@ def test_server_counters_equal_the_response_sums(server):
 @pytest.mark.slow
 def test_smoke_sweep_with_the_real_perf_analyzer(server, tmp_path):
     """The sweep against the running server (--serve, which starts its own, is what perf/results used)."""
-    from trtllm_dflash.perf.sweep import main
+    from _lib.sweep import main
 
     exe = install_perf_analyzer()
     out = tmp_path / "sweep"
@@ -163,7 +163,7 @@ def check_record(r: PerfRecord, out: Path) -> None:
 
 def test_recorded_paths_name_no_machines_directories():
     """Logs and records keep this checkout's paths repository-relative and the home directory as ~."""
-    from trtllm_dflash.perf.sweep import PROJECT, portable
+    from _lib.sweep import PROJECT, portable
 
     assert portable(f"{PROJECT}/.cache/perf_analyzer/bin/perf_analyzer -m x {Path.home()}/.cache/t") == \
         ".cache/perf_analyzer/bin/perf_analyzer -m x ~/.cache/t"

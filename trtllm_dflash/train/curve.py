@@ -552,8 +552,6 @@ def cmd_report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trtllm_dflash.perf.report import save_png
-
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, ds, title in zip(axes, ("humaneval", "mtbench"), ("HumanEval", "MT-Bench")):
         xs = [p["seen_response_tokens"] for p in main_runs]
@@ -582,7 +580,11 @@ def cmd_report(args) -> None:
         uniq = dict(zip(labels, handles))
         ax.legend(uniq.values(), uniq.keys(), fontsize=7)
         ax.grid(alpha=0.3)
-    save_png(fig, out / "curve.png")
+    fig.tight_layout()
+    tmp = out / ".curve.png.tmp"
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, out / "curve.png")  # atomically: a reader never sees half a PNG
     print(json.dumps({"points": len(points), "fits": fits, "out": str(out)}))
 
 

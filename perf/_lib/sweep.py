@@ -33,9 +33,10 @@ import numpy as np
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.hardware import cpu_model
 from trtllm_dflash.perf.metrics import LoopCounters
-from trtllm_dflash.perf.record import PerfRecord, append_record
 from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.serve.settings import ModelSettings
+
+from .record import PerfRecord, append_record
 
 PROJECT = Path(__file__).resolve().parents[2]
 BLS = {"dflash": "dflash", "baseline": "baseline"}  # entry model -> the model labelling its loop counters (itself)
@@ -116,7 +117,7 @@ def pa_command(exe: str, model: str, url: str, input_data: Path, concurrency: in
 
 
 def repo_relative(text: str) -> str:
-    """Paths into this checkout made repository-relative (the repository root is the package's parent)."""
+    """Paths into this checkout made repository-relative (the repository root is two folders above this file)."""
     return text.replace(f"{Path(__file__).resolve().parents[2]}{os.sep}", "")
 
 

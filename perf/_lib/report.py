@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from trtllm_dflash.perf.record import PerfRecord, load_records
+from .record import PerfRecord, load_records
 
 PLOTS = ("throughput.png", "speedup.png", "tau_hist.png", "latency.png")
 COLUMNS = ["model", "dataset", "B", "C", "requests", "tokens", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms",

@@ -18,6 +18,8 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -221,17 +223,57 @@ def _cli_flags(cfg: TrainConfig) -> list[str]:
     return flags
 
 
-def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
-          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None,
-          on_save=None) -> DrafterModel:
-    """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
-    pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
-    GPU pipeline's returned weights, build_scripts/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
-    ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
-    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences). ``on_save(step,
-    train_set)`` runs after every checkpoint's export (``trtllm-dflash learning-curve`` keeps each one)."""
-    from tqdm import tqdm
+@dataclass
+class _LossVocab:
+    """The tokens the loss scores. With ``loss_vocab: data`` ``vocab`` holds the data's tokens (sorted) and
+    ``others`` the rest of the target's vocabulary; with the full vocabulary both are None."""
 
+    vocab: torch.Tensor | None
+    others: torch.Tensor | None  # [V − V'] tokens absent from the data
+    negatives: int
+    device: str
+
+    def candidates(self, g: torch.Generator) -> torch.Tensor | None:
+        """The data's tokens plus ``negatives`` random absent ones: without those, nothing would keep the
+        absent tokens' logits down and the drafter's full-vocabulary argmax at inference would pick them."""
+        if self.vocab is None:
+            return None
+        pick = torch.randperm(len(self.others), generator=g)[: self.negatives].to(self.device)
+        return torch.cat([self.vocab, self.others[pick]]).sort().values
+
+
+def _loss_vocab(cfg: TrainConfig, samples: list[Sample], target: TargetModel, data_summary: dict) -> _LossVocab:
+    """The loss vocabulary ``cfg.loss_vocab`` asks for; a data vocabulary's size goes into ``data_summary``."""
+    vocab = None
+    if cfg.loss_vocab == "data":
+        vocab = torch.unique(torch.cat([t for s in samples for t in (s.ids, s.label_ids)])).to(cfg.device)  # sorted
+        data_summary["loss_vocab_size"] = len(vocab)
+    others = None if vocab is None else torch.ones(target.spec.vocab_size, dtype=torch.bool, device=cfg.device)
+    if others is not None:
+        others[vocab] = False
+        others = others.nonzero()[:, 0]  # [V − V'] tokens absent from the data
+    return _LossVocab(vocab, others, cfg.loss_negatives, cfg.device)
+
+
+@dataclass
+class _TrainData:
+    """A run's sequences, split into training and held-out sets, with what they determine: the step count, the
+    summary written into the log and the export, the tap standardiser and the loss vocabulary."""
+
+    train_set: list[Sample]
+    held_out: list[Sample]  # with their taps
+    steps: int
+    summary: dict
+    tap_scale: torch.Tensor  # [K·H]; a resumed checkpoint's replaces the data's
+    loss_vocab: _LossVocab
+    tapped: Callable[[list[Sample]], list[Sample]]  # the sequences with their taps (from the target when online)
+
+
+def _prepare_data(cfg: TrainConfig, target: TargetModel, spec: DrafterSpec, shards: list[Path],
+                  samples: list[Sample] | None) -> _TrainData:
+    """The training data from ``samples`` or, without them, from ``shards``: sequences with a response of at least
+    two tokens, split, summarised and tapped where they carry no taps (the held-out set once, here; the training
+    sequences at each step through ``tapped``)."""
     from trtllm_dflash.train.regen import with_taps
 
     if samples is None:
@@ -253,109 +295,187 @@ def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, 
     }
     held_out = tapped(held_out)
     tap_scale = tap_standardizer(tapped(train_set[:64]) if online else train_set).to(cfg.device)  # [K·H]
-    vocab = None
-    if cfg.loss_vocab == "data":
-        vocab = torch.unique(torch.cat([t for s in samples for t in (s.ids, s.label_ids)])).to(cfg.device)  # sorted
-        data_summary["loss_vocab_size"] = len(vocab)
-    others = None if vocab is None else torch.ones(target.spec.vocab_size, dtype=torch.bool, device=cfg.device)
-    if others is not None:
-        others[vocab] = False
-        others = others.nonzero()[:, 0]  # [V − V'] tokens absent from the data
+    loss_vocab = _loss_vocab(cfg, samples, target, data_summary)
+    return _TrainData(train_set, held_out, steps, data_summary, tap_scale, loss_vocab, tapped)
 
-    def candidates(vocab, g):
-        """The data's tokens plus ``loss_negatives`` random absent ones: without those, nothing would keep the
-        absent tokens' logits down and the drafter's full-vocabulary argmax at inference would pick them."""
-        if vocab is None:
-            return None
-        pick = torch.randperm(len(others), generator=g)[: cfg.loss_negatives].to(cfg.device)
-        return torch.cat([vocab, others[pick]]).sort().values
-    drafter = DrafterModel(spec, device=cfg.device,
-                           max_positions=target.spec.max_position_embeddings + SCRATCH_POSITIONS)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    ckpt_path = work / CKPT
-    log_doc = {"config": cfg.to_dict(), "data": data_summary, "total_steps": steps, "records": [], "held_out": []}
-    start = 0
-    if ckpt_path.is_file():
-        if not resume:
-            raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
-        ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
-        check_same_recipe(ck, cfg, ckpt_path)
-        drafter.load_state_dict(ck["drafter"])
-        if "optimizer" in ck:
-            opt.load_state_dict(ck["optimizer"])
-        else:
-            log.warning("%s holds no optimizer state: AdamW moments restart from zero", ckpt_path)
-        start, log_doc = ck["step"], ck["log"]
-        if "tap_scale" in ck:  # the scale the weights were trained with, whatever the data now give
-            tap_scale = ck["tap_scale"].to(cfg.device)
-        log_doc["total_steps"] = steps
-        log.info("resumed from %s at step %d", ckpt_path, start)
+
+def _resume(ckpt_path: Path, resume: bool, cfg: TrainConfig, drafter: DrafterModel, opt: torch.optim.Optimizer,
+            data: _TrainData) -> tuple[int, dict]:
+    """Load the checkpoint at ``ckpt_path`` into ``drafter`` and ``opt`` (fresh AdamW moments where it has no
+    optimizer state) and its tap standardiser into ``data``; returns its step and training log. Without ``resume`` an
+    existing checkpoint is an error: a new run would overwrite it."""
+    if not resume:
+        raise ConfigError("--resume", False, f"{ckpt_path} exists", "pass --resume to continue it or delete it")
+    ck = torch.load(ckpt_path, map_location=cfg.device, weights_only=False)
+    check_same_recipe(ck, cfg, ckpt_path)
+    drafter.load_state_dict(ck["drafter"])
+    if "optimizer" in ck:
+        opt.load_state_dict(ck["optimizer"])
     else:
-        init = random_drafter_state(spec, cfg.seed)
-        if cfg.init == "target":
-            init = init_from_target(init, target, spec, tap_scale, train_set[0].ids[:512].to(cfg.device))
-        elif cfg.init != "random":
-            init = warm_start_state(Path(cfg.init), spec, tap_scale)
-            log.info("warm start from the drafter in %s", cfg.init)
-        drafter.load_state_dict(init)
-    drafter.train()
-    log.info("training %d steps on %d sequences (%d held out): %s", steps, len(train_set), len(held_out), data_summary)
+        log.warning("%s holds no optimizer state: AdamW moments restart from zero", ckpt_path)
+    start, log_doc = ck["step"], ck["log"]
+    if "tap_scale" in ck:  # the scale the weights were trained with, whatever the data now give
+        data.tap_scale = ck["tap_scale"].to(cfg.device)
+    log_doc["total_steps"] = data.steps
+    log.info("resumed from %s at step %d", ckpt_path, start)
+    return start, log_doc
 
-    def save(step: int) -> None:
-        ev = evaluate(drafter, target, held_out, cfg, tap_scale)
-        log_doc["held_out"].append({"step": step, **ev})
+
+def _initial_state(cfg: TrainConfig, target: TargetModel, spec: DrafterSpec,
+                   data: _TrainData) -> dict[str, torch.Tensor]:
+    """A new run's starting weights as ``cfg.init`` names them: random, initialised from the target (``target``) or
+    an exported drafter's (a directory)."""
+    init = random_drafter_state(spec, cfg.seed)
+    if cfg.init == "target":
+        init = init_from_target(init, target, spec, data.tap_scale, data.train_set[0].ids[:512].to(cfg.device))
+    elif cfg.init != "random":
+        init = warm_start_state(Path(cfg.init), spec, data.tap_scale)
+        log.info("warm start from the drafter in %s", cfg.init)
+    return init
+
+
+@dataclass
+class _Schedule:
+    """The learning rate of a run that starts at step ``start``: ``lr_at`` of where ``scheduled_step`` puts each step
+    at the moment it is asked (the clock counts from ``t0`` towards ``deadline``)."""
+
+    start: int
+    total: int
+    t0: float
+    deadline: float | None
+    peak: float
+    warmup: float
+
+    def lr(self, step: int) -> float:
+        at = scheduled_step(step, self.start, self.total, self.t0, self.deadline, time.monotonic())
+        return lr_at(at, self.total, self.peak, self.warmup)
+
+
+@dataclass
+class _Run:
+    """What the steps and checkpoints of one training run share: its configuration and work directory, the frozen
+    target, the drafter being trained with its optimizer, the data and the training log being written."""
+
+    cfg: TrainConfig
+    work: Path
+    target: TargetModel
+    spec: DrafterSpec
+    data: _TrainData
+    drafter: DrafterModel
+    opt: torch.optim.Optimizer
+    log_doc: dict
+    on_save: Callable[[int, list[Sample]], None] | None
+
+    def step(self, step: int, schedule: _Schedule, autocast) -> tuple[torch.Tensor, float]:
+        """One AdamW step on step ``step``'s batch (``step_indices``, anchors from a generator seeded by the seed and
+        the step); returns its ``window_entry`` and its learning rate. Every ``TRIM_EVERY`` steps it also gives the
+        C heap's free pages back (``release_free_memory``)."""
+        cfg, data = self.cfg, self.data
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        picked = data.tapped([data.train_set[i]
+                              for i in step_indices(step, cfg.samples_per_step, len(data.train_set), cfg.seed)])
+        anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
+        lr = schedule.lr(step)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        batch = collate(picked, anchors, cfg.device, tap_scale=data.tap_scale)
+        with autocast:
+            m = dflash_loss(self.drafter, self.target.embed, self.target.lm_head, batch, cfg.gamma,
+                            data.loss_vocab.candidates(g), distill=cfg.distill, tv=cfg.tv)
+        self.opt.zero_grad(set_to_none=True)
+        m.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+        self.opt.step()
+        del batch
+        if TRIM_EVERY and (step + 1) % TRIM_EVERY == 0:
+            release_free_memory()
+        return window_entry(m, grad_norm), lr
+
+    def record(self, done: int, window: list[torch.Tensor], lr: float, t_last: float, bar) -> float:
+        """Append the log record of the window of steps that ends at step ``done`` (begun at ``t_last``, a
+        ``time.perf_counter()`` instant) and show it on the progress bar; returns the instant the next window begins."""
+        record = window_record(window, lr)
+        now = time.perf_counter()
+        record["seconds_per_step"] = round((now - t_last) / len(window), 3)
+        record["resident_mb"] = resident_mb()
+        self.log_doc["records"].append({"step": done, **record})
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}", refresh=False)
+        log.info("step %d %s", done, {k: v for k, v in self.log_doc["records"][-1].items() if k != "accuracy"})
+        return now
+
+    def save(self, step: int) -> None:
+        """Evaluate the held-out set into the log, checkpoint atomically (weights, optimizer, step, log, tap
+        standardiser), export the drafter to ``cfg.out``, then call ``on_save``."""
+        cfg, data, ckpt_path = self.cfg, self.data, self.work / CKPT
+        ev = evaluate(self.drafter, self.target, data.held_out, cfg, data.tap_scale)
+        self.log_doc["held_out"].append({"step": step, **ev})
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log_doc,
-                    "tap_scale": tap_scale.cpu()}, tmp)
+        torch.save({"drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict(), "step": step,
+                    "log": self.log_doc, "tap_scale": data.tap_scale.cpu()}, tmp)
         os.replace(tmp, ckpt_path)
-        export(cfg, spec, target, drafter, log_doc, data_summary, work, tap_scale)
+        export(cfg, self.spec, self.target, self.drafter, self.log_doc, data.summary, self.work, data.tap_scale)
         log.info("step %d: checkpoint + export to %s; held-out %s", step, cfg.out, ev)
-        if on_save is not None:
-            on_save(step, train_set)
+        if self.on_save is not None:
+            self.on_save(step, data.train_set)
 
+
+def _run_steps(run: _Run, start: int, deadline: float | None, progress) -> None:
+    """Train from step ``start`` to the last, logging every ``log_every`` steps and checkpointing every
+    ``ckpt_every``, at the last step and when the time box ends (which stops the run early). ``progress`` is the
+    progress bar's class (tqdm, which ``train`` imports before it reads any data)."""
+    cfg, steps = run.cfg, run.data.steps
     autocast = (torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
                 else contextlib.nullcontext())
     window: list = []
     t_last, t_box = time.perf_counter(), time.monotonic()
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
+    schedule = _Schedule(start, steps, t_box, deadline, cfg.lr, cfg.warmup)
+    bar = progress(range(start, steps), initial=start, total=steps, desc="train-drafter", mininterval=30)
     for step in bar:
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        picked = tapped([train_set[i] for i in step_indices(step, cfg.samples_per_step, len(train_set), cfg.seed)])
-        anchors = [sample_anchors(s.prompt_len, len(s.ids), cfg.anchors_per_sample, g) for s in picked]
-        lr = lr_at(scheduled_step(step, start, steps, t_box, deadline, time.monotonic()), steps, cfg.lr, cfg.warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = collate(picked, anchors, cfg.device, tap_scale=tap_scale)
-        with autocast:
-            m = dflash_loss(drafter, target.embed, target.lm_head, batch, cfg.gamma, candidates(vocab, g),
-                            distill=cfg.distill, tv=cfg.tv)
-        opt.zero_grad(set_to_none=True)
-        m.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        del batch
-        if TRIM_EVERY and (step + 1) % TRIM_EVERY == 0:
-            release_free_memory()
-        window.append(window_entry(m, grad_norm))
+        entry, lr = run.step(step, schedule, autocast)
+        window.append(entry)
         done = step + 1
         if done % cfg.log_every == 0 or done == steps:
-            record = window_record(window, lr)
-            now = time.perf_counter()
-            record["seconds_per_step"] = round((now - t_last) / len(window), 3)
-            record["resident_mb"] = resident_mb()
-            log_doc["records"].append({"step": done, **record})
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['expected_tau']:.2f}", refresh=False)
-            log.info("step %d %s", done, {k: v for k, v in log_doc["records"][-1].items() if k != "accuracy"})
-            window, t_last = [], now
+            t_last = run.record(done, window, lr, t_last, bar)
+            window = []
         out_of_time = deadline is not None and time.monotonic() > deadline
         if done % cfg.ckpt_every == 0 or done == steps or out_of_time:
-            drafter.eval()
-            save(done)
-            drafter.train()
+            run.drafter.eval()
+            run.save(done)
+            run.drafter.train()
         if out_of_time and done < steps:
             log.info("time box reached at step %d of %d: checkpointed; resume to continue", done, steps)
             break
     bar.close()
-    if start >= steps and not (Path(cfg.out) / "model.safetensors").is_file():
-        save(steps)
+
+
+def train(cfg: TrainConfig, work: Path, target: TargetModel, spec: DrafterSpec, shards: list[Path],
+          resume: bool, deadline: float | None = None, samples: list[Sample] | None = None,
+          on_save=None) -> DrafterModel:
+    """``deadline``: a ``time.monotonic()`` instant after which the run checkpoints and stops early (the GPU
+    pipeline's time box); a later call with ``resume`` continues it. A checkpoint without an ``optimizer`` entry (the
+    GPU pipeline's returned weights, build_scripts/gpu_pipeline.py) resumes the weights and step with fresh AdamW moments.
+    ``samples`` instead of ``shards``: sequences whose taps are None get them from the target at every step
+    (``regen.with_taps``; the tap standardiser then comes from the first 64 training sequences). ``on_save(step,
+    train_set)`` runs after every checkpoint's export (``trtllm-dflash learning-curve`` keeps each one)."""
+    from tqdm import tqdm
+
+    data = _prepare_data(cfg, target, spec, shards, samples)
+    drafter = DrafterModel(spec, device=cfg.device,
+                           max_positions=target.spec.max_position_embeddings + SCRATCH_POSITIONS)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    ckpt_path = work / CKPT
+    log_doc = {"config": cfg.to_dict(), "data": data.summary, "total_steps": data.steps, "records": [],
+               "held_out": []}
+    start = 0
+    if ckpt_path.is_file():
+        start, log_doc = _resume(ckpt_path, resume, cfg, drafter, opt, data)
+    else:
+        drafter.load_state_dict(_initial_state(cfg, target, spec, data))
+    drafter.train()
+    log.info("training %d steps on %d sequences (%d held out): %s", data.steps, len(data.train_set),
+             len(data.held_out), data.summary)
+    run = _Run(cfg, work, target, spec, data, drafter, opt, log_doc, on_save)
+    _run_steps(run, start, deadline, tqdm)
+    if start >= data.steps and not (Path(cfg.out) / "model.safetensors").is_file():
+        run.save(data.steps)
     return drafter.eval()

@@ -267,7 +267,7 @@ def local_steps(tiny_dirs, tiny_models, tree: bool):
     """The served path without Triton on the tiny llama pair: (target, verifier, LocalSteps, the tree shape or
     None), room for 2 sequences of 256 tokens and block 16 (the tree of 7 drafts with ``tree``)."""
     from trtllm_dflash.runtime.tree import tree_for
-    from trtllm_dflash.runtime.loop import LocalSteps
+    from trtllm_dflash.runtime.local import LocalSteps
     from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 
     target, drafter = tiny_models["llama"]
@@ -293,11 +293,11 @@ def lossless_decoders(target, drafter, prompts, answers) -> dict[str, Speculativ
 
 
 def served_updates(steps, req, shape) -> list:
-    """``runtime.loop.run_generation`` of ``req`` over ``steps`` (``local_steps``) at block 8 with prompt lookup (and
+    """``runtime.stepper.run_generation`` of ``req`` over ``steps`` (``local_steps``) at block 8 with prompt lookup (and
     ``shape``'s tree) -> the updates it reported."""
     import asyncio
 
-    from trtllm_dflash.runtime.loop import run_generation
+    from trtllm_dflash.runtime.stepper import run_generation
 
     updates = []
 

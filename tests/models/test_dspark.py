@@ -96,7 +96,8 @@ def test_lossless_in_every_loop(tiny_dirs, head_type, anchor, draft_vocab):
 
 def _run_auto(target, drafter):
     """One request under ``auto`` through the in-process step engines -> its policy state and the policy."""
-    from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation
+    from trtllm_dflash.runtime.local import BatchedLocalSteps
+    from trtllm_dflash.runtime.stepper import run_generation
     from trtllm_dflash.runtime.protocol import GenerateRequest
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier

@@ -157,7 +157,8 @@ def test_decoder_and_served_drafter_draft_through_own_head(tiny_dirs, tmp_path):
     import asyncio
 
     from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
-    from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation
+    from trtllm_dflash.runtime.local import BatchedLocalSteps
+    from trtllm_dflash.runtime.stepper import run_generation
     from trtllm_dflash.runtime.protocol import GenerateRequest
     from trtllm_dflash.runtime.sampling import SamplingParams
     from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier

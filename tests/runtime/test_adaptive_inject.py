@@ -11,7 +11,8 @@ from trtllm_dflash.models.drafter import draft_block
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.local import LocalSteps
+from trtllm_dflash.runtime.stepper import run_generation
 from trtllm_dflash.runtime.protocol import GenerateRequest
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 

@@ -66,91 +66,73 @@ def test_a_fork_that_cannot_be_one_is_refused_before_it_takes_a_slot(tiny_models
         v.fork(3, 2, PROMPT, SamplingParams())
 
 
-class VerifierSteps:
-    """The two start calls ``bls.RequestSteps`` makes (TritonSteps' ``wait_for_slot`` and ``_start``), answered
-    in-process by one TargetVerifier as target_verify answers them: a refusal is a StepError, a full slot table makes
-    ``wait_for_slot`` wait."""
+class RecordingSteps:
+    """In-process step engines over one TargetVerifier (``LocalSteps``) that record which sequences prefilled."""
 
-    def __init__(self, v: TargetVerifier) -> None:
-        from types import SimpleNamespace
+    def __new__(cls, v: TargetVerifier, drafter):
+        from trtllm_dflash.runtime.local import LocalSteps
+        from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead
 
-        self.v, self.prefilled = v, []
-        self.coalescer = SimpleNamespace(join=lambda: None)
+        class Steps(LocalSteps):
+            prefilled: list[int] = []
 
-    async def wait_for_slot(self, seq_id, prompt_ids, sampling, want_taps, is_cancelled, keep=0, attempts=None):
-        import asyncio
-        import time
+            async def start(self, seq_id, prompt_ids, sampling, want_taps, keep=0):
+                self.prefilled.append(seq_id)
+                return await super().start(seq_id, prompt_ids, sampling, want_taps, keep)
 
-        while True:
-            try:
-                if attempts is not None:
-                    attempts.append(time.monotonic_ns())
-                r = self.v.start(seq_id, prompt_ids, sampling, want_taps, keep=keep)
-            except ConfigError as exc:
-                if SLOTS_EXHAUSTED not in str(exc):
-                    raise
-                await asyncio.sleep(0.01)
-                continue
-            self.prefilled.append(seq_id)
-            return r.first_token, r.taps, r.logprobs
+        steps = Steps(v, KVInjector(drafter), BlockDrafter(drafter, TargetHead.of(v.target), 4, 256))
+        steps.prefilled = []
+        return steps
 
-    async def _start(self, seq_id, prompt_ids, sampling, want_taps, keep=0, fork_of=None):
-        from trtllm_dflash.serve.triton.bls import StepError
 
-        try:
-            r = self.v.fork(seq_id, fork_of, prompt_ids, sampling)
-        except ConfigError as exc:
-            raise StepError(str(exc)) from exc
-        return r.first_token, r.taps, r.logprobs
+def family(stepper, ids, samplings, max_tokens=6, cancelled=()):
+    """One request's sequences added to ``stepper``: the first keeps its prefill for the others to fork."""
+    from trtllm_dflash.runtime.protocol import GenerateRequest
+    from trtllm_dflash.runtime.stepper import Sequence
+
+    seqs, first = [], None
+    for i, (seq_id, sampling) in enumerate(zip(ids, samplings)):
+        req = GenerateRequest(tuple(PROMPT), max_tokens, sampling, (), True)
+        seq = Sequence(seq_id, req, lambda u: None, (lambda: True) if i in cancelled else (lambda: False),
+                       keep=len(ids) - 1 if first is None else 0, fork_of=first)
+        first = first or seq
+        seqs.append(stepper.add(seq))
+    return seqs
 
 
 def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_not_wait_for_it(tiny_models):
-    import asyncio
+    from trtllm_dflash.runtime.stepper import Stepper, drive
 
-    from trtllm_dflash.serve.triton.bls import RequestSteps, Siblings
-
-    async def run():
-        v = verifier(tiny_models, sequences=2)
-        v.start(99, [5, 6, 7], SamplingParams(), False)  # another request holds the other slot
-        steps = VerifierSteps(v)
-        family = Siblings(2)
-        seqs = [RequestSteps(steps, lambda: False, family, i) for i in range(2)]
-        sibling = asyncio.ensure_future(seqs[1].start(11, PROMPT, sampled(4), True))
-        first = await asyncio.wait_for(seqs[0].start(10, PROMPT, sampled(3), True), 5)  # its sibling found no slot
-        assert not sibling.done() and steps.prefilled == [10]
-        v.free(99)
-        got = await asyncio.wait_for(sibling, 5)
-        assert steps.prefilled == [10, 11] and v.forked == 0
-        want = verifier(tiny_models).start(11, PROMPT, sampled(4), True)
-        assert got[0] == want.first_token and got[2] == want.logprobs and torch.equal(got[1], want.taps)
-        assert first[1] is not None
-        # its perf metrics' times: scheduled when its own prefill got the slot, after the first sequence's first token
-        assert 0 < seqs[0].scheduled_ns < seqs[0].first_token_ns < seqs[1].scheduled_ns < seqs[1].first_token_ns
-
-    asyncio.run(run())
+    _, drafter = tiny_models["llama"]
+    v = verifier(tiny_models, sequences=2)
+    v.start(99, [5, 6, 7], SamplingParams(), False)  # another request holds the other slot
+    steps = RecordingSteps(v, drafter)
+    stepper = Stepper(steps, 4)
+    seqs = family(stepper, [10, 11], [sampled(3), sampled(4)])
+    drive(stepper.step())  # the first prefills and steps; its sibling found no slot to fork into
+    assert seqs[0].started and len(seqs[0].tokens) > 1 and not seqs[1].started and steps.prefilled == [10]
+    v.free(99)
+    drive(stepper.run())
+    assert steps.prefilled == [10, 11] and v.forked == 0
+    want = verifier(tiny_models).start(11, PROMPT, sampled(4), True)
+    assert seqs[1].tokens[0] == want.first_token and seqs[1].logprobs[:1] == want.logprobs
+    # its perf metrics' times: scheduled when its own prefill got the slot, after the first sequence's first token
+    assert 0 < seqs[0].scheduled_ns < seqs[0].first_token_ns < seqs[1].scheduled_ns < seqs[1].first_token_ns
 
 
 def test_the_first_sequence_waits_for_its_siblings_forks_but_not_for_one_that_ended_before_its_start(tiny_models):
-    import asyncio
+    from trtllm_dflash.runtime.stepper import Stepper, drive
 
-    from trtllm_dflash.serve.triton.bls import RequestSteps, Siblings
-
-    async def run():
-        v = verifier(tiny_models, sequences=3)
-        steps, family = VerifierSteps(v), Siblings(3)
-        seqs = [RequestSteps(steps, lambda: False, family, i) for i in range(3)]
-        first = asyncio.ensure_future(seqs[0].start(20, PROMPT, sampled(1), True))
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert not first.done()  # sibling 1 and 2 still to fork: its rows must stay as they are
-        forked = await asyncio.wait_for(seqs[1].start(21, PROMPT, sampled(2), True), 5)
-        assert v.forked == 1 and not first.done()
-        assert forked[1] is first_taps(family)  # a fork reuses the first sequence's taps
-        family.started(2)  # sibling 2 failed before its start (as LoopModel's sequence reports when it ends)
-        await asyncio.wait_for(first, 5)
-        assert steps.prefilled == [20]
-
-    def first_taps(family):
-        return family.parent.result()[1]
-
-    asyncio.run(run())
+    _, drafter = tiny_models["llama"]
+    v = verifier(tiny_models, sequences=3)
+    steps = RecordingSteps(v, drafter)
+    stepper = Stepper(steps, 4)
+    seqs = family(stepper, [20, 21, 22], [sampled(1), sampled(2), sampled(3)], cancelled=(2,))
+    taps = {}
+    seqs[1].on_update = lambda u: taps.setdefault(21, seqs[1].pending[0])
+    drive(stepper.step())  # sibling 1 forks before the first sequence's first step; sibling 2 ended before its start
+    assert v.forked == 1 and steps.prefilled == [20]
+    assert taps[21] is seqs[0].prompt_taps  # a fork reuses the first sequence's taps
+    assert seqs[2].finish_reason == "cancelled" and not seqs[2].started
+    drive(stepper.run())
+    assert seqs[0].finish_reason == seqs[1].finish_reason == "length"

@@ -1,4 +1,4 @@
-"""The one loop (``runtime.loop`` through ``SpeculativeDecoder``: batched, lazily injected, its step engines' fast
+"""The one loop (``runtime.stepper`` through ``SpeculativeDecoder``: batched, lazily injected, its step engines' fast
 paths) against the plainest fixed-block DFlash loop (``runtime.reference``): the same tokens and the same acceptance
 length at every step, on ragged batches whose rows finish apart."""
 

@@ -12,7 +12,7 @@ import torch
 from conftest import OracleDecoder, greedy_reference, make_tiny_pair, tree_policy
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.errors import ConfigError
-from trtllm_dflash.runtime import loop as loop_mod, steps as steps_mod
+from trtllm_dflash.runtime import stepper as loop_mod, steps as steps_mod
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, commit_path, graft_chains, lookup_chains

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 from conftest import greedy_reference  # noqa: E402
 from trtllm_dflash.plugin.dispatch import Impl  # noqa: E402
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder  # noqa: E402
-from trtllm_dflash.runtime.loop import BatchedLocalSteps, run_generation  # noqa: E402
+from trtllm_dflash.runtime.local import BatchedLocalSteps
+from trtllm_dflash.runtime.stepper import run_generation  # noqa: E402
 from trtllm_dflash.runtime.protocol import GenerateRequest  # noqa: E402
 from trtllm_dflash.runtime.sampling import SamplingParams  # noqa: E402
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier  # noqa: E402

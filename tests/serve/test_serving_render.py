@@ -12,7 +12,8 @@ from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.cost import GRID, CostModel
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.sampling import SamplingParams
-from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.local import LocalSteps
+from trtllm_dflash.runtime.stepper import run_generation
 from trtllm_dflash.runtime.protocol import GenerateRequest, StopMatcher, decode_stops, encode_stops
 from trtllm_dflash.serve.triton.render import MODELS, RepoConfig, make_repo, render_text
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier

@@ -4,7 +4,7 @@ calls: every metric call is a round trip to the server process."""
 from collections import Counter
 
 from trtllm_dflash.serve.triton import telemetry
-from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.runtime.stepper import Update
 from trtllm_dflash.serve.triton.telemetry import LoopTelemetry
 
 

@@ -15,7 +15,8 @@ from trtllm_dflash.errors import ConfigError
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.tree import Topology, TreeShape, tree_for
-from trtllm_dflash.runtime.loop import LocalSteps, run_generation, tree_block
+from trtllm_dflash.runtime.local import LocalSteps
+from trtllm_dflash.runtime.stepper import run_generation, tree_block
 from trtllm_dflash.runtime.protocol import GenerateRequest
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier, tree_topology
 

@@ -15,7 +15,8 @@ from trtllm_dflash.engine import contract
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.serve.trtllm import engine as te
-from trtllm_dflash.runtime.loop import LocalSteps, run_generation
+from trtllm_dflash.runtime.local import LocalSteps
+from trtllm_dflash.runtime.stepper import run_generation
 from trtllm_dflash.runtime.protocol import GenerateRequest
 from trtllm_dflash.serve.triton.render import MODELS, RepoConfig, make_repo
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead

@@ -12,7 +12,7 @@ import pytest
 from trtllm_dflash.errors import DFlashError
 from trtllm_dflash.serve.trtllm import token_model
 from trtllm_dflash.serve.trtllm.compat import Options
-from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.runtime.stepper import Update
 from trtllm_dflash.runtime.protocol import generate_request
 from trtllm_dflash.serve.triton.render import TEMPLATES, render_text
 from trtllm_dflash.serve.trtllm.token_model import TokenFrontend, word_list

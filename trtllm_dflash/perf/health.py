@@ -20,7 +20,7 @@ def active_sequences(metrics_url: str) -> dict[str, float]:
 
 
 def step_batching(metrics_url: str) -> dict[str, dict[str, float]]:
-    """{model: {step: sequence rows per step-model call}} of the loop models' step coalescers (and the totals)."""
+    """{model: {step: sequence rows per step-model call}} of the loop models' steppers (and the totals)."""
     samples = parse_prometheus(fetch_metrics(metrics_url))
     out: dict[str, dict[str, float]] = {}
     for (name, labels), v in samples.items():

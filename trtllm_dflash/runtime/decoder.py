@@ -1,11 +1,11 @@
-"""The in-process API: ``SpeculativeDecoder.generate`` runs a batch of requests through the one speculative loop.
+"""The in-process API: ``SpeculativeDecoder.generate`` runs a batch of requests through the one decoding loop.
 
-There is one loop, ``runtime.loop.run_generation``, and this is it too: ``generate`` builds the three step engines
-of ``runtime.steps`` over its own models (``TargetVerifier``, ``KVInjector``, ``BlockDrafter``, with the decoder's
-kernels and CUDA graphs), batches its requests' step calls as the Triton BLS model batches its live sequences'
-(``loop.BatchedLocalSteps``: one prefill, one injection, one draft and one verify forward per step for every live
-row) and runs each request's ``run_generation`` concurrently. What a benchmark measures here is what a Triton client
-gets, and the tests' losslessness checks on this API check the served loop.
+There is one loop, ``runtime.stepper.Stepper``, and this is it too: ``generate`` builds the three step engines of
+``runtime.steps`` over its own models (``TargetVerifier``, ``KVInjector``, ``BlockDrafter``, with the decoder's
+kernels and CUDA graphs), adds every request to a stepper over them (``local.BatchedLocalSteps``: one prefill, one
+injection, one draft and one verify forward per step for every live row) and steps until none is live. What a
+benchmark measures here is what a Triton client gets, and the tests' losslessness checks on this API check the
+served loop.
 
 One step (dflash.md §2.1), with ``start`` = tokens committed to the target cache:
 
@@ -18,16 +18,14 @@ One step (dflash.md §2.1), with ``start`` = tokens committed to the target cach
 
 Block size 1 skips the drafter: plain autoregressive decoding through the same loop, the built-in baseline. Block
 size ``"auto"`` asks ``runtime.policy`` each step how many drafts k ∈ [0, B−1] every row verifies, for the batch's
-rows together (``loop.plan_together``); rows of one step verify a common width, shorter proposals padded with −1
-(never matches; on a CPU the padding is not computed). Sequences of a batch accept different lengths and finish
-independently (stop tokens, max_new_tokens).
+rows together; rows of one step verify a common width, shorter proposals padded with −1 (never matches; on a CPU
+the padding is not computed). Sequences of a batch accept different lengths and finish independently (stop tokens,
+max_new_tokens).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,10 +38,11 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.plugin.dispatch import Impl, draft_pass, resolve
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.graphs import StepGraphs
-from trtllm_dflash.runtime.loop import BatchedLocalSteps, Update, run_generation
+from trtllm_dflash.runtime.local import BatchedLocalSteps
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.protocol import generate_request
 from trtllm_dflash.runtime.sampling import SamplingParams
+from trtllm_dflash.runtime.stepper import Sequence, Stepper, Update, drive
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
 from trtllm_dflash.runtime.tree import TreeShape
 
@@ -224,9 +223,7 @@ class SpeculativeDecoder:
 
     def step_engines(self, rows: int, max_len: int) -> BatchedLocalSteps:
         """Step engines for one batch of ``rows`` sequences of at most ``max_len`` tokens (with a verify's scratch
-        slots), batched as the BLS model batches its live sequences. Sequence n lives in cache row n of both caches;
-        nothing times out during a call. The batch is static: once all its sequences have started, the last one left
-        sends its calls straight to the engines (``StepCoalescer.sequences``)."""
+        slots). Sequence n lives in cache row n of both caches; nothing times out during a call."""
         tree_nodes = self.tree.size if self.tree else 0
         verifier = TargetVerifier(self.target, self.taps, rows, max_len, self.block_size, math.inf, tree_nodes,
                                   self.graphs, self._new_cache(self.target, rows, max_len), rows_by_seq_id=True)
@@ -242,7 +239,7 @@ class SpeculativeDecoder:
 
             drafter = BlockDrafter(self.drafter, self.head, rows, max_len, math.inf, self.kernels, self.graphs,
                                    self._new_cache(self.drafter, rows, max_len), rows_by_seq_id=True, propose=propose)
-        return BatchedLocalSteps(verifier, self.injector, drafter, weigh=True, sequences=rows)
+        return BatchedLocalSteps(verifier, self.injector, drafter)
 
     def generate(self, requests: list[Request], on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
         """Decode ``requests`` as one batch; ``on_tokens(i, ids)`` streams request i's tokens as they are kept."""
@@ -253,88 +250,56 @@ class SpeculativeDecoder:
         # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (
             self.tree.size if self.tree else self.block_size)
-        steps = self.step_engines(len(requests), max_len)
-        runs = [_Run(r, self.policy.new_sequence() if self.policy is not None else None) for r in requests]
-
-        async def one(i: int, run: _Run) -> None:
+        stepper = Stepper(self.step_engines(len(requests), max_len), self.block_size_label, self.policy, self.ngram,
+                          self.tree, self.datastore, weigh=True)
+        runs = [_Run(r, t0, i, on_tokens) for i, r in enumerate(requests)]
+        for i, run in enumerate(runs):
             r = run.request
             req = generate_request(r.prompt_ids, r.max_new_tokens, r.sampling, tuple((t,) for t in r.stop_token_ids),
                                    True, r.min_new_tokens)
-
-            async def on_update(u: Update) -> None:
-                run.add(u, t0)
-                if on_tokens is not None and len(u.tokens) > u.prev_len:
-                    on_tokens(i, u.tokens[u.prev_len:])
-
-            run.finish_reason = await run_generation(
-                steps, req, self.block_size_label, i, on_update, policy=self.policy, ngram=self.ngram, tree=self.tree,
-                datastore=self.datastore, state=run.state)
-
-        async def batch() -> None:
-            await asyncio.gather(*(one(i, run) for i, run in enumerate(runs)))
-
-        _run_coroutine(batch())
+            run.sequence = stepper.add(Sequence(i, req, run.add))
+        drive(stepper.run())
+        failed = next((run.sequence.error for run in runs if run.sequence.error is not None), None)
+        if failed is not None:
+            raise failed
         return [run.result() for run in runs]
-
 
 
 @dataclass
 class _Run:
-    """One request of a ``generate`` call, gathered from its loop's updates."""
+    """One request of a ``generate`` call, gathered from its sequence's updates."""
 
     request: Request
-    state: object | None  # its ``auto`` policy state (``SeqState``: the k it chose), or None
-    tokens: tuple[int, ...] = ()
+    t0: float
+    index: int
+    on_tokens: TokenCallback | None
+    sequence: Sequence | None = None
     taus: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
     lookup_steps: int = 0
     lookup_ms: float = 0.0
     ttft_ms: float = 0.0
     total_ms: float = 0.0
-    finish_reason: str = "length"
 
-    def add(self, u: Update, t0: float) -> None:
-        now = (time.perf_counter() - t0) * 1e3
+    def add(self, u: Update) -> None:
+        now = (time.perf_counter() - self.t0) * 1e3
         if not self.ttft_ms:
             self.ttft_ms = now
         self.taus += tuple(u.acceptance_lengths)
         self.lookup_steps += u.lookup_steps
         self.lookup_ms += u.lookup_ms
-        if u.final:  # every update holds all tokens so far: the last one's are the answer
-            self.tokens = tuple(u.tokens)
-            self.logprobs = tuple(u.logprobs) if self.request.sampling.logprobs else ()
+        if u.final:
             self.total_ms = now
+        if self.on_tokens is not None and len(u.tokens) > u.prev_len:
+            self.on_tokens(self.index, u.tokens[u.prev_len:])
 
     def result(self) -> GenerationResult:
-        r = self.request
+        r, seq = self.request, self.sequence
         return GenerationResult(
-            prompt_ids=r.prompt_ids, token_ids=self.tokens, acceptance_lengths=self.taus,
-            draft_lengths=tuple(self.state.chosen) if self.state is not None else (),
-            lookup_steps=self.lookup_steps, lookup_ms=self.lookup_ms, logprobs=self.logprobs,
-            finish_reason=self.finish_reason, ttft_ms=self.ttft_ms, total_ms=self.total_ms)
-
-
-def _run_coroutine(coro) -> None:
-    """``asyncio.run``, or, called from a thread whose event loop is running (a notebook, an async server), the same
-    in a worker thread: ``generate`` stays a plain blocking call either way."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(coro)
-        return
-    failure: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            asyncio.run(coro)
-        except BaseException as exc:  # re-raised in the caller's thread
-            failure.append(exc)
-
-    worker = threading.Thread(target=work, name="trtllm-dflash-generate")
-    worker.start()
-    worker.join()
-    if failure:
-        raise failure[0]
+            prompt_ids=r.prompt_ids, token_ids=tuple(seq.tokens), acceptance_lengths=self.taus,
+            draft_lengths=tuple(seq.state.chosen) if seq.state is not None else (),
+            lookup_steps=self.lookup_steps, lookup_ms=self.lookup_ms,
+            logprobs=tuple(seq.logprobs) if r.sampling.logprobs else (),
+            finish_reason=seq.finish_reason or "length", ttft_ms=self.ttft_ms, total_ms=self.total_ms)
 
 
 def check_capacity(decoder: SpeculativeDecoder, requests: list[Request]) -> None:

@@ -1,5 +1,5 @@
 """A fixed-block DFlash loop in its plainest form: one greedy sequence, its own two caches, eager injection, no
-batching, no policy, no fast path. It is the oracle the one loop (``runtime.loop`` through ``runtime.decoder``) is
+batching, no policy, no fast path. It is the oracle the one loop (``runtime.stepper`` through ``runtime.decoder``) is
 tested against: the same tokens (those of autoregressive decoding) and the same acceptance length at every step.
 """
 

@@ -114,7 +114,7 @@ class VerifyResult:
 
 
 def real_width(block: list[int]) -> int:
-    """The tokens of a verify block before its −1 padding (the step's common width, ``runtime.loop``): on a CPU the
+    """The tokens of a verify block before its −1 padding (the step's common width, ``runtime.stepper``): on a CPU the
     layers compute only those (``TargetModel.verify_widths``), so a row that verifies no drafts costs one token."""
     return next((j for j, t in enumerate(block) if t < 0), len(block))
 
@@ -154,6 +154,8 @@ def verify_forward(target: TargetModel, graphs: StepGraphs | None, cache: KVCach
 
 
 class TargetVerifier:
+    forks = True  # a sibling sequence may copy a kept prefill (``start(keep=)``, ``fork``)
+
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_sequences: int, max_seq_len: int,
                  max_block_size: int, idle_timeout_s: float = 120.0, max_tree_nodes: int = 0,
                  cuda_graphs: bool | str | StepGraphs = "auto", cache: KVCache | None = None,

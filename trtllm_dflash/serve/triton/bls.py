@@ -1,17 +1,17 @@
-"""The decoupled BLS model: one coroutine per request runs ``loop.run_generation`` over async BLS calls.
+"""The decoupled BLS model: the model's ``Stepper`` steps every live request's sequences over BLS calls.
 
-``execute`` only parses each request and schedules its coroutine, so one model instance serves many sequences at
-once; its step coalescer (``runtime/loop.py``'s ``StepCoalescer``, parameter ``coalesce``) sends the live sequences'
-verify / inject / draft calls of one kind as one batched BLS request, so C concurrent sequences step like one batch of
-C rows (continuous batching: a sequence joins at its next step and leaves when it ends). A request that fails gets one
-error response (INVALID_ARGUMENT for bad input) and the final flag.
+``execute`` only parses each request and adds its sequences to the model instance's stepper (``runtime.stepper``);
+one task steps them all: each step is one start call per new sequence, one ``kv_inject``, one ``drafter`` and one
+``target_verify`` request for every live row, so C concurrent sequences step like one batch of C rows (continuous
+batching: a sequence joins at the next step and leaves when it ends). A request that fails gets one error response
+(INVALID_ARGUMENT for bad input) and the final flag.
 
 The same class is the user-facing entry point (``dflash`` / ``baseline``, ``frontend: on``): it then tokenizes and
 validates the text request (handlers.Preprocessor) and detokenizes each response itself, so a client's cancellation
-reaches the loop, which Triton 2.51 does not do through an ensemble. A cancelled request (or every request once the
+reaches the stepper, which Triton 2.51 does not do through an ensemble. A cancelled request (or every request once the
 server stops the model) ends before its next step and frees its slots. Past ``max_sequences`` live sequences a
-request waits in a bounded queue (``max_queue`` waiting, ``queue_timeout_s`` at most), else it is refused with
-UNAVAILABLE and a RESOURCE_EXHAUSTED message naming the limit.
+request waits for a slot (``max_queue`` waiting, ``queue_timeout_s`` at most), else it is refused with UNAVAILABLE
+and a RESOURCE_EXHAUSTED message naming the limit.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
 from trtllm_dflash.serve.trtllm.compat import Options, response_outputs
 from trtllm_dflash.serve.triton.lifecycle import StubWatch
-from trtllm_dflash.runtime.loop import Call, CoalescedSteps, StepCoalescer, Update, run_generation
 from trtllm_dflash.runtime.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
-from trtllm_dflash.runtime.steps import SLOTS_EXHAUSTED
+from trtllm_dflash.runtime.stepper import Admission, Sequence, Start, Stepper, Update
 from trtllm_dflash.serve.trtllm.token_model import Row
 from trtllm_dflash.serve.triton.io import (as_torch, error_response, get, row_views, scalar, tensor,
                                            torch_rows_output)
@@ -51,13 +50,11 @@ class Overloaded(DFlashError):
     triton_code = "UNAVAILABLE"
 
 
-class Cancelled(Exception):
-    """The client cancelled (or the server is stopping) while the request waited for a slot."""
-
-
-class TritonSteps(CoalescedSteps):
-    """StepClient over BLS calls to the target_verify / kv_inject / drafter models. Taps and K/V are handed to the
-    loop as torch tensors (rows of a batched call's outputs; on a GPU they stay in device memory)."""
+class TritonSteps:
+    """The stepper's ``StepEngines`` over BLS calls to the target_verify / kv_inject / drafter models: one request per
+    batch of rows (at most ``step_max_batch_size``; with ``coalesce: off`` one request per row, sent together). Taps
+    and K/V are handed to the stepper as torch tensors (rows of a batched call's outputs; on a GPU they stay in
+    device memory)."""
 
     def __init__(self, pb_utils, settings: ModelSettings, scored: bool = False) -> None:
         self.pb = pb_utils
@@ -65,12 +62,10 @@ class TritonSteps(CoalescedSteps):
         self.injector = settings.kv_inject_model
         self.drafter = settings.drafter_model
         self.max_sequences = settings.max_sequences
-        self.max_queue = settings.max_queue
-        self.queue_timeout_s = settings.queue_timeout_s
-        self.waiting = 0  # requests of this model instance waiting for a slot
+        self.coalesce = settings.coalesce
+        self.max_rows = settings.step_max_batch_size if settings.coalesce else 1
         self.watch = StubWatch()
-        self.coalescer = StepCoalescer(self._send, enabled=settings.coalesce, max_rows=settings.step_max_batch_size)
-        self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per batched call: telemetry
+        self.on_batch: Callable[[str, int], None] | None = None  # (step kind, rows) per request sent: telemetry
         # ``scored``: a DSpark drafter's confidence head (make-repo's ``auto`` settings say so): the drafter model
         # returns its estimates for each drafted block, kept per sequence as the policy's forecast for its next step
         self.scored = scored
@@ -111,69 +106,25 @@ class TritonSteps(CoalescedSteps):
     def _seq(seq_id: int) -> np.ndarray:
         return np.array([seq_id], dtype=np.uint64)
 
-    def for_request(self, is_cancelled: Callable[[], bool], siblings: "Siblings | None" = None,
-                    index: int = 0) -> "RequestSteps":
-        return RequestSteps(self, is_cancelled, siblings, index)
-
-    async def wait_for_slot(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps,
-                            is_cancelled: Callable[[], bool], keep: int = 0, attempts: list[int] | None = None):
-        """``_start``, waiting for a free sequence slot when all are taken: at most ``max_queue`` requests wait, each
-        at most ``queue_timeout_s``; beyond that the request is refused (Overloaded). A cancelled waiter leaves.
-        ``keep``: siblings that will fork from this sequence (``Siblings``); ``attempts``: each start's send time is
-        appended (time.monotonic_ns), so its last is when the sequence was scheduled."""
-        attempts = [] if attempts is None else attempts
-
-        async def attempt() -> tuple[bool, object]:
-            """One start: (True, its result), or (False, None) when every slot is taken."""
-            attempts.append(time.monotonic_ns())
-            try:
-                return True, await self._start(seq_id, prompt_ids, sampling, want_taps, keep)
-            except StepError as exc:
-                if SLOTS_EXHAUSTED not in str(exc):
-                    raise
-                return False, None
-
-        started, result = await attempt()
-        if started:
-            return result
-        limit = f"--max-sequences {self.max_sequences}" if self.max_sequences else "--max-sequences"
-        if self.waiting >= self.max_queue:
-            raise Overloaded(f"RESOURCE_EXHAUSTED: all sequence slots are in use ({limit}) and {self.waiting} "
-                             f"requests already wait for one (--max-queue {self.max_queue}); retry later, or render "
-                             "the repository with a larger --max-sequences or --max-queue")
-        self.waiting += 1
-        try:
-            deadline = asyncio.get_running_loop().time() + self.queue_timeout_s
-            delay = 0.05
-            while True:
-                await asyncio.sleep(delay)
-                delay = min(0.5, delay * 1.5)  # many waiters must not flood target_verify with refused starts
-                if is_cancelled():
-                    raise Cancelled()
-                started, result = await attempt()
-                if started:
-                    return result
-                if asyncio.get_running_loop().time() > deadline:
-                    raise Overloaded(f"RESOURCE_EXHAUSTED: no sequence slot freed within {self.queue_timeout_s:g} s "
-                                     f"(--queue-timeout-s; all {limit} slots in use); retry later, or render the "
-                                     "repository with a larger --max-sequences") from None
-        finally:
-            self.waiting -= 1
-
     def _coalesced(self, n: int) -> dict:
-        """The ``coalesced`` input of a step request of n rows: this loop runs one stage at a time, so a CPU step
+        """The ``coalesced`` input of a step request of n rows: the stepper runs one stage at a time, so a CPU step
         model computes it on every core (``handlers.CpuThreads``)."""
-        return {"coalesced": np.ones((n, 1), bool)} if self.coalescer.enabled else {}
+        return {"coalesced": np.ones((n, 1), bool)} if self.coalesce else {}
 
-    async def _start(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps, keep: int = 0,
-                     fork_of: int | None = None):
-        """A sequence's prefill (``keep``: for that many siblings to fork; ``fork_of``: a sibling's fork of it); with
-        the coalescer on, sent at the step barrier (before the step's other calls), so it never computes while this
-        loop's draft or inject call does."""
-        args = (seq_id, prompt_ids, sampling, want_taps, keep, fork_of)
-        if self.coalescer.enabled:
-            return await self.coalescer.submit("start", (seq_id,), *args)
-        return await self._start_call(*args)
+    async def _batched(self, kind: str, call, *columns) -> list:
+        """``call(*chunk)`` for each chunk of at most ``max_rows`` rows of the ``columns``, sent together; the rows'
+        results in order."""
+        n = len(columns[0])
+        chunks = [[c[i:i + self.max_rows] for c in columns] for i in range(0, n, self.max_rows)]
+        if self.on_batch is not None:
+            for chunk in chunks:
+                self.on_batch(kind, len(chunk[0]))
+        results = await asyncio.gather(*(call(*chunk) for chunk in chunks))
+        return [r for chunk in results for r in chunk]
+
+    def planned(self, rows: int) -> None:
+        if self.on_batch is not None:
+            self.on_batch("plan", rows)
 
     @staticmethod
     def _start_inputs(sampling: SamplingParams) -> dict[str, np.ndarray]:
@@ -192,177 +143,109 @@ class TritonSteps(CoalescedSteps):
             out.update({"bias_ids": np.array([ids], np.int32), "bias_weights": np.array([weights], np.float32)})
         return out
 
-    async def _start_call(self, seq_id, prompt_ids, sampling: SamplingParams, want_taps, keep=0, fork_of=None):
-        family = {"keep_prefill": np.array([[keep]], np.int32)} if keep else {}
-        if fork_of is not None:
-            family["fork_of"] = self._seq(fork_of)[None]
+    async def batch_start(self, starts: list[Start]) -> list:
+        """One start request per sequence (its prefill, or a fork of a sibling's), sent together; a row whose start
+        fails gets its error."""
+        if self.on_batch is not None:
+            for _ in starts:
+                self.on_batch("start", 1)
+        return list(await asyncio.gather(*(self._start(s) for s in starts), return_exceptions=True))
+
+    async def _start(self, s: Start):
+        family = {"keep_prefill": np.array([[s.keep]], np.int32)} if s.keep else {}
+        if s.fork_of is not None:
+            family["fork_of"] = self._seq(s.fork_of)[None]
+        sampling = s.sampling
         out = await self._rows(
             self.target, ["out_tokens", "out_log_probs", "taps"], mode=np.array([[START]], np.int32),
-            seq_id=self._seq(seq_id)[None],
-            tokens=np.array([prompt_ids], np.int32), want_taps=np.array([[want_taps]]),
+            seq_id=self._seq(s.seq_id)[None],
+            tokens=np.array([s.prompt], np.int32), want_taps=np.array([[s.want_taps]]),
             temperature=np.array([[sampling.temperature]], np.float32), top_k=np.array([[sampling.top_k]], np.int32),
             top_p=np.array([[sampling.top_p]], np.float32), seed=np.array([[sampling.seed]], np.uint64),
             **self._start_inputs(sampling), **family, **self._coalesced(1))
-        return (int(out["out_tokens"][0, 0]), out["taps"][0] if want_taps else None,
+        return (int(out["out_tokens"][0, 0]), out["taps"][0] if s.want_taps else None,
                 out["out_log_probs"][0, :1].tolist() if sampling.logprobs else None)
 
-    async def _step(self, kind: str, key: tuple, calls: list[Call]) -> list:
-        """The coalescer's batched call: one request with a row per sequence, the results split back per row."""
-        n = len(calls)
-
-        def column(values, dtype):
-            return np.array(values, dtype).reshape(n, 1)
-
-        if kind == "start":  # one request per sequence (its key)
-            return [await self._start_call(*calls[0].args)]
-        if kind == "inject":
-            taps = [c.args[0] for c in calls]
+    async def batch_inject(self, taps: list, starts: list[int]) -> list[tuple]:
+        async def call(taps, starts):
             out = await self._rows(self.injector, ["ctx_k", "ctx_v"], taps=stack_padded(taps, 0),
-                                   start=column([c.args[1] for c in calls], np.int32))
+                                   start=np.array(starts, np.int32).reshape(-1, 1))
             return [(out["ctx_k"][j, :, :len(t)], out["ctx_v"][j, :, :len(t)]) for j, t in enumerate(taps)]
-        seqs = column([c.args[0] for c in calls], np.uint64)
-        if kind == "verify":
-            _, want, parents = key
+
+        return await self._batched("inject", call, taps, starts)
+
+    async def batch_verify(self, seq_ids, blocks, want_taps, parents=None) -> list:
+        async def call(seq_ids, blocks):
+            n = len(seq_ids)
             tree = {} if parents is None else {"parents": np.array([parents] * n, np.int32)}
             out = await self._rows(self.target, ["out_tokens", "out_log_probs", "taps"],
-                                   mode=column([VERIFY] * n, np.int32), seq_id=seqs,
-                                   tokens=np.array([c.args[1] for c in calls], np.int32),
-                                   want_taps=column([want] * n, bool), **tree, **self._coalesced(n))
+                                   mode=np.full((n, 1), VERIFY, np.int32), seq_id=_column(seq_ids, np.uint64),
+                                   tokens=np.array(blocks, np.int32), want_taps=np.full((n, 1), want_taps, bool),
+                                   **tree, **self._coalesced(n))
             tokens = out["out_tokens"].cpu().numpy()
             emitted = [[int(t) for t in row if t >= 0] for row in tokens]
-            logprobs = out["out_log_probs"].tolist()  # NaN for a sequence that did not ask (the loop ignores them)
-            return [(e, out["taps"][j, :len(e)] if want else None, logprobs[j][:len(e)])
+            logprobs = out["out_log_probs"].tolist()  # NaN for a sequence that did not ask (the stepper ignores them)
+            return [(e, out["taps"][j, :len(e)] if want_taps else None, logprobs[j][:len(e)], None)
                     for j, e in enumerate(emitted)]
-        ks, vs = [c.args[1] for c in calls], [c.args[2] for c in calls]
-        block, top = key
-        choices = {} if top == 1 else {"top": column([top] * n, np.int32)}  # a repository rendered before: no input
-        out = await self._rows(self.drafter, ["drafts", "confidence"] if self.scored else ["drafts"],
-                               mode=column([0] * n, np.int32), seq_id=seqs,
-                               ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
-                               ctx_len=column([k.shape[1] for k in ks], np.int32),
-                               bonus=column([c.args[3] for c in calls], np.int32),
-                               block_size=column([block] * n, np.int32), **choices, **self._coalesced(n))
-        drafts = out["drafts"].cpu().numpy()
-        if self.scored:
-            for c, row in zip(calls, out["confidence"].tolist()):
-                self.forecasts[c.args[0]] = row
-        return (drafts if top == 1 else drafts.reshape(n, block - 1, top)).tolist()
+
+        return await self._batched("verify", call, seq_ids, blocks)
+
+    async def batch_draft(self, seq_ids, ks, vs, bonuses, width, top=1) -> list:
+        async def call(seq_ids, ks, vs, bonuses):
+            n = len(seq_ids)
+            choices = {} if top == 1 else {"top": np.full((n, 1), top, np.int32)}  # older repositories: no input
+            out = await self._rows(self.drafter, ["drafts", "confidence"] if self.scored else ["drafts"],
+                                   mode=np.zeros((n, 1), np.int32), seq_id=_column(seq_ids, np.uint64),
+                                   ctx_k=stack_padded(ks, 1), ctx_v=stack_padded(vs, 1),
+                                   ctx_len=_column([k.shape[1] for k in ks], np.int32),
+                                   bonus=_column(bonuses, np.int32), block_size=np.full((n, 1), width, np.int32),
+                                   **choices, **self._coalesced(n))
+            drafts = out["drafts"].cpu().numpy()
+            if self.scored:
+                for seq, row in zip(seq_ids, out["confidence"].tolist()):
+                    self.forecasts[seq] = row
+            return (drafts if top == 1 else drafts.reshape(n, width - 1, top)).tolist()
+
+        return await self._batched("draft", call, seq_ids, ks, vs, bonuses)
 
     def forecast(self, seq_id: int) -> list[float] | None:
         """The drafter's confidence estimates [K] for the sequence's latest drafted block (``BlockDrafter.forecast``,
         returned by the drafter model); None without a confidence head or before the sequence's first draft."""
         return self.forecasts.get(seq_id)
 
-    async def free(self, seq_id, drafter):
-        """Free the sequence in both stateful models; a model that cannot answer (it died) is skipped, so the
+    async def batch_free(self, seq_ids, drafter) -> None:
+        """Free the sequences in both stateful models; a model that cannot answer (it died) is skipped, so the
         request's own error is what the client sees and the other model's slot is still freed."""
-        self.coalescer.leave()
-        self.forecasts.pop(seq_id, None)
-        for model in (self.target, self.drafter) if drafter else (self.target,):
+        async def free(seq_id: int, model: str) -> None:
             try:
                 await self._rows(model, ["num_active"], mode=np.array([[FREE]], np.int32),
                                  seq_id=self._seq(seq_id)[None])
             except StepError:
                 pass
 
+        for seq_id in seq_ids:
+            self.forecasts.pop(seq_id, None)
+        await asyncio.gather(*(free(s, m) for s in seq_ids
+                               for m in ((self.target, self.drafter) if drafter else (self.target,))))
 
-class Siblings:
-    """The sequences of one request (``num_return_sequences``): the first prefills the prompt and keeps its last hidden
-    state (``keep_prefill``), the others fork it (``TargetVerifier.fork``: its K/V copied, their own first token) and
-    take its taps, so the prompt is computed once. The first sequence waits until they have forked (the cache rows
-    they copy are its own) before it steps; a sibling that cannot fork (no slot free, or a target that prefills every
-    sequence itself) prefills after all."""
+    def admission(self, max_queue: int, queue_timeout_s: float) -> Admission:
+        """How long this model's sequences wait for a slot, and the UNAVAILABLE error of one refused."""
+        limit = f"--max-sequences {self.max_sequences}" if self.max_sequences else "--max-sequences"
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.parent: asyncio.Future = asyncio.get_running_loop().create_future()  # (seq_id, taps) of the first
-        self.pending = set(range(1, n))  # siblings that have not started (forked, prefilled or failed) yet
-        self.forked = asyncio.Event()
-        if not self.pending:
-            self.forked.set()
+        def refuse(reason: str, waiting: int) -> Exception:
+            if reason == "full":
+                return Overloaded(f"RESOURCE_EXHAUSTED: all sequence slots are in use ({limit}) and {waiting} "
+                                  f"requests already wait for one (--max-queue {max_queue}); retry later, or render "
+                                  "the repository with a larger --max-sequences or --max-queue")
+            return Overloaded(f"RESOURCE_EXHAUSTED: no sequence slot freed within {queue_timeout_s:g} s "
+                              f"(--queue-timeout-s; all {limit} slots in use); retry later, or render the "
+                              "repository with a larger --max-sequences")
 
-    def started(self, index: int) -> None:
-        """Sibling ``index`` no longer needs the first sequence's rows (idempotent: also called when it ends, so one
-        that fails before its start never keeps the first waiting)."""
-        self.pending.discard(index)
-        if not self.pending:
-            self.forked.set()
+        return Admission(max_queue, queue_timeout_s, refuse)
 
 
-class RequestSteps:
-    """One sequence's view of TritonSteps: the slot wait sees its request's cancellation, and its start shares the
-    prefill with its ``siblings`` (sequence ``index`` of them)."""
-
-    def __init__(self, steps: TritonSteps, is_cancelled: Callable[[], bool], siblings: Siblings | None = None,
-                 index: int = 0) -> None:
-        self._steps, self._is_cancelled = steps, is_cancelled
-        self._siblings, self._index = siblings if siblings is not None and siblings.n > 1 else None, index
-        self.attempts: list[int] = []  # time.monotonic_ns() of each start sent (the last one got the slot)
-        self.first_token_ns = 0  # when the start returned the sequence's first token
-
-    @property
-    def scheduled_ns(self) -> int:
-        return self.attempts[-1] if self.attempts else 0
-
-    async def start(self, seq_id, prompt_ids, sampling, want_taps):
-        started = await self._start(seq_id, prompt_ids, sampling, want_taps)
-        self.first_token_ns = time.monotonic_ns()
-        return started
-
-    async def _start(self, seq_id, prompt_ids, sampling, want_taps):
-        family, steps = self._siblings, self._steps
-        if family is None:
-            started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
-                                                attempts=self.attempts)
-        elif self._index == 0:
-            try:
-                started = await steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
-                                                    keep=family.n - 1, attempts=self.attempts)
-            except BaseException as exc:
-                family.parent.set_exception(exc)  # the siblings end with it
-                raise
-            family.parent.set_result((seq_id, started[1]))
-            await family.forked.wait()
-        else:
-            started = await self._fork(seq_id, prompt_ids, sampling, want_taps)
-        steps.coalescer.join()  # from here until its free, the step barrier waits for this sequence
-        return started
-
-    async def _fork(self, seq_id, prompt_ids, sampling, want_taps):
-        family = self._siblings
-        try:
-            parent, taps = await family.parent
-            self.attempts.append(time.monotonic_ns())
-            first, _, logprobs = await self._steps._start(seq_id, prompt_ids, sampling, False, fork_of=parent)
-            return first, taps, logprobs
-        except StepError:  # no slot free now, or a target that cannot fork: this sequence prefills itself (below)
-            pass
-        finally:
-            family.started(self._index)  # before any fallback: the first sequence need not wait for it
-        return await self._steps.wait_for_slot(seq_id, prompt_ids, sampling, want_taps, self._is_cancelled,
-                                               attempts=self.attempts)
-
-    # the rest of the StepClient is the shared TritonSteps' (the calls of every sequence meet in its coalescer)
-    async def plan(self, policy, tree, state, lookup_len, last_step):
-        return await self._steps.plan(policy, tree, state, lookup_len, last_step)
-
-    def ended(self, policy, tree, last_step) -> None:
-        self._steps.ended(policy, tree, last_step)
-
-    async def verify(self, seq_id, block, want_taps, parents=None):
-        return await self._steps.verify(seq_id, block, want_taps, parents)
-
-    async def inject(self, taps, start):
-        return await self._steps.inject(taps, start)
-
-    async def draft(self, seq_id, k, v, bonus, block_size, top=1):
-        return await self._steps.draft(seq_id, k, v, bonus, block_size, top)
-
-    def forecast(self, seq_id: int) -> list[float] | None:
-        return self._steps.forecast(seq_id)
-
-    async def free(self, seq_id, drafter):
-        await self._steps.free(seq_id, drafter)
+def _column(values, dtype) -> np.ndarray:
+    return np.array(values, dtype).reshape(-1, 1)
 
 
 def parse_request(pb_utils, request) -> GenerateRequest:
@@ -425,7 +308,10 @@ class LoopModel:
         longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
         self.tree, self.datastore = load_tree(s, longest, self.ngram)
         self.steps = TritonSteps(pb_utils, s, scored=bool(doc and doc.get("confidence")))
-        self.tasks: set[asyncio.Task] = set()
+        self.stepper = Stepper(self.steps, self.block_size if self.policy is None else "auto", self.policy,
+                               self.ngram, self.tree, self.datastore,
+                               admission=self.steps.admission(s.max_queue, s.queue_timeout_s))
+        self.runner: asyncio.Task | None = None  # the task stepping the stepper while it has sequences
         self.stopping = False  # set by finalize: every live request ends before its next step
         self.frontend = self.tokens = None
         if s.frontend == "on":  # the entry point: text in, text out (no ensemble around it)
@@ -436,7 +322,7 @@ class LoopModel:
             from trtllm_dflash.serve.trtllm.token_model import TokenFrontend
 
             self.tokens = TokenFrontend(s)
-        self.live_ids: dict[str, list[dict]] = {}  # request id -> its live requests' state (tensorrt_llm's stop)
+        self.live_ids: dict[str, list[_Served]] = {}  # request id -> its live requests (tensorrt_llm's stop)
         self.telemetry = None
         if s.metrics:
             from trtllm_dflash.serve.triton.telemetry import LoopTelemetry
@@ -446,12 +332,25 @@ class LoopModel:
             self.steps.on_batch = self.telemetry.step_call
 
     async def execute(self, requests) -> None:
-        """Schedule each request's coroutine and return at once: its responses go through its response sender (also
-        on the unary ``tensorrt_llm`` model, rendered ``--tensorrt-llm-unary``: one final response per request)."""
+        """Add each request's sequences to the stepper and return at once: their responses go through the request's
+        response sender (also on the unary ``tensorrt_llm`` model, rendered ``--tensorrt-llm-unary``: one final
+        response per request)."""
         for request in requests:
-            task = asyncio.get_running_loop().create_task(self._serve(request))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self._serve(request)
+        if self.stepper.busy and (self.runner is None or self.runner.done()):
+            self.runner = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        """Step while any sequence is live or waits for a slot. A step that raises ends every sequence with its
+        error (each request gets it); the model keeps serving."""
+        while self.stepper.busy:
+            wait = self.stepper.retry_in()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            try:
+                await self.stepper.step()
+            except Exception as exc:  # noqa: BLE001 - the clients get the message
+                await self.stepper.fail_all(exc)
 
     def finalize(self) -> None:
         """Server shutdown or unload: live generations stop at their next step instead of running to max_tokens."""
@@ -480,116 +379,50 @@ class LoopModel:
             tensor(pb, "num_accepted_draft_tokens", np.array([u.num_accepted_draft_tokens], dtype=np.int32)),
         ])
 
-    async def _serve(self, request) -> None:
-        """One request: its rows (the ``tensorrt_llm`` model's batch; one otherwise), each of its
+    def _serve(self, request) -> None:
+        """One request: its rows (the ``tensorrt_llm`` model's batch; one otherwise) and each row's
         ``num_return_sequences`` sequences (TensorRT-LLM's: sequence i samples with seed + i, its responses carry
-        ``sequence_index`` i when there are several) run as concurrent loops sharing the row's prefill
-        (``Siblings``), so they step as rows of the same batched calls; the final flag goes with the last sequence's
-        last response. A sequence that fails ends the others at their next step and the request with its error."""
+        ``sequence_index`` i when there are several) join the stepper; a row's siblings fork its first sequence's
+        prefill. The final flag goes with the last sequence's last response. A sequence that fails ends the others
+        at their next step and the request with its error."""
         pb, sender = self.pb, request.get_response_sender()
         if self.tokens is not None and self.tokens.is_stop(pb, request):
             return self._stop(request, sender)
-        done = {"final_sent": False, "failed": None, "live": 1, "stopped": False}
-        arrival_ns = time.monotonic_ns()
-        request_id = request.request_id() if self.tokens is not None else ""
-        if request_id:
-            self.live_ids.setdefault(request_id, []).append(done)
-
-        def cancelled() -> bool:
-            return self.stopping or sender.is_cancelled() or done["failed"] is not None or done["stopped"]
-
-        async def sequence(row: Row, siblings: Siblings, index: int, batch: int) -> None:
-            gen, opts = row.gen, row.opts
-            detok = None
-            if self.frontend is not None:
-                from trtllm_dflash.runtime.text import IncrementalDetokenizer
-
-                detok = IncrementalDetokenizer(self.frontend.tokenizer)
-            if index:
-                gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2 ** 64))
-            totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
-            steps = self.steps.for_request(cancelled, siblings, index)
-            labels = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
-            if batch > 1:
-                labels.append(("batch_index", np.array([[row.index]], np.int32)))
-
-            ended = []  # this sequence's final update, once sent
-
-            async def on_update(u: Update) -> None:
-                done["live"] -= u.final
-                if u.final:
-                    ended.append(u)
-                last = u.final and done["live"] == 0
-                if self.telemetry is not None:
-                    self.telemetry.record(u, last)
-                totals[0] += u.num_draft_tokens
-                totals[1] += u.num_accepted_draft_tokens
-                times = (arrival_ns, steps.scheduled_ns, steps.first_token_ns, time.monotonic_ns() if u.final else 0)
-                if self.tokens is not None:
-                    response = pb.InferenceResponse(output_tensors=[
-                        pb.Tensor(n, v) for n, v in self.tokens.outputs(row, u, *totals, times, labels)])
-                else:
-                    extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals,
-                                             u.logprobs, times)
-                    text = None
-                    if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer
-                        text = self.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
-                    response = self._response(u, detok, text, [*extra, *labels])
-                sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
-                done["final_sent"] = done["final_sent"] or last
-
-            if self.telemetry is not None:
-                self.telemetry.active(+1)
-            try:
-                try:
-                    await run_generation(steps, gen, self.block_size, secrets.randbits(62), on_update,
-                                         is_cancelled=cancelled, policy=self.policy, ngram=self.ngram, tree=self.tree,
-                                         datastore=self.datastore, report_cancelled=lambda: done["stopped"])
-                except Cancelled:
-                    pass
-                if done["stopped"] and not ended:  # stopped before its start: an empty result, as TensorRT-LLM's
-                    await on_update(Update([], 0, [], 0, 0, True, "cancelled"))
-            except Exception as exc:  # the first failure ends the request; the other sequences stop at their next step
-                if done["failed"] is None:
-                    done["failed"] = exc
-            finally:
-                siblings.started(index)  # one that ended before its start keeps the first sequence waiting no more
-                if self.telemetry is not None:
-                    self.telemetry.active(-1)
-
+        served = _Served(self, sender, request.request_id() if self.tokens is not None else "")
         try:
-            if self.frontend is not None:  # a batch of texts: one row each (TensorRT-LLM's batch_index on responses)
-                rows = [Row(*self.frontend.parse_options(view, request), b)
-                        for b, view in enumerate(row_views(pb, request, "text_input"))]
-            elif self.tokens is not None:
-                rows = self.tokens.parse(pb, request)
-            else:  # the token-level loop: of TensorRT-LLM's options, the log-probabilities and the sequences only
-                gen = parse_request(pb, request)
-                n = scalar(pb, request, "num_return_sequences", 1, int)
-                require(n >= 1, "num_return_sequences", n, "must be at least 1")
-                rows = [Row(gen, Options(log_probs=gen.sampling.logprobs, sequences=n), 0)]
-            limit = self.steps.max_sequences
-            for row in rows:
-                require(not limit or row.opts.sequences <= limit, "num_return_sequences", row.opts.sequences,
-                        f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
-                        f"ask for at most {limit}, or render the repository with a larger --max-sequences")
-            done["live"] = sum(row.opts.sequences for row in rows)
-            families = [Siblings(row.opts.sequences) for row in rows]  # each row's prompt is prefilled once
-            await asyncio.gather(*(sequence(row, family, i, len(rows)) for row, family in zip(rows, families)
-                                   for i in range(row.opts.sequences)))
-            if done["failed"] is not None:
-                raise done["failed"]
+            rows = self._rows(request)
         except Exception as exc:  # the client gets the message; the server keeps serving
-            if not done["final_sent"]:
-                done["final_sent"] = _send_final(pb, sender, error_response(pb, exc))
-        finally:
-            if not done["final_sent"]:  # cancelled: no more data, but the stream must still be closed
-                _send_final(pb, sender, None)
-            if request_id:
-                live = self.live_ids[request_id]
-                live.remove(done)
-                if not live:
-                    del self.live_ids[request_id]
+            served.final_sent = _send_final(pb, sender, error_response(pb, exc))
+            return
+        if served.request_id:
+            self.live_ids.setdefault(served.request_id, []).append(served)
+        served.running = sum(row.opts.sequences for row in rows)
+        for row in rows:
+            first = None
+            for i in range(row.opts.sequences):
+                seq = served.sequence(row, i, len(rows), first)
+                first = first or seq
+                self.stepper.add(seq)
+
+    def _rows(self, request) -> list[Row]:
+        """A request's rows, validated."""
+        pb = self.pb
+        if self.frontend is not None:  # a batch of texts: one row each (TensorRT-LLM's batch_index on responses)
+            rows = [Row(*self.frontend.parse_options(view, request), b)
+                    for b, view in enumerate(row_views(pb, request, "text_input"))]
+        elif self.tokens is not None:
+            rows = self.tokens.parse(pb, request)
+        else:  # the token-level loop: of TensorRT-LLM's options, the log-probabilities and the sequences only
+            gen = parse_request(pb, request)
+            n = scalar(pb, request, "num_return_sequences", 1, int)
+            require(n >= 1, "num_return_sequences", n, "must be at least 1")
+            rows = [Row(gen, Options(log_probs=gen.sampling.logprobs, sequences=n), 0)]
+        limit = self.steps.max_sequences
+        for row in rows:
+            require(not limit or row.opts.sequences <= limit, "num_return_sequences", row.opts.sequences,
+                    f"must be at most --max-sequences {limit} (every sequence of a request holds a slot at once)",
+                    f"ask for at most {limit}, or render the repository with a larger --max-sequences")
+        return rows
 
     def _stop(self, request, sender) -> None:
         """TensorRT-LLM's stop request: the live requests with its request id end at their next step, each sequence
@@ -599,11 +432,92 @@ class LoopModel:
         try:
             require(bool(request_id), "stop", True, "needs the request id of the request to stop",
                     "send the stop request with that request's id (tritonclient: request_id=...)")
-            for done in self.live_ids.get(request_id, ()):
-                done["stopped"] = True
+            for served in self.live_ids.get(request_id, ()):
+                served.stopped = True
             _send_final(pb, sender, pb.InferenceResponse(output_tensors=[]))
         except Exception as exc:  # noqa: BLE001 - the client gets the message
             _send_final(pb, sender, error_response(pb, exc))
+
+
+class _Served:
+    """One client request in the stepper: its response sender, its sequences' callbacks, and what it has sent."""
+
+    def __init__(self, model: LoopModel, sender, request_id: str) -> None:
+        self.model, self.sender, self.request_id = model, sender, request_id
+        self.arrival_ns = time.monotonic_ns()
+        self.running = 0  # sequences not yet ended
+        self.live = 0  # sequences whose final update is not sent yet
+        self.final_sent = False
+        self.failed: Exception | None = None
+        self.stopped = False  # TensorRT-LLM's stop request: each sequence ends with its tokens so far
+
+    def cancelled(self) -> bool:
+        return self.model.stopping or self.sender.is_cancelled() or self.failed is not None or self.stopped
+
+    def sequence(self, row: Row, index: int, batch: int, first: Sequence | None) -> Sequence:
+        """Sequence ``index`` of ``row`` (its first, which its siblings fork, or one of them)."""
+        model, pb = self.model, self.model.pb
+        gen, opts = row.gen, row.opts
+        detok = None
+        if model.frontend is not None:
+            from trtllm_dflash.runtime.text import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(model.frontend.tokenizer)
+        if index:
+            gen = replace(gen, sampling=replace(gen.sampling, seed=(gen.sampling.seed + index) % 2 ** 64))
+        totals = [0, 0]  # draft tokens proposed, accepted (return_perf_metrics)
+        labels = [("sequence_index", np.array([[index]], np.int32))] if opts.sequences > 1 else []
+        if batch > 1:
+            labels.append(("batch_index", np.array([[row.index]], np.int32)))
+        self.live += 1
+        if model.telemetry is not None:
+            model.telemetry.active(+1)
+
+        def on_update(u: Update) -> None:
+            self.live -= u.final
+            last = u.final and self.live == 0
+            if model.telemetry is not None:
+                model.telemetry.record(u, last)
+            totals[0] += u.num_draft_tokens
+            totals[1] += u.num_accepted_draft_tokens
+            times = (self.arrival_ns, seq.scheduled_ns, seq.first_token_ns, time.monotonic_ns() if u.final else 0)
+            if model.tokens is not None:
+                response = pb.InferenceResponse(output_tensors=[
+                    pb.Tensor(n, v) for n, v in model.tokens.outputs(row, u, *totals, times, labels)])
+            else:
+                extra = response_outputs(opts, len(gen.input_ids), len(u.tokens) - u.prev_len, *totals,
+                                         u.logprobs, times)
+                text = None
+                if u.final and not opts.exclude_input and not gen.stream:  # TRT-LLM decodes prompt and answer
+                    text = model.frontend.tokenizer.decode(list(gen.input_ids) + u.tokens, skip_special_tokens=True)
+                response = model._response(u, detok, text, [*extra, *labels])
+            self.sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+            self.final_sent = self.final_sent or last
+
+        seq = Sequence(secrets.randbits(62), gen, on_update, self.cancelled, lambda: self.stopped, self.ended,
+                       keep=opts.sequences - 1 if first is None else 0, fork_of=first)
+        return seq
+
+    def ended(self, seq: Sequence) -> None:
+        """A sequence left the stepper; after the last, the request's error (or its bare final flag) if its final
+        response is not sent."""
+        model = self.model
+        if model.telemetry is not None:
+            model.telemetry.active(-1)
+        if seq.error is not None and self.failed is None:
+            self.failed = seq.error
+        self.running -= 1
+        if self.running:
+            return
+        pb = model.pb
+        if not self.final_sent:
+            self.final_sent = _send_final(pb, self.sender, error_response(pb, self.failed)
+                                          if self.failed is not None else None)
+        if self.request_id:
+            live = model.live_ids[self.request_id]
+            live.remove(self)
+            if not live:
+                del model.live_ids[self.request_id]
 
 
 def _send_final(pb, sender, response) -> bool:

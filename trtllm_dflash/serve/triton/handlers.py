@@ -6,8 +6,8 @@ the TensorRT-LLM engines (``serve/trtllm/engine.py``); only their construction d
 same.
 
 Step-model protocol (tensors carry a leading batch dimension: one row per sequence; START and STATS take one row,
-VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' step coalescer (``runtime/loop.py``'s
-``StepCoalescer``) sends the live sequences' calls of one kind as one request; every row of a request has the same
+VERIFY, DRAFT, FREE and kv_inject any number, which is how the loop models' stepper (``runtime/stepper.py``)
+sends the live sequences' calls of one kind as one request; every row of a request has the same
 mode):
 
     target_verify  mode INT32 [1]: 0 START (tokens = prompt, sampling inputs, want_taps) -> out_tokens = [x_0], taps
@@ -51,7 +51,7 @@ class CpuThreads:
     drafter's forwards overlap in time; two OpenMP teams on the same cores then wait at each op's barrier for a
     thread the other process holds, so each stage drops to one thread. The baseline ensemble has no
     second stage: target_verify counts only DFlash sequences and keeps every core for it. A request from a loop
-    model's step coalescer (several rows, or the ``coalesced`` input: its one-row drafts and its sequences' starts,
+    model's stepper (several rows, or the ``coalesced`` input: its one-row drafts and its sequences' starts,
     which it sends at the step barrier too) comes from a loop that runs one stage at a time for all its sequences:
     every core again (counted as overlapping, such a one-row request would run every prefill on one thread with 16
     DFlash sequences live). ``torch_threads`` > 0 fixes the count instead; on a GPU the count is left alone.
@@ -66,7 +66,7 @@ class CpuThreads:
 
     def threads_for(self, live: int, coalesced: bool = False) -> int:
         """Threads for an execution while ``live`` sequences hold state in this model (or arrive in its batch);
-        ``coalesced``: the execution holds a request of a step coalescer (the stages do not overlap)."""
+        ``coalesced``: the execution holds a request of a loop model's stepper (the stages do not overlap)."""
         return torch.get_num_threads() if self.fixed else (self.alone if live <= 1 or coalesced else 1)
 
     def __call__(self, live: int, coalesced: bool = False) -> None:
@@ -211,7 +211,7 @@ def _shared(pb_utils, request, name: str, default, kind):
 
 
 def _coalesced(pb_utils, request, seqs: list[int]) -> bool:
-    """Whether a step request comes from a loop model's step coalescer (``CpuThreads``): several rows, or it says so."""
+    """Whether a step request comes from a loop model's stepper (``CpuThreads``): several rows, or it says so."""
     return len(seqs) > 1 or bool(_shared(pb_utils, request, "coalesced", False, bool))
 
 
@@ -290,7 +290,7 @@ class TargetVerifyModel:
         sampling = sampling_from(pb_utils, request)
         parent = scalar(pb_utils, request, "fork_of", None, int)
         keep = scalar(pb_utils, request, "keep_prefill", 0, int)
-        if not hasattr(self.verifier, "fork"):  # keep_prefill ignored: its siblings will prefill themselves
+        if not self.verifier.forks:  # keep_prefill ignored: its siblings will prefill themselves
             require(parent is None, "fork_of", parent, "the trtllm-engine target prefills every sequence itself",
                     "start the sequence with its own prefill")
             return self.verifier.start(seq, prompt, sampling, want_taps)
@@ -336,7 +336,7 @@ class TargetVerifyModel:
                     if mode == FREE:
                         for seq in seqs:
                             self.verifier.free(seq)
-                    forked = [("forked", np.array([getattr(self.verifier, "forked", 0)], dtype=np.int32))]
+                    forked = [("forked", np.array([self.verifier.forked], dtype=np.int32))]
                     responses[i] = self._outputs(pb_utils, [], None, _stats(self.verifier.slots) + forked)
                 else:
                     raise ConfigError("mode", mode, "must be 0 (start), 1 (verify), 2 (free) or 3 (stats)")
@@ -387,11 +387,7 @@ class KVInjectModel:
                 starts = np.asarray(rows(pb_utils, req, "start", np.zeros(taps.shape[0], np.int32))).reshape(-1)
                 require(starts.size == taps.shape[0], "start", starts.tolist(), "must have one value per row")
                 taps = taps.to(self.device, self.dtype)
-                if hasattr(self.inject, "rows"):  # all rows in one call (the torch injector)
-                    k, v = self.inject.rows(taps, torch.as_tensor(starts, dtype=torch.long))
-                else:
-                    kv = [self.inject(taps[j], int(starts[j])) for j in range(taps.shape[0])]
-                    k, v = torch.stack([x for x, _ in kv]), torch.stack([y for _, y in kv])
+                k, v = self.inject.rows(taps, torch.as_tensor(starts, dtype=torch.long))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     torch_rows_output(pb_utils, "ctx_k", k.float()), torch_rows_output(pb_utils, "ctx_v", v.float())]))
             except Exception as exc:

@@ -29,7 +29,7 @@ MODEL_PY_FROM = {"entry": "dflash_bls", "tensorrt_llm": "dflash_bls"}
 STEP_KEYS = ("backend", "engine_dir")
 QUEUE_KEYS = ("max_sequences", "max_queue", "queue_timeout_s")
 # the loop's block size (an int or "auto"), its policy file, prompt lookup (on / off), the tree verify (on / off) and
-# its datastore file ("" = none), its step coalescer (on / off) and the step models' batch
+# its datastore file ("" = none), whether its stepper batches the rows of a call (on / off) and the step models' batch
 LOOP_KEYS = ("loop_block_size", "adaptive", "ngram", "tree", "datastore", "coalesce", "max_batch_size")
 # TensorRT-LLM's ensemble inputs and outputs beyond ours (serve/trtllm/compat.py), in the entry points' configs
 TRTLLM_IO_KEYS = ("trtllm_inputs", "trtllm_outputs")
@@ -119,7 +119,7 @@ class RepoConfig:
     queue_delay_us: int = 200  # dynamic batcher wait for more requests
     idle_timeout_s: float = 120.0  # a sequence's state is freed after this long unused
     torch_threads: int = 0  # torch threads per CPU step model (0 = by load: handlers.CpuThreads)
-    coalesce: bool = True  # the loop models send the live sequences' step calls of one kind as one batched call
+    coalesce: bool = True  # the loop models send a step's rows of one kind as one batched call
     max_queue: int = 64  # requests per entry model waiting for a sequence slot; beyond: refused (UNAVAILABLE)
     queue_timeout_s: float = 60.0  # longest wait for a sequence slot; then refused (UNAVAILABLE)
     engines_dir: str = ""  # trtllm-engine: output of `trtllm-dflash build`

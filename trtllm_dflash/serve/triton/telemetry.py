@@ -3,7 +3,7 @@
 Per BLS model (label ``model``): draft tokens proposed and accepted, steps, finished requests, acceptance-length
 counts (label ``tau``), live sequences (gauge), the drafts verified per step (label ``k``: what ``--block-size auto``
 chose) and where the loop's time went (label ``part``: draft / verify / overhead). τ for a run = (accepted + steps) /
-steps. The step coalescer's batched calls (label ``step``: verify / inject / draft / start, and plan: the ``auto``
+steps. The stepper's batched calls (label ``step``: verify / inject / draft / start, and plan: the ``auto``
 decisions made together, no model call): requests sent (``dflash_step_requests_total``) and the sequence rows they
 carried (``dflash_step_rows_total``); rows / requests is how many sequences one step-model call served.
 
@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import time
 
-from trtllm_dflash.runtime.loop import KINDS
 
 PARTS = ("draft", "verify", "overhead")
 FLUSH_S = 0.25  # counts reach Triton at most this late (and at every request's end): each metric call is an IPC
+
+
+KINDS = ("start", "plan", "inject", "draft", "verify")  # a step's calls, in the order the stepper makes them
 
 
 class LoopTelemetry:
@@ -63,7 +65,7 @@ class LoopTelemetry:
             fam("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted (vLLM name)", counter),
             fam("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted drafts by position (vLLM name)",
                 counter),
-            fam("dflash_step_requests_total", "Batched step-model calls sent by the step coalescer", counter),
+            fam("dflash_step_requests_total", "Batched step-model calls sent by the loop model's stepper", counter),
             fam("dflash_step_rows_total", "Sequence rows carried by the batched step-model calls", counter),
         ]
         f = self._families

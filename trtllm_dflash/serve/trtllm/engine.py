@@ -11,7 +11,7 @@ TensorRT-LLM 1.2.1 engines of ``trtllm-dflash build`` (layout: ``engine/contract
                           device-memory ``ContextCache`` row owned by this model (torch CUDA tensors).
 
 They have the interfaces of ``TargetVerifier`` / ``KVInjector`` / ``BlockDrafter``, so ``serve/triton/handlers.py`` (the
-Triton I/O) and ``runtime/loop.py`` (the speculative loop in ``dflash_bls``) are shared with the torch backend unchanged.
+Triton I/O) and ``runtime/stepper.py`` (the loop in ``dflash_bls``) are shared with the torch backend unchanged.
 
 Everything that decides something is a pure function here, unit-tested on CPU against facts recorded from TensorRT-LLM
 (``tests/data/trtllm_1_2_1/runtime_api.json``): request building (a plain dict of Request kwargs), output parsing
@@ -344,7 +344,11 @@ class EngineSession:
 
 
 class EngineTargetVerifier:
-    """TargetVerifier's interface over the target engine and TRT-LLM's executor."""
+    """TargetVerifier's interface over the target engine and TRT-LLM's executor. It prefills every sequence itself:
+    no sibling forks a kept prefill (``forks``), and it verifies chains only."""
+
+    forks = False
+    forked = 0
 
     def __init__(self, engines: EngineSet, tap_width: int, max_sequences: int, max_seq_len: int,
                  idle_timeout_s: float, max_batch_size: int, free_gpu_memory_fraction: float = 0.9) -> None:
@@ -385,6 +389,19 @@ class EngineTargetVerifier:
         st.tokens.append(first)
         return StartResult(first, rows)
 
+    def start_many(self, seq_ids: list[int], prompts: list[list[int]], samplings: list[SamplingParams],
+                   want_taps: bool) -> list[StartResult]:
+        """Several sequences' starts, one executor request each; all or none start."""
+        done: list[StartResult] = []
+        try:
+            for seq_id, prompt, sampling in zip(seq_ids, prompts, samplings):
+                done.append(self.start(seq_id, prompt, sampling, want_taps))
+        except Exception:
+            for seq_id in seq_ids[:len(done)]:
+                self.free(seq_id)
+            raise
+        return done
+
     def verify(self, seq_ids: list[int], blocks: list[list[int]], want_taps: bool) -> list[VerifyResult]:
         states = [self.book.get(s, b) for s, b in zip(seq_ids, blocks)]
         outs = self._run([request_kwargs(st.tokens, b[1:], st.sampling, want_taps) for st, b in zip(states, blocks)])
@@ -413,6 +430,11 @@ class EngineKVInjector:
         pos = torch.arange(start, start + taps.shape[0], dtype=torch.int32)
         out = self.engine({"taps": taps.to(self.dtype), "position_ids": pos})
         return out["ctx_k"], out["ctx_v"]
+
+    def rows(self, taps: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """taps [n, T, K·H], row j at positions starts[j].. -> K, V [n, L, T, kv, head_dim]: one engine call a row."""
+        kv = [self(taps[j], int(starts[j])) for j in range(taps.shape[0])]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
 
 
 class EngineBlockDrafter:
@@ -444,6 +466,10 @@ class EngineBlockDrafter:
         inputs = drafter_block_inputs(bonus, block_size, self.spec.mask_token_id, ctx_lens.tolist())
         out = self.engine({**inputs, "ctx_k": ctx_k, "ctx_v": ctx_v, "ctx_lens": ctx_lens})
         return out["draft_ids"].cpu()
+
+    def forecast(self, seq_id: int) -> None:
+        """No confidence head: the engine drafts tokens only."""
+        return None
 
     def free(self, seq_id: int) -> bool:
         return self.slots.free(seq_id)

@@ -47,7 +47,7 @@ from trtllm_dflash.errors import require
 from trtllm_dflash.serve.settings import ModelSettings
 from trtllm_dflash.runtime.sampling import SamplingParams, bias_pairs
 from trtllm_dflash.serve.trtllm.compat import Options, parse_options, response_outputs
-from trtllm_dflash.runtime.loop import Update
+from trtllm_dflash.runtime.stepper import Update
 from trtllm_dflash.runtime.protocol import GenerateRequest, generate_request
 from trtllm_dflash.serve.triton.io import RowView, get, scalar
 

@@ -293,25 +293,7 @@ class DrafterSpec:
                    draft_vocab_size: int | None = None) -> "DrafterSpec":
         """``num_target_layers`` -1: read from ``cfg`` (required there); None: not recorded, taps checked against
         the target in ``check_pair`` instead."""
-        archs = cfg.get("architectures") or []
-        require(
-            "DFlashDraftModel" in archs,
-            f"{prefix}.architectures",
-            archs,
-            'must contain "DFlashDraftModel" (a z-lab format DFlash drafter)',
-            "pass a DFlash drafter directory as --drafter (the target goes to --target)",
-        )
-        dcfg = cfg.get("dflash_config") or {}
-        require(isinstance(dcfg, dict), f"{prefix}.dflash_config", dcfg, "must be a JSON object")
-        for key in _UNSUPPORTED_DFLASH_KEYS:
-            value = dcfg.get(key, cfg.get(key))
-            require(
-                value in (None, False, 0),
-                f"{prefix}.dflash_config.{key}",
-                value,
-                "belongs to a DFlash variant (DFlash2 / attention sinks) this runtime does not implement",
-                "use a plain DFlash drafter",
-            )
+        dcfg = _zlab_dflash_config(cfg, prefix)
         layers = _int(cfg, "num_hidden_layers", prefix)
         hidden = _int(cfg, "hidden_size", prefix)
         heads = _int(cfg, "num_attention_heads", prefix)
@@ -323,48 +305,8 @@ class DrafterSpec:
         if num_target_layers == -1:
             num_target_layers = _int(cfg, "num_target_layers", prefix)
         mask_token_id = _int(dcfg, "mask_token_id", f"{prefix}.dflash_config", minimum=0)
-        raw_ids = dcfg.get("target_layer_ids")
-        if raw_ids is None:
-            require(num_target_layers is not None, f"{prefix}.dflash_config.target_layer_ids", raw_ids, "is required")
-            ids = build_target_layer_ids(num_target_layers, layers)
-        else:
-            require(
-                isinstance(raw_ids, list) and len(raw_ids) > 0,
-                f"{prefix}.dflash_config.target_layer_ids",
-                raw_ids,
-                "must be a non-empty list of layer indices",
-            )
-            ids = tuple(raw_ids)
-        for i, layer in enumerate(ids):
-            require(
-                isinstance(layer, int) and 0 <= layer < (num_target_layers or layer + 1),
-                f"{prefix}.dflash_config.target_layer_ids[{i}]",
-                layer,
-                f"must be an integer in [0, num_target_layers={num_target_layers})",
-            )
-
-        raw_types = cfg.get("layer_types") or ["full_attention"] * layers
-        require(len(raw_types) == layers, f"{prefix}.layer_types", raw_types, f"must have num_hidden_layers={layers} entries")
-        try:
-            types = tuple(LayerType(t) for t in raw_types)
-        except ValueError:
-            raise ConfigError(
-                f"{prefix}.layer_types", raw_types, "entries must be 'full_attention' or 'sliding_attention'"
-            ) from None
-        if dcfg.get("use_swa") and LayerType.SLIDING not in types:
-            # A use_swa flag without layer_types means every layer slides.
-            types = tuple(LayerType.SLIDING for _ in range(layers))
-        window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
-        if LayerType.SLIDING in types:
-            require(
-                isinstance(window, int) and window >= 1,
-                f"{prefix}.sliding_window",
-                window,
-                "sliding_attention layers need a positive window",
-            )
-        # vLLM's rule: a layer is causal iff it slides, unless `is_causal` / `dflash_config.causal` says otherwise.
-        override = dcfg.get("causal", cfg.get("is_causal"))
-        causal = tuple(bool(override) if override is not None else t is LayerType.SLIDING for t in types)
+        ids = _zlab_target_layer_ids(dcfg, prefix, num_target_layers, layers)
+        attention = _ZlabAttention.parse(cfg, dcfg, prefix, layers)
         return cls(
             hidden_size=hidden,
             intermediate_size=_int(cfg, "intermediate_size", prefix),
@@ -378,9 +320,9 @@ class DrafterSpec:
             num_target_layers=num_target_layers,
             mask_token_id=mask_token_id,
             target_layer_ids=ids,
-            layer_types=types,
-            layer_causal=causal,
-            sliding_window=window if LayerType.SLIDING in types else None,
+            layer_types=attention.types,
+            layer_causal=attention.causal,
+            sliding_window=attention.window if LayerType.SLIDING in attention.types else None,
             attention_bias=bool(cfg.get("attention_bias", False)),
             vocab_size=cfg.get("vocab_size"),
             draft_vocab_size=draft_vocab_size,
@@ -436,6 +378,99 @@ class DrafterSpec:
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
         }
+
+
+# The pieces of ``DrafterSpec._from_zlab``: the dflash_config object, the taps and the attention layout.
+
+
+def _zlab_dflash_config(cfg: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The ``dflash_config`` object of a z-lab drafter config, after checking that the config is a
+    ``DFlashDraftModel`` and that it names no field of a DFlash variant this runtime does not implement."""
+    archs = cfg.get("architectures") or []
+    require(
+        "DFlashDraftModel" in archs,
+        f"{prefix}.architectures",
+        archs,
+        'must contain "DFlashDraftModel" (a z-lab format DFlash drafter)',
+        "pass a DFlash drafter directory as --drafter (the target goes to --target)",
+    )
+    dcfg = cfg.get("dflash_config") or {}
+    require(isinstance(dcfg, dict), f"{prefix}.dflash_config", dcfg, "must be a JSON object")
+    for key in _UNSUPPORTED_DFLASH_KEYS:
+        value = dcfg.get(key, cfg.get(key))
+        require(
+            value in (None, False, 0),
+            f"{prefix}.dflash_config.{key}",
+            value,
+            "belongs to a DFlash variant (DFlash2 / attention sinks) this runtime does not implement",
+            "use a plain DFlash drafter",
+        )
+    return dcfg
+
+
+def _zlab_target_layer_ids(dcfg: dict[str, Any], prefix: str, num_target_layers: int | None,
+                           layers: int) -> tuple[int, ...]:
+    """The taps of a z-lab drafter: ``dflash_config.target_layer_ids``, or without them the layers
+    ``build_target_layer_ids`` spreads over the target (which then needs ``num_target_layers``). Each must be a
+    layer of the target where its depth is known."""
+    raw_ids = dcfg.get("target_layer_ids")
+    if raw_ids is None:
+        require(num_target_layers is not None, f"{prefix}.dflash_config.target_layer_ids", raw_ids, "is required")
+        ids = build_target_layer_ids(num_target_layers, layers)
+    else:
+        require(
+            isinstance(raw_ids, list) and len(raw_ids) > 0,
+            f"{prefix}.dflash_config.target_layer_ids",
+            raw_ids,
+            "must be a non-empty list of layer indices",
+        )
+        ids = tuple(raw_ids)
+    for i, layer in enumerate(ids):
+        require(
+            isinstance(layer, int) and 0 <= layer < (num_target_layers or layer + 1),
+            f"{prefix}.dflash_config.target_layer_ids[{i}]",
+            layer,
+            f"must be an integer in [0, num_target_layers={num_target_layers})",
+        )
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class _ZlabAttention:
+    """How a z-lab drafter's layers attend: each layer's type and causality, and the sliding window (validated only
+    when a layer slides; ``DrafterSpec`` keeps it only then)."""
+
+    types: tuple[LayerType, ...]
+    window: Any
+    causal: tuple[bool, ...]
+
+    @classmethod
+    def parse(cls, cfg: dict[str, Any], dcfg: dict[str, Any], prefix: str, layers: int) -> "_ZlabAttention":
+        """``layer_types`` (all full attention when absent, all sliding under a bare ``use_swa``), the window from
+        ``swa_window_size`` or ``sliding_window``, and causality by vLLM's rule."""
+        raw_types = cfg.get("layer_types") or ["full_attention"] * layers
+        require(len(raw_types) == layers, f"{prefix}.layer_types", raw_types, f"must have num_hidden_layers={layers} entries")
+        try:
+            types = tuple(LayerType(t) for t in raw_types)
+        except ValueError:
+            raise ConfigError(
+                f"{prefix}.layer_types", raw_types, "entries must be 'full_attention' or 'sliding_attention'"
+            ) from None
+        if dcfg.get("use_swa") and LayerType.SLIDING not in types:
+            # A use_swa flag without layer_types means every layer slides.
+            types = tuple(LayerType.SLIDING for _ in range(layers))
+        window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
+        if LayerType.SLIDING in types:
+            require(
+                isinstance(window, int) and window >= 1,
+                f"{prefix}.sliding_window",
+                window,
+                "sliding_attention layers need a positive window",
+            )
+        # vLLM's rule: a layer is causal iff it slides, unless `is_causal` / `dflash_config.causal` says otherwise.
+        override = dcfg.get("causal", cfg.get("is_causal"))
+        causal = tuple(bool(override) if override is not None else t is LayerType.SLIDING for t in types)
+        return cls(types, window, causal)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -509,6 +509,29 @@ _REFUSED_SPECULATORS_TYPES = {
 def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     """A speculators ``DFlashSpeculatorConfig`` or ``DSparkSpeculatorConfig`` -> DrafterSpec (see the section
     comment for the conventions; DSpark's heads: ``_dspark_heads``)."""
+    kind = _speculators_kind(cfg, prefix)
+    layer, lprefix = _speculators_layer_config(cfg, prefix)
+    anchor = _sample_from_anchor(cfg, prefix, kind)
+    hidden = _int(layer, "hidden_size", lprefix)
+    mask, aux = _speculators_taps(cfg, prefix, hidden)
+    vocab = _int(layer, "vocab_size", lprefix)
+    draft_vocab = _int(cfg, "draft_vocab_size", prefix, default=32000)  # DFlashSpeculatorConfig's default
+    require(draft_vocab <= vocab, f"{prefix}.draft_vocab_size", draft_vocab,
+            f"must be <= transformer_layer_config.vocab_size ({vocab})",
+            "check that transformer_layer_config.vocab_size is the verifier's vocabulary")
+    zlab = _speculators_as_zlab(cfg, prefix, layer, lprefix, mask, aux)
+    spec = DrafterSpec._from_zlab(zlab, lprefix, num_target_layers=None,
+                                  draft_vocab_size=None if draft_vocab == vocab else draft_vocab)
+    if kind == "dflash":
+        return spec
+    # an anchor-predicting forward over the trained block drafts block_size tokens: one more verified slot
+    return replace(spec, dspark=_dspark_heads(cfg, prefix), anchor_predicts=anchor,
+                   block_size=spec.block_size + int(anchor))
+
+
+def _speculators_kind(cfg: dict[str, Any], prefix: str) -> str:
+    """The config's ``speculators_model_type``, "dflash" or "dspark"; other types are refused, by name where known,
+    and so is a config carrying fields of heads its type does not load (a mislabelled DSpark / DFlash2 checkpoint)."""
     kind = cfg.get("speculators_model_type")
     require(
         kind not in _REFUSED_SPECULATORS_TYPES,
@@ -538,6 +561,13 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
         for key in ("conv_kernel_size", "selector_rank"):
             require(cfg.get(key) in (None, 0), f"{prefix}.{key}", cfg.get(key),
                     "belongs to DFlash2, which this runtime does not implement", "use a DSpark or DFlash drafter")
+    return kind
+
+
+def _speculators_layer_config(cfg: dict[str, Any], prefix: str) -> tuple[dict[str, Any], str]:
+    """A copy of the config's ``transformer_layer_config`` with the layer class's defaults filled in where
+    ``to_diff_dict`` left them out (logged) and a per-layer-type rope flattened to the sliding one, after checking the
+    layer is one this drafter implements (SwiGLU, no attention bias); returns it with its field prefix."""
     layer = cfg.get("transformer_layer_config")
     require(isinstance(layer, dict), f"{prefix}.transformer_layer_config", layer, "must be a JSON object",
             "re-save the drafter with speculators' save_pretrained")
@@ -568,6 +598,12 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
     require(not layer.get("attention_bias", False), f"{lprefix}.attention_bias", layer.get("attention_bias"),
             "speculators gives o_proj a bias too when set; this runtime's drafter has none",
             "use a drafter trained with attention_bias false")
+    return layer, lprefix
+
+
+def _sample_from_anchor(cfg: dict[str, Any], prefix: str, kind: str) -> bool:
+    """The config's ``sample_from_anchor`` (by default true for DSpark, DeepSpec's convention, and false for
+    DFlash); only a DSpark drafter may predict from the anchor."""
     # DSparkSpeculatorConfig's default is True (DeepSpec's convention), DFlashSpeculatorConfig's False
     anchor = cfg.get("sample_from_anchor")
     anchor = kind == "dspark" if anchor is None else anchor
@@ -577,7 +613,12 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
             "an anchor-predicting DFlash drafter is not loaded (speculators itself warns that inference engines may "
             "not support it; TensorRT-LLM's DFlash route reads slot k as position k)",
             "use a drafter trained with sample_from_anchor false (the speculators DFlash default)")
-    hidden = _int(layer, "hidden_size", lprefix)
+    return anchor
+
+
+def _speculators_taps(cfg: dict[str, Any], prefix: str, hidden: int) -> tuple[int, list[int]]:
+    """What the drafter reads from its target: its ``mask_token_id`` and its ``aux_hidden_state_layer_ids`` (each
+    the output of target layer id - 1), after checking the taps are as wide as the drafter (``hidden``)."""
     target_hidden = cfg.get("target_hidden_size")
     require(target_hidden in (None, hidden), f"{prefix}.target_hidden_size", target_hidden,
             f"must equal transformer_layer_config.hidden_size ({hidden}): fc reads taps of the drafter's width",
@@ -594,11 +635,14 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
                 "must be an integer >= 1 (id i is the output of target decoder layer i-1; 0, the embedding "
                 "output, is not a tap this runtime captures)",
                 "use a drafter trained on decoder-layer outputs (speculators' default ids are >= 2)")
-    vocab = _int(layer, "vocab_size", lprefix)
-    draft_vocab = _int(cfg, "draft_vocab_size", prefix, default=32000)  # DFlashSpeculatorConfig's default
-    require(draft_vocab <= vocab, f"{prefix}.draft_vocab_size", draft_vocab,
-            f"must be <= transformer_layer_config.vocab_size ({vocab})",
-            "check that transformer_layer_config.vocab_size is the verifier's vocabulary")
+    return mask, aux
+
+
+def _speculators_as_zlab(cfg: dict[str, Any], prefix: str, layer: dict[str, Any], lprefix: str, mask: int,
+                         aux: list[int]) -> dict[str, Any]:
+    """The z-lab config ``DrafterSpec._from_zlab`` reads for this speculators drafter: its layer config plus the
+    block size, the mask id, the taps as decoder-layer indices (``aux - 1``) and the layer types. Sliding layers
+    warn: speculators bounds their window differently."""
     # layer_types absent: speculators builds every layer as full attention; sliding layers are causal unless
     # sliding_window_non_causal (its anchor-block mask), the same rule as our layer_causal
     num_layers = _int(layer, "num_hidden_layers", lprefix)
@@ -616,13 +660,7 @@ def _from_speculators(cfg: dict[str, Any], prefix: str) -> DrafterSpec:
         log.warning("%s: sliding layers: speculators bounds the context window at the block's anchor, this runtime "
                     "at each query, so drafts can differ once the context exceeds sliding_window=%s",
                     prefix, layer.get("sliding_window"))
-    spec = DrafterSpec._from_zlab(zlab, lprefix, num_target_layers=None,
-                                  draft_vocab_size=None if draft_vocab == vocab else draft_vocab)
-    if kind == "dflash":
-        return spec
-    # an anchor-predicting forward over the trained block drafts block_size tokens: one more verified slot
-    return replace(spec, dspark=_dspark_heads(cfg, prefix), anchor_predicts=anchor,
-                   block_size=spec.block_size + int(anchor))
+    return zlab
 
 
 # DSparkSpeculatorConfig's defaults (speculators 0.9.0 ``models/dspark/config.py``), for a config that omits a field

@@ -154,16 +154,16 @@ class OracleDecoder(SpeculativeDecoder):
     """
 
     def __init__(self, target, drafter, block_size, prompts, continuations, corrupt=0.3, seed=0, **kw):
-        super().__init__(target, drafter, block_size, **kw)
+        super().__init__(target, drafter, block_size, proposer=self.drafts, **kw)
         self.prompt_lens = [len(p) for p in prompts]
         self.continuations = continuations
         self.corrupt, self.rng = corrupt, random.Random(seed)
         self.corrupt_rows: set[int] = set()  # rows whose drafts are always corrupted
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None, top=1):
+    def drafts(self, propose, bonus, dcache, rows, committed, num_drafts=None, top=1):
         """With ``top`` > 1 (tree verify), [b, K, top]: a corrupted first choice has the right token at a random
         runner-up rank half the time; the other ranks are wrong tokens."""
-        real = super().propose(bonus, dcache, rows, committed, num_drafts, top)
+        real = propose(bonus, dcache, rows, committed, num_drafts, top)
         out = (real if top > 1 else real[..., None]).clone()
         row_ids = range(bonus.shape[0]) if rows is None else rows.tolist()
         vocab = self.target.spec.vocab_size

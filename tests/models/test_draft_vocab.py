@@ -64,11 +64,11 @@ def _pair_with_vocab(tmp_path, ids):
 
 class RecordedDrafts(SpeculativeDecoder):
     def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, proposer=self.recorded, **kw)
         self.drafted: list[int] = []
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None, top=1):
-        out = super().propose(bonus, dcache, rows, committed, num_drafts, top)
+    def recorded(self, propose, bonus, dcache, rows, committed, num_drafts=None, top=1):
+        out = propose(bonus, dcache, rows, committed, num_drafts, top)
         self.drafted += out.flatten().tolist()
         return out
 

@@ -564,12 +564,11 @@ def test_fixed_block_with_ngram_is_lossless_and_skips_draft_passes(tiny_models, 
     ref = greedy_reference(target, prompts, 40)
     calls = []
 
-    class Counting(SpeculativeDecoder):
-        def propose(self, bonus, dcache, rows, committed, num_drafts=None):
-            calls.append(len(bonus))
-            return super().propose(bonus, dcache, rows, committed, num_drafts)
+    def counting(propose, bonus, dcache, rows, committed, num_drafts=None):
+        calls.append(len(bonus))
+        return propose(bonus, dcache, rows, committed, num_drafts)
 
-    dec = Counting(target, drafter, 8, ngram=True)
+    dec = SpeculativeDecoder(target, drafter, 8, ngram=True, proposer=counting)
     out = dec.generate([Request(tuple(p), 40) for p in prompts])
     assert [r.token_ids for r in out] == ref
     assert all(max(r.acceptance_lengths) <= 8 for r in out)

@@ -49,11 +49,11 @@ def fresh_drafts(target, drafter, committed, bonus, num_drafts):
 
 class RecordingDecoder(SpeculativeDecoder):
     def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, proposer=self.recorded, **kw)
         self.calls = []  # (cache rows, committed lengths, bonus tokens, drafts)
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None):
-        drafts = super().propose(bonus, dcache, rows, committed, num_drafts)
+    def recorded(self, propose, bonus, dcache, rows, committed, num_drafts=None):
+        drafts = propose(bonus, dcache, rows, committed, num_drafts)
         lengths = dcache.lengths if rows is None else dcache.lengths[rows]
         assert lengths.tolist() == committed.tolist(), "a drafting row's context is the whole committed sequence"
         rows = list(range(len(bonus))) if rows is None else rows.tolist()

@@ -21,11 +21,11 @@ def oracle(truth: list[int], emitted: int, real: list[int]) -> list[int]:
 
 class OracleDrafts(SpeculativeDecoder):
     def __init__(self, *a, prompts, truths, **kw):
-        super().__init__(*a, **kw)
+        super().__init__(*a, proposer=self.drafts, **kw)
         self.prompts, self.truths = prompts, truths
 
-    def propose(self, bonus, dcache, rows, committed, num_drafts=None, top=1):
-        real = super().propose(bonus, dcache, rows, committed, num_drafts, top)
+    def drafts(self, propose, bonus, dcache, rows, committed, num_drafts=None, top=1):
+        real = propose(bonus, dcache, rows, committed, num_drafts, top)
         out = real.clone()
         for j, row in enumerate(rows.tolist()):  # row r of the caches is request r
             emitted = int(committed[j]) - len(self.prompts[row]) + 1

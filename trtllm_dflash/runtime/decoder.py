@@ -94,7 +94,8 @@ class SpeculativeDecoder:
     def __init__(self, target: TargetModel, drafter: DrafterModel | None, block_size: int | str, kernels=None,
                  max_block_size: int | None = None, policy: AdaptivePolicy | None = None,
                  prior: list[float] | None = None, ngram: bool = False, tree: bool | TreeShape = False,
-                 datastore: Datastore | None = None, cuda_graphs: bool | str = "auto") -> None:
+                 datastore: Datastore | None = None, cuda_graphs: bool | str = "auto",
+                 proposer: Callable | None = None) -> None:
         """``kernels``: a ``plugin.dispatch.Impl``; AUTO (default) runs KV injection and block attention through the
         drafting plugin's Triton kernels on CUDA and through the drafter's own torch code elsewhere.
 
@@ -115,7 +116,12 @@ class SpeculativeDecoder:
         ``TreeShape.for_block(B − 1, datastore=True)``).
 
         ``cuda_graphs`` (``"auto"``: on CUDA only; ``"rehearse"`` anywhere): the verify, tree verify and draft forwards
-        replay CUDA graphs (``runtime.graphs``), and the decoder keeps its caches between ``generate`` calls."""
+        replay CUDA graphs (``runtime.graphs``), and the decoder keeps its caches between ``generate`` calls.
+
+        ``proposer``: a stand-in draft source for ``generate``, ``proposer(real, bonus, dcache, rows, committed,
+        num_drafts[, top])`` with ``real`` the decoder's own ``propose`` (tests: chosen drafts, every accepted
+        length); the policy's calibration times the real draft pass."""
+        self.proposer = proposer
         self.adaptive = block_size == AUTO
         if self.adaptive:
             require(drafter is not None, "block_size", block_size, "auto needs a drafter",
@@ -197,8 +203,7 @@ class SpeculativeDecoder:
         top: int = 1,  # > 1: the drafter's ``top`` best tokens per slot, best first
     ) -> torch.Tensor:  # [b, K] drafts d_1..d_K ([b, K, top] with top > 1)
         """One DFlash draft: block [bonus, MASK × K] through the drafter, greedy through the target's head
-        (``BlockDrafter.block``). Every draft of ``generate`` comes through here: tests override it to inject chosen
-        drafts and exercise every accepted length."""
+        (``BlockDrafter.block``): every draft of ``generate`` (through the ``proposer`` where one is given)."""
         assert self.drafting is not None
         k = self.block_size - 1 if num_drafts is None else num_drafts
         return self.drafting.block(bonus, dcache, rows, k, top)
@@ -233,7 +238,8 @@ class SpeculativeDecoder:
                 committed = verifier.cache.lengths[torch.tensor([verifier.slots.rows[s] for s in seq_ids])]
                 choices = (top,) if top > 1 else ()  # an override for chains alone need not take ``top``
                 self.drafting.confidence = None
-                drafts = self.propose(bonus, drafter.cache, cache_rows, committed.to(bonus.device), k, *choices)
+                args = (bonus, drafter.cache, cache_rows, committed.to(bonus.device), k, *choices)
+                drafts = self.propose(*args) if self.proposer is None else self.proposer(self.propose, *args)
                 drafter.confidence = self.drafting.confidence  # a DSpark drafter's estimates, for ``forecast``
                 return drafts
 
@@ -359,9 +365,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
         if dcache is None:  # one per row count: a graphed draft is captured once per cache and width
             dcache = drafts[rows] = drafter.new_cache(rows, bsz + 1)
         bonus = torch.zeros(rows, dtype=torch.long, device=dev)
-        # the class's own draft (a test's decoder may override ``propose`` to replace the drafts)
-        return cost_model.timed(lambda: SpeculativeDecoder.propose(decoder, bonus, dcache, None, dcache.lengths,
-                                                                 width - 1), sync)
+        return cost_model.timed(lambda: decoder.propose(bonus, dcache, None, dcache.lengths, width - 1), sync)
 
     cost = cost_model.load_or_calibrate(key, lambda n: verify_over(1, n, 0), draft, max_rows * bsz, refresh=refresh,
                                       check=3, measure_context=verify_over)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import greedy_reference, perf_script
+from conftest import greedy_reference
 from trtllm_dflash.cli import main as cli
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.datastore import NGRAMS, Datastore, hash_windows, tail_hashes
@@ -139,18 +139,6 @@ def test_a_datastore_needs_the_tree_with_lookup(tiny_models):
         SpeculativeDecoder(target, drafter, 8, datastore=store)
     with pytest.raises(ConfigError, match="lookup chains only"):
         SpeculativeDecoder(target, drafter, 8, tree=TreeShape(7, lookup=0), datastore=store)
-
-
-def test_overlap_script_counts_the_responses_ngrams_found_in_the_store(tmp_path, capsys):
-    overlap = perf_script("datastore_overlap")
-    Datastore.from_sequences([[1, 2, 3, 4], [7, 8]]).save(tmp_path / "ds.safetensors")
-    greedy = tmp_path / "greedy.json"
-    greedy.write_text(json.dumps([{"id": "a", "token_ids": [1, 2, 3, 9]},  # 2-grams 12 23 39: 2 of 3 stored
-                                  {"id": "b", "token_ids": [8, 7]},  # 87: not stored (78 is)
-                                  {"id": "c", "token_ids": [5]}]))  # no 2-gram: skipped
-    res = overlap.main([str(greedy), "--datastore", str(tmp_path / "ds.safetensors"), "--n", "2"])[0]
-    assert res["responses"] == 2 and res["over_half"] == 1 and res["most_covered"] == [["a", 0.667], ["b", 0.0]]
-    assert res["mean_coverage"] == round((2 / 3) / 2, 4) and json.loads(capsys.readouterr().out) == res
 
 
 def test_a_repository_config_proposes_from_what_make_decoder_proposes_from(tmp_path):

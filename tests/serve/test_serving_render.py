@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import greedy_reference, perf_script
+from conftest import greedy_reference
 from trtllm_dflash.cli import main
 from trtllm_dflash.errors import ArtifactError, ConfigError
 from trtllm_dflash.runtime.cost import GRID, CostModel
@@ -151,7 +151,14 @@ def test_indexed_stops_cut_where_comparing_every_stop_does():
     """StopMatcher compares a new token with the stops ending in it only: the same cut as comparing every stop at
     every position, on random streams and stop lists over a small vocabulary (many overlaps)."""
     import random
-    every_stop = perf_script("bench_stops").every_stop  # the check perf/bench_stops.py times this one against
+
+    def every_stop(tokens, stops, checked):
+        """The naive cut: every stop compared at every position since ``checked``."""
+        for end in range(max(checked, 0) + 1, len(tokens) + 1):
+            for stop in stops:
+                if end >= len(stop) and tuple(tokens[end - len(stop): end]) == stop:
+                    return end - len(stop)
+        return None
 
     rng = random.Random(0)
     for _ in range(2000):

@@ -153,8 +153,8 @@ class AdaptivePolicy:
 
     def row_share(self, rows: int, context: float = 0.0) -> float:
         """What one row's leaving saves a plain step of ``rows`` rows, as a share of that step, by the cost model: on a
-        CPU, where every row is compute, a small share at a large batch (``perf/policy_replay.py`` compares this with
-        a guessed share); on a GPU, where a batch's plain step costs about one row's, about 0."""
+        CPU, where every row is compute, a small share at a large batch (``perf/policy_replay.py`` at a8cb761^ compares
+        this with a guessed share); on a GPU, where a batch's plain step costs about one row's, about 0."""
         if rows <= 1:
             return 1.0
         full = self.cost.step(rows, 0, 0, context=context)

@@ -64,6 +64,7 @@ from trtllm_dflash.models.drafter import DrafterModel
 from trtllm_dflash.models.layers import plain_linears
 from trtllm_dflash.models.target import SCRATCH_POSITIONS, TargetModel
 from trtllm_dflash.models.weights import load_into, write_json, write_state_dict
+from trtllm_dflash.specs import DrafterSpec, TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,23 @@ def _quant_block(base: dict, recipe: QuantRecipe, exclude: list[str], kv_cache: 
     return out
 
 
-def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
+@dataclass(frozen=True)
+class _Source:
+    """A ``convert`` output checked for quantization, with what the later phases read from it: its manifest (path
+    and contents), the target's TRT-LLM config, the calibration ids and path, and the Hugging Face target directory
+    ``export_hf`` reads (None without it)."""
+
+    manifest_path: Path
+    manifest: dict
+    tcfg: dict
+    calib: list[torch.Tensor]
+    path: CalibrationPath
+    hf_dir: Path | None
+
+
+def _check_source(cfg: QuantizeConfig, calib_ids) -> _Source:
+    """Refuse what would fail or overwrite before any model is loaded: an existing output (unless ``force``), a
+    source without a manifest or already quantized, and an ``export_hf`` whose HF target is gone."""
     recipe = cfg.recipe
     staging.refuse_existing(cfg.out_dir, cfg.force)
     src_manifest = cfg.src_dir / mf.MANIFEST
@@ -364,6 +381,7 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
     calib = _normalize_calib(calib_ids)
     path = CalibrationPath.choose(recipe, cfg.calib_device)
     source = json.loads(src_manifest.read_text())
+    hf_dir = None
     if cfg.export_hf is not None:
         staging.refuse_existing(cfg.export_hf, cfg.force)
         hf_dir = Path((source.get("config") or {}).get("target_dir") or "")
@@ -371,99 +389,186 @@ def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
             raise ArtifactError(src_manifest, f"records target_dir={str(hf_dir)!r}, which holds no config.json",
                                 "--export-hf needs the Hugging Face target the checkpoint was converted from")
     log.info("%s", path.description)
+    return _Source(src_manifest, source, tcfg, calib, path, hf_dir)
 
+
+@dataclass(frozen=True)
+class _Part:
+    """One model of the checkpoint as quantization reads it: its weights (TRT-LLM names), spec, TRT-LLM config,
+    tensor-parallel size and weight-map entries."""
+
+    state: dict[str, torch.Tensor]
+    spec: TargetSpec | DrafterSpec
+    config: dict
+    tp: int
+    entries: list[wm.Entry]
+
+
+@dataclass(frozen=True)
+class _Target(_Part):
+    """The target's ``_Part`` with its checkpoint dtype, which the unquantized tensors of its ranks and the HF export
+    keep."""
+
+    dtype: torch.dtype
+
+
+def _load_target(cfg: QuantizeConfig, src: _Source) -> _Target:
+    """The source's target, after checking the calibration ids are in its vocabulary and (NVFP4) that every rank's
+    input widths fill whole NVFP4 blocks."""
     state, spec = load_trtllm_target_state(cfg.src_dir / "target")
-    bad = [int(t.max()) for t in calib if int(t.max()) >= spec.vocab_size or int(t.min()) < 0]
+    bad = [int(t.max()) for t in src.calib if int(t.max()) >= spec.vocab_size or int(t.min()) < 0]
     require(not bad, "calib_ids", f"max id {max(bad) if bad else 0}", f"must be in [0, vocab_size={spec.vocab_size})",
             "tokenize the calibration text with the target's tokenizer")
-    tp, dtype = configs.tp_size(tcfg, cfg.src_dir / "target" / "config.json"), configs.DTYPES[tcfg["dtype"]]
+    tp, dtype = configs.tp_size(src.tcfg, cfg.src_dir / "target" / "config.json"), configs.DTYPES[src.tcfg["dtype"]]
     entries = configs.target_entries(spec, tp, lm_head_from_embedding=False,
-                                     use_parallel_embedding=bool(tcfg.get("use_parallel_embedding")))
-    if recipe is QuantRecipe.NVFP4:
+                                     use_parallel_embedding=bool(src.tcfg.get("use_parallel_embedding")))
+    if cfg.recipe is QuantRecipe.NVFP4:
         _check_nvfp4_widths(entries, tp, QUANTIZED_LINEARS)
-    if cfg.quantize_drafter:
-        dstate, dspec, dcfg = load_trtllm_drafter_state(cfg.src_dir / "drafter")
-        require((dcfg.get("quantization") or {}).get("quant_algo") is None, "drafter.quantization.quant_algo",
-                dcfg["quantization"]["quant_algo"], "the source drafter is already quantized",
-                "quantize the unquantized `convert` output")
-        dtp = configs.tp_size(dcfg, cfg.src_dir / "drafter" / "config.json")
-        dentries = configs.drafter_entries(dspec)
-        if recipe is QuantRecipe.NVFP4:
-            _check_nvfp4_widths(dentries, dtp, DRAFTER_QUANTIZED_LINEARS)
+    return _Target(state, spec, src.tcfg, tp, entries, dtype)
 
-    t0 = time.perf_counter()
-    device = torch.device(path.device)
+
+def _load_drafter(cfg: QuantizeConfig) -> _Part:
+    """The source's drafter, for ``quantize_drafter``: refused if already quantized, and (NVFP4) checked like the
+    target's widths."""
+    dstate, dspec, dcfg = load_trtllm_drafter_state(cfg.src_dir / "drafter")
+    require((dcfg.get("quantization") or {}).get("quant_algo") is None, "drafter.quantization.quant_algo",
+            dcfg["quantization"]["quant_algo"], "the source drafter is already quantized",
+            "quantize the unquantized `convert` output")
+    dtp = configs.tp_size(dcfg, cfg.src_dir / "drafter" / "config.json")
+    dentries = configs.drafter_entries(dspec)
+    if cfg.recipe is QuantRecipe.NVFP4:
+        _check_nvfp4_widths(dentries, dtp, DRAFTER_QUANTIZED_LINEARS)
+    return _Part(dstate, dspec, dcfg, dtp, dentries)
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """What calibration measured and the scales made of it: the target's per-linear input amax, the cached K/V amax
+    per layer, and the quantization scales of the target and (with ``quantize_drafter``) the drafter."""
+
+    input_amax: dict[str, torch.Tensor]
+    kv_amax: list[float]
+    scales: dict
+    drafter_scales: dict | None
+
+
+def _calibrate(cfg: QuantizeConfig, src: _Source, target: _Target, drafter: _Part | None) -> _Calibration:
+    """Run the calibration sequences through the target (recording the drafter's taps when it is quantized too),
+    then the drafter on those taps, one model in memory at a time; warn of layers whose K/V saturate an unscaled FP8
+    KV cache; compute the scales."""
+    device = torch.device(src.path.device)
+    spec = target.spec
     model = TargetModel(spec, dtype=torch.float32, device=device)
-    load_into(model, state, cfg.src_dir / "target", ignore=("lm_head.weight",) if spec.tie_word_embeddings else ())
-    on_device = [t.to(device) for t in calib]
-    taps_from = dspec.target_layer_ids if cfg.quantize_drafter else ()
+    load_into(model, target.state, cfg.src_dir / "target",
+              ignore=("lm_head.weight",) if spec.tie_word_embeddings else ())
+    on_device = [t.to(device) for t in src.calib]
+    taps_from = drafter.spec.target_layer_ids if cfg.quantize_drafter else ()
     with torch.no_grad():
-        input_amax, kv_amax, taps = calibrate(model.eval(), on_device, path.modelopt_config, taps_from)
+        input_amax, kv_amax, taps = calibrate(model.eval(), on_device, src.path.modelopt_config, taps_from)
     del model
+    dscales = None
     if cfg.quantize_drafter:
-        dmodel = DrafterModel(dspec, dtype=torch.float32, device=device,
+        dmodel = DrafterModel(drafter.spec, dtype=torch.float32, device=device,
                               max_positions=spec.max_position_embeddings + SCRATCH_POSITIONS)
-        load_into(dmodel, dstate, cfg.src_dir / "drafter")
+        load_into(dmodel, drafter.state, cfg.src_dir / "drafter")
         with torch.no_grad():
-            d_amax = calibrate_drafter(dmodel.eval(), state["model.embed_tokens.weight"].float().to(device), on_device,
-                                       taps, path.modelopt_config)
+            d_amax = calibrate_drafter(dmodel.eval(), target.state["model.embed_tokens.weight"].float().to(device),
+                                       on_device, taps, src.path.modelopt_config)
         del dmodel, taps
-        dscales = _scales(dentries, dstate, d_amax, recipe, DRAFTER_QUANTIZED_LINEARS)
+        dscales = _scales(drafter.entries, drafter.state, d_amax, cfg.recipe, DRAFTER_QUANTIZED_LINEARS)
     if cfg.kv_cache is not None:
         for layer, amax in enumerate(kv_amax):
             if amax > quant.FP8_MAX:
                 log.warning("layer %d: cached K/V reach |x|=%.1f > 448; the unscaled FP8 KV cache saturates there",
                             layer, amax)
-    scales = _scales(entries, state, input_amax, recipe)
+    scales = _scales(target.entries, target.state, input_amax, cfg.recipe)
+    return _Calibration(input_amax, kv_amax, scales, dscales)
 
+
+def _write_target(tmp: Path, cfg: QuantizeConfig, target: _Target, cal: _Calibration) -> None:
+    """``tmp/target``: the config with its quantization block, and each rank's quantized tensors (with the FP8 KV
+    cache's unit scales when ``kv_cache`` is set)."""
+    recipe, tcfg = cfg.recipe, target.config
+    (tmp / "target").mkdir()
+    qcfg = dict(tcfg)
+    qcfg["quantization"] = _quant_block(tcfg["quantization"], recipe, ["lm_head"], cfg.kv_cache)
+    write_json(qcfg, tmp / "target" / "config.json")
+    for rank in tqdm(range(target.tp), desc=f"{recipe.value} target ranks", unit="rank", disable=None):
+        tensors = quantize_rank_tensors(target.entries, target.state, cal.scales, recipe, target.tp, rank,
+                                        target.dtype)
+        if cfg.kv_cache is not None:
+            for layer in range(target.spec.num_hidden_layers):
+                for kind in ("k", "v", "kv"):
+                    tensors[f"transformer.layers.{layer}.attention.{kind}_cache_scaling_factor"] = torch.ones(1)
+        write_state_dict(tensors, tmp / "target" / f"rank{rank}.safetensors")
+
+
+def _write_drafter(tmp: Path, cfg: QuantizeConfig, drafter: _Part | None, cal: _Calibration) -> None:
+    """``tmp/drafter``: quantized like the target (its excluded modules kept) with ``quantize_drafter``, else the
+    source's drafter copied unchanged."""
+    if not cfg.quantize_drafter:
+        shutil.copytree(cfg.src_dir / "drafter", tmp / "drafter")
+        return
+    dcfg = drafter.config
+    (tmp / "drafter").mkdir()
+    qdcfg = dict(dcfg)
+    qdcfg["quantization"] = _quant_block(dcfg["quantization"], cfg.recipe, list(DRAFTER_EXCLUDE_MODULES), None)
+    write_json(qdcfg, tmp / "drafter" / "config.json")
+    ddtype = configs.DTYPES[dcfg["dtype"]]
+    for rank in range(drafter.tp):
+        write_state_dict(quantize_rank_tensors(drafter.entries, drafter.state, cal.drafter_scales, cfg.recipe,
+                                               drafter.tp, rank, ddtype, DRAFTER_QUANTIZED_LINEARS),
+                         tmp / "drafter" / f"rank{rank}.safetensors")
+
+
+def _manifest(tmp: Path, cfg: QuantizeConfig, src: _Source, cal: _Calibration) -> dict:
+    """The output's manifest: the config, how it was calibrated (on which ids), the source manifest it derives from
+    and the hashes of what ``tmp`` holds."""
+    path, calib = src.path, src.calib
+    return {
+        "format": mf.FORMAT,
+        "trtllm_checkpoint_contract": mf.TRTLLM_CONTRACT,
+        "config": mf.jsonable(cfg) | {"src_dir": str(cfg.src_dir.resolve())},
+        "calibration": {"algorithm": f"max (modelopt {path.modelopt_config} input quantizers)",
+                        "device": path.device, "path": path.description,
+                        "num_seqs": len(calib), "num_tokens": sum(t.numel() for t in calib),
+                        "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest(),
+                        "kv_amax_per_layer": cal.kv_amax},
+        "source_manifest_sha256": mf.sha256_file(src.manifest_path),
+        "resolved": src.manifest.get("resolved"),
+        "inputs": src.manifest.get("inputs"),
+        "outputs": {what: mf.hash_tree(tmp / what) for what in ("target", "drafter")},
+        "tools": mf.tool_versions(),
+        "git": mf.git_state(),
+        "created_unix_s": round(time.time()),
+    }
+
+
+def _export_hf(cfg: QuantizeConfig, src: _Source, target: _Target, cal: _Calibration) -> None:
+    """The target as a modelopt unified HF checkpoint in ``cfg.export_hf`` (hf_export.py), pointing back at the
+    TRT-LLM checkpoint just written."""
+    from trtllm_dflash.convert.hf_export import export_hf
+
+    export_hf(src.hf_dir, target.state, _module_amax(target.entries, target.state, cal.input_amax), cfg.recipe.name,
+              cfg.kv_cache is not None, target.dtype, cfg.export_hf, cfg.force,
+              {"calibration": src.path.description, "trtllm_checkpoint": str(cfg.out_dir.resolve()),
+               "trtllm_checkpoint_manifest_sha256": mf.sha256_file(cfg.out_dir / mf.MANIFEST)})
+
+
+def run_quantize(cfg: QuantizeConfig, calib_ids) -> Path:
+    """Quantize ``cfg.src_dir`` into ``cfg.out_dir`` (see ``quantize``): check the source, load the models, calibrate,
+    write the output in a staging directory that replaces ``out_dir`` only when complete, then export the HF target."""
+    src = _check_source(cfg, calib_ids)
+    target = _load_target(cfg, src)
+    drafter = _load_drafter(cfg) if cfg.quantize_drafter else None
+    t0 = time.perf_counter()
+    cal = _calibrate(cfg, src, target, drafter)
     with staging.staged_output(cfg.out_dir, cfg.force) as tmp:
-        (tmp / "target").mkdir()
-        qcfg = dict(tcfg)
-        qcfg["quantization"] = _quant_block(tcfg["quantization"], recipe, ["lm_head"], cfg.kv_cache)
-        write_json(qcfg, tmp / "target" / "config.json")
-        for rank in tqdm(range(tp), desc=f"{recipe.value} target ranks", unit="rank", disable=None):
-            tensors = quantize_rank_tensors(entries, state, scales, recipe, tp, rank, dtype)
-            if cfg.kv_cache is not None:
-                for layer in range(spec.num_hidden_layers):
-                    for kind in ("k", "v", "kv"):
-                        tensors[f"transformer.layers.{layer}.attention.{kind}_cache_scaling_factor"] = torch.ones(1)
-            write_state_dict(tensors, tmp / "target" / f"rank{rank}.safetensors")
-        if cfg.quantize_drafter:
-            (tmp / "drafter").mkdir()
-            qdcfg = dict(dcfg)
-            qdcfg["quantization"] = _quant_block(dcfg["quantization"], recipe, list(DRAFTER_EXCLUDE_MODULES), None)
-            write_json(qdcfg, tmp / "drafter" / "config.json")
-            ddtype = configs.DTYPES[dcfg["dtype"]]
-            for rank in range(dtp):
-                write_state_dict(quantize_rank_tensors(dentries, dstate, dscales, recipe, dtp, rank, ddtype,
-                                                       DRAFTER_QUANTIZED_LINEARS),
-                                 tmp / "drafter" / f"rank{rank}.safetensors")
-        else:
-            shutil.copytree(cfg.src_dir / "drafter", tmp / "drafter")
-        write_json({
-            "format": mf.FORMAT,
-            "trtllm_checkpoint_contract": mf.TRTLLM_CONTRACT,
-            "config": mf.jsonable(cfg) | {"src_dir": str(cfg.src_dir.resolve())},
-            "calibration": {"algorithm": f"max (modelopt {path.modelopt_config} input quantizers)",
-                            "device": path.device, "path": path.description,
-                            "num_seqs": len(calib), "num_tokens": sum(t.numel() for t in calib),
-                            "ids_sha256": hashlib.sha256(torch.cat(calib).numpy().tobytes()).hexdigest(),
-                            "kv_amax_per_layer": kv_amax},
-            "source_manifest_sha256": mf.sha256_file(src_manifest),
-            "resolved": source.get("resolved"),
-            "inputs": source.get("inputs"),
-            "outputs": {what: mf.hash_tree(tmp / what) for what in ("target", "drafter")},
-            "tools": mf.tool_versions(),
-            "git": mf.git_state(),
-            "created_unix_s": round(time.time()),
-        }, tmp / mf.MANIFEST)
+        _write_target(tmp, cfg, target, cal)
+        _write_drafter(tmp, cfg, drafter, cal)
+        write_json(_manifest(tmp, cfg, src, cal), tmp / mf.MANIFEST)
     if cfg.export_hf is not None:
-        from trtllm_dflash.convert.hf_export import export_hf
-
-        export_hf(hf_dir, state, _module_amax(entries, state, input_amax), recipe.name, cfg.kv_cache is not None,
-                  dtype, cfg.export_hf, cfg.force,
-                  {"calibration": path.description, "trtllm_checkpoint": str(cfg.out_dir.resolve()),
-                   "trtllm_checkpoint_manifest_sha256": mf.sha256_file(cfg.out_dir / mf.MANIFEST)})
-    log.info("quantized %s -> %s (%s, kv cache %s, drafter %s) in %.1f s", cfg.src_dir, cfg.out_dir, recipe.value,
-             cfg.kv_cache, recipe.value if cfg.quantize_drafter else "copied", time.perf_counter() - t0)
+        _export_hf(cfg, src, target, cal)
+    log.info("quantized %s -> %s (%s, kv cache %s, drafter %s) in %.1f s", cfg.src_dir, cfg.out_dir, cfg.recipe.value,
+             cfg.kv_cache, cfg.recipe.value if cfg.quantize_drafter else "copied", time.perf_counter() - t0)
     return cfg.out_dir

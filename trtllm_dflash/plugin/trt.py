@@ -253,6 +253,23 @@ def register(kv: KvRopeConfig, attn: BlockAttentionConfig, max_num_drafts: int, 
                           "(inside NVIDIA's TensorRT / TRT-LLM containers)") from e
     kv.validate()
     attn.validate()
+    _register_kv_rope(trt, trtp, kv, arch)
+    _register_block_attention(trt, trtp, attn, arch)
+    _register_accept(trt, trtp, max_num_drafts, arch)
+    return [f"{NAMESPACE}::{name}" for name in ("kv_rope", "block_attention", "accept")]
+
+
+def _sym_int_args(trtp, args: list) -> object:
+    """The extra int arguments of an AOT launch, as the ``SymIntExprs`` TensorRT passes after the input pointers."""
+    extra = trtp.SymIntExprs(len(args))
+    for i, a in enumerate(args):
+        extra[i] = trtp.SymInt32(a)
+    return extra
+
+
+def _register_kv_rope(trt, trtp, kv: KvRopeConfig, arch: int) -> None:
+    """``dflash::kv_rope``: its shape/dtype description and its AOT implementation (the PTX of ``kv_rope`` for
+    ``kv``'s constants, one program per block of tokens and layer)."""
 
     @trtp.register(f"{NAMESPACE}::kv_rope")
     def _kv_rope_desc(kv_in: trtp.TensorDesc, row: trtp.TensorDesc, pos: trtp.TensorDesc, k_norm: trtp.TensorDesc,
@@ -273,10 +290,12 @@ def register(kv: KvRopeConfig, attn: BlockAttentionConfig, max_num_drafts: int, 
         # int args after the input pointers: num_tokens, stride_kv_t, stride_rope_p, then the dense output's
         # strides (layer, row (unused when DENSE), token, head)
         args = [t, kv_in.shape_expr[1], cos.shape_expr[1], t * per_tok, 0, per_tok, kv.head_dim]
-        extra = trtp.SymIntExprs(len(args))
-        for i, a in enumerate(args):
-            extra[i] = trtp.SymInt32(a)
-        return k.name, k.ptx, launch, extra
+        return k.name, k.ptx, launch, _sym_int_args(trtp, args)
+
+
+def _register_block_attention(trt, trtp, attn: BlockAttentionConfig, arch: int) -> None:
+    """``dflash::block_attention``: its description (the output is shaped like q) and its AOT implementation (one
+    program per sequence, KV head and query tile)."""
 
     @trtp.register(f"{NAMESPACE}::block_attention")
     def _attn_desc(q: trtp.TensorDesc, k_block: trtp.TensorDesc, v_block: trtp.TensorDesc,
@@ -296,10 +315,12 @@ def register(kv: KvRopeConfig, attn: BlockAttentionConfig, max_num_drafts: int, 
         # window, then contiguous strides of q, k_block, the cache (row, position, head) and out
         args = [attn.window or 0, attn.num_heads * hd, hd, attn.num_kv_heads * hd, hd,
                 s * attn.num_kv_heads * hd, attn.num_kv_heads * hd, hd, attn.num_heads * hd, hd]
-        extra = trtp.SymIntExprs(len(args))
-        for i, a in enumerate(args):
-            extra[i] = trtp.SymInt32(a)
-        return k.name, k.ptx, launch, extra
+        return k.name, k.ptx, launch, _sym_int_args(trtp, args)
+
+
+def _register_accept(trt, trtp, max_num_drafts: int, arch: int) -> None:
+    """``dflash::accept``: its description (accepted lengths, bonus ids and emitted ids per sequence, int64) and its
+    AOT implementation (one program per sequence)."""
 
     @trtp.register(f"{NAMESPACE}::accept")
     def _accept_desc(draft_ids: trtp.TensorDesc, cu_num_drafts: trtp.TensorDesc, target_ids: trtp.TensorDesc
@@ -315,8 +336,4 @@ def register(kv: KvRopeConfig, attn: BlockAttentionConfig, max_num_drafts: int, 
         k = compile_ptx("accept", max_num_drafts, "int64", arch)
         launch = trtp.KernelLaunchParams(grid_x=cu_num_drafts.shape_expr[0] - 1, block_x=32 * k.num_warps,
                                          shared_mem=k.shared_mem)
-        extra = trtp.SymIntExprs(1)
-        extra[0] = trtp.SymInt32(max_num_drafts + 1)  # width of emitted_ids
-        return k.name, k.ptx, launch, extra
-
-    return [f"{NAMESPACE}::{name}" for name in ("kv_rope", "block_attention", "accept")]
+        return k.name, k.ptx, launch, _sym_int_args(trtp, [max_num_drafts + 1])  # the width of emitted_ids

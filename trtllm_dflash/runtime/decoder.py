@@ -123,28 +123,10 @@ class SpeculativeDecoder:
         length); the policy's calibration times the real draft pass."""
         self.proposer = proposer
         self.adaptive = block_size == AUTO
-        if self.adaptive:
-            require(drafter is not None, "block_size", block_size, "auto needs a drafter",
-                    "pass --drafter or use --block-size 1")
-            assert drafter is not None
-            block_size = max_block_size or drafter.spec.block_size
-            require(block_size >= 2, "max_block_size", block_size, "must be >= 2 for --block-size auto")
-        require(isinstance(block_size, int) and block_size >= 1, "block_size", block_size,
-                "must be an integer >= 1 (1 = autoregressive baseline) or 'auto'")
-        assert isinstance(block_size, int)
+        block_size = _longest_block(block_size, max_block_size, drafter)
         # the compiled decode step where this machine's table asks for it, loaded now: not inside a request's first
         # steps or the policy's calibration, which would time the loading
         target.warm_decode()
-        if block_size > 1:
-            require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
-            assert drafter is not None
-            require(
-                block_size <= drafter.spec.block_size,
-                "max_block_size" if self.adaptive else "block_size",
-                block_size,
-                f"must be <= the drafter's trained block_size ({drafter.spec.block_size})",
-                f"use {drafter.spec.block_size} or less",
-            )
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.mask_token_id = drafter.spec.mask_token_id if drafter is not None else None
         self.taps = drafter.spec.target_layer_ids if (drafter is not None and block_size > 1) else ()
@@ -156,14 +138,7 @@ class SpeculativeDecoder:
         self.head = TargetHead.of(target) if self.taps else None
         self.drafting = BlockDrafter(drafter, self.head, 1, 0, kernels=self.kernels, cuda_graphs=self.graphs,
                                      cache=drafter.new_cache(1, 1)) if self.taps else None
-        self.tree = None
-        if tree:
-            require(block_size > 1, "block_size", self.block_size_label,
-                    "the tree verify needs a block size >= 2 (or auto) and a drafter", "use e.g. --block-size 16+tree")
-            self.tree = TreeShape.for_block(block_size - 1, datastore is not None) if tree is True else tree
-            require(self.tree.k == block_size - 1, "tree", self.tree,
-                    f"must have k = block_size − 1 = {block_size - 1}",
-                    "build the TreeShape with the decoder's block size")
+        self.tree = _tree_shape(tree, block_size, self.block_size_label, datastore is not None)
         require(datastore is None or (self.tree is not None and self.tree.lookup), "datastore",
                 f"{datastore.num_tokens} tokens" if datastore is not None else None,
                 "proposes for the tree verify's lookup chains only", "use --tree with prompt lookup, or no datastore")
@@ -269,6 +244,40 @@ class SpeculativeDecoder:
         if failed is not None:
             raise failed
         return [run.result() for run in runs]
+
+
+def _longest_block(block_size: int | str, max_block_size: int | None, drafter: DrafterModel | None) -> int:
+    """The longest block a decoder verifies (under ``auto``: ``max_block_size``, or the drafter's trained block),
+    checked against what the drafter was trained for."""
+    adaptive = block_size == AUTO
+    if adaptive:
+        require(drafter is not None, "block_size", block_size, "auto needs a drafter",
+                "pass --drafter or use --block-size 1")
+        assert drafter is not None
+        block_size = max_block_size or drafter.spec.block_size
+        require(block_size >= 2, "max_block_size", block_size, "must be >= 2 for --block-size auto")
+    require(isinstance(block_size, int) and block_size >= 1, "block_size", block_size,
+            "must be an integer >= 1 (1 = autoregressive baseline) or 'auto'")
+    assert isinstance(block_size, int)
+    if block_size > 1:
+        require(drafter is not None, "block_size", block_size, "> 1 needs a drafter", "pass --drafter or use 1")
+        assert drafter is not None
+        require(block_size <= drafter.spec.block_size, "max_block_size" if adaptive else "block_size", block_size,
+                f"must be <= the drafter's trained block_size ({drafter.spec.block_size})",
+                f"use {drafter.spec.block_size} or less")
+    return block_size
+
+
+def _tree_shape(tree: bool | TreeShape, block_size: int, label: int | str, datastore: bool) -> TreeShape | None:
+    """The decoder's tree (True: ``TreeShape.for_block(B − 1)``), checked against its block size; None without."""
+    if not tree:
+        return None
+    require(block_size > 1, "block_size", label, "the tree verify needs a block size >= 2 (or auto) and a drafter",
+            "use e.g. --block-size 16+tree")
+    shape = TreeShape.for_block(block_size - 1, datastore) if tree is True else tree
+    require(shape.k == block_size - 1, "tree", shape, f"must have k = block_size − 1 = {block_size - 1}",
+            "build the TreeShape with the decoder's block size")
+    return shape
 
 
 @dataclass

@@ -484,10 +484,8 @@ def fit_log(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return my - b * mx, b
 
 
-def cmd_report(args) -> None:
-    import math
-
-    work, out = Path(args.work), Path(args.out)
+def _curve_points(work: Path, args) -> list[dict]:
+    """Every evaluated drafter's curve point (its training record beside its τ per dataset), in a stable order."""
     points = []
     for ev in sorted((work / "eval").glob(f"replay-*-B{args.block_size}-{args.limit}-{args.max_new_tokens}.json")):
         res = read_json(ev)
@@ -500,11 +498,13 @@ def cmd_report(args) -> None:
                     "seen_response_tokens": cfg.get("data", {}).get("num_response_tokens")}
         points.append({**meta, **{k: res[k] for k in ("humaneval", "mtbench") if k in res}})
     points.sort(key=lambda p: (p["source"], p.get("name", ""), p.get("step") or 0))
-    regen = [p for p in points if p["source"] == "regen"]
-    if args.main is None and regen:
-        args.main = max(regen, key=lambda p: p["data_response_tokens"])["name"]
-    main_runs = [p for p in regen if p["name"] == args.main]
-    single = [p for p in main_runs if p["step"] * p["samples_per_step"] <= p["data_sequences"]]  # each seen once
+    return points
+
+
+def _curve_fits(single: list[dict]) -> dict:
+    """Log-linear and power-law fits of τ against the tokens seen, over the main run's single-pass points."""
+    import math
+
     def tokens_or_none(exponent: float | None):
         return None if exponent is None or exponent > math.log(1e12) else round(math.exp(exponent))
 
@@ -528,9 +528,14 @@ def cmd_report(args) -> None:
                 "note": "fits over the single-pass points of the main run (every token seen once); predicting τ 4 "
                         "is an extrapolation orders of magnitude beyond the data: read it as an order of magnitude, "
                         "and the two fits as bounds on the story, not a forecast"}
-    sources = []  # the source comparison: τ beside what the data and the training cost, in CPU-hours
+    return fits
+
+
+def _curve_sources(points: list[dict], main: str | None) -> list[dict]:
+    """The source comparison: each other run's τ beside what its data and training cost, in CPU-hours."""
+    sources = []
     for p in points:
-        if p["source"] in ("regen", "text") and p["name"] != args.main:
+        if p["source"] in ("regen", "text") and p["name"] != main:
             cpu_h = (p["data_cpu_s"] + p["taps_cpu_s"] + p["train_cpu_s"]) / 3600
             sources.append({"name": f"{p['name']}@{p['step']}", "source": p["source"], "labels": p["labels"],
                             "response_tokens": p["data_response_tokens"],
@@ -539,14 +544,11 @@ def cmd_report(args) -> None:
                             **{f"tau_gain_per_data_cpu_h_{ds}": round((p[ds]["tau"] - 1) / max(p["data_cpu_s"] / 3600,
                                                                                                1e-9), 3)
                                for ds in ("humaneval", "mtbench")}})
-    prompt_lookup = {ds: next((p[ds]["prompt_lookup_tau"] for p in points if ds in p), None)
-                     for ds in ("humaneval", "mtbench")}
-    doc = {"block_size": args.block_size, "eval_prompts": args.limit, "max_new_tokens": args.max_new_tokens,
-           "tau_method": "replay (train.audit.replay_taus: the decoder's walk on the greedy outputs; equal to "
-                         "decoding, checked in tests)", "main_run": args.main, "points": points, "fits": fits,
-           "sources": sources,
-           "prompt_lookup_tau": prompt_lookup, "command": "trtllm-dflash " + " ".join(sys.argv[1:])}
-    write_json(out / "curve.json", doc)
+    return sources
+
+
+def _plot_curve(out: Path, args, points: list[dict], main_runs: list[dict], fits: dict, prompt_lookup: dict) -> None:
+    """curve.png: τ against the tokens seen, per dataset, with the other sources, the shipped drafter and the fit."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -585,6 +587,27 @@ def cmd_report(args) -> None:
     fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     os.replace(tmp, out / "curve.png")  # atomically: a reader never sees half a PNG
+
+
+def cmd_report(args) -> None:
+    work, out = Path(args.work), Path(args.out)
+    points = _curve_points(work, args)
+    regen = [p for p in points if p["source"] == "regen"]
+    if args.main is None and regen:
+        args.main = max(regen, key=lambda p: p["data_response_tokens"])["name"]
+    main_runs = [p for p in regen if p["name"] == args.main]
+    single = [p for p in main_runs if p["step"] * p["samples_per_step"] <= p["data_sequences"]]  # each seen once
+    fits = _curve_fits(single)
+    sources = _curve_sources(points, args.main)
+    prompt_lookup = {ds: next((p[ds]["prompt_lookup_tau"] for p in points if ds in p), None)
+                     for ds in ("humaneval", "mtbench")}
+    doc = {"block_size": args.block_size, "eval_prompts": args.limit, "max_new_tokens": args.max_new_tokens,
+           "tau_method": "replay (train.audit.replay_taus: the decoder's walk on the greedy outputs; equal to "
+                         "decoding, checked in tests)", "main_run": args.main, "points": points, "fits": fits,
+           "sources": sources,
+           "prompt_lookup_tau": prompt_lookup, "command": "trtllm-dflash " + " ".join(sys.argv[1:])}
+    write_json(out / "curve.json", doc)
+    _plot_curve(out, args, points, main_runs, fits, prompt_lookup)
     print(json.dumps({"points": len(points), "fits": fits, "out": str(out)}))
 
 
@@ -619,13 +642,19 @@ def taps_dir(work, source: str, dtype: str) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``learning-curve`` command's options and its phases as subcommands."""
-    from trtllm_dflash.commands.common import add_draft_vocab_argument
-
     p.add_argument("--work", default="artifacts/curve", help="state folder (default artifacts/curve)")
     p.add_argument("--target", default=None, help="HF target directory (default: the demo target)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared 2-core machine run one process per core)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process (default 1: run one process per core)")
     p.add_argument("--seed", type=int, default=0)
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_data_commands(sub)
+    _add_train_command(sub)
+    _add_eval_commands(sub)
+
+
+def _add_data_commands(sub) -> None:
+    """``regen``, ``text``, ``prompts`` and ``taps``: the phases that make the training data."""
     q = sub.add_parser("regen", help="regenerate responses from the pool until --tokens or --minutes")
     add_pool_args(q)
     q.add_argument("--max-new-tokens", type=int, default=256)
@@ -633,7 +662,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--tokens", type=int, default=400_000, help="stop after this many response tokens")
     q.add_argument("--minutes", type=float, default=60.0, help="or after this long")
     q.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                   help="regeneration dtype (default bfloat16: ~2x float32 on a CPU with bf16 units)")
+                   help="regeneration dtype (default bfloat16: the faster one on a CPU with bf16 units)")
     q.add_argument("--taps", action="store_true",
                    help="also keep the taps the decode computes and write each chunk's training shard to "
                         "regen-taps-<dtype>/ (what `taps --taps-dtype <dtype>` would make): no second forward "
@@ -660,6 +689,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_args(q)
     q.add_argument("--worker", type=int, default=0)
     q.add_argument("--workers", type=int, default=1)
+
+
+def _add_train_command(sub) -> None:
+    """``train``: one drafter on the first --size response tokens of a source."""
     q = sub.add_parser("train", help="train one drafter on the first --size response tokens of a source")
     add_data_args(q)
     q.add_argument("--labels", choices=["target", "text"], default="target",
@@ -676,7 +709,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--samples-per-step", type=int, default=4)
     q.add_argument("--anchors-per-sample", type=int, default=16)
     q.add_argument("--autocast", choices=["bf16", "none"], default="bf16",
-                   help="the objective under bf16 autocast (default: 2.6x float32 on a CPU with avx512_bf16) or none "
+                   help="the objective under bf16 autocast (default: the faster one on a CPU with avx512_bf16) or none "
                         "(float32: the faster choice on a CPU without bf16 units)")
     q.add_argument("--loss-vocab", choices=["data", "full"], default="data",
                    help="softmax over the data's tokens plus 8192 random others (default: the CPU economy) or the "
@@ -687,6 +720,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--tv", type=float, default=0.0, metavar="W",
                    help="total-variation weight in [0, 1 - distill]: the distance to the target's stored top-k "
                         "distribution, mixed with the hard labels' CE (e.g. 0.9 keeps 0.1 CE); needs --loss-vocab full")
+
+
+def _add_eval_commands(sub) -> None:
+    """``eval`` and ``report``: τ of the trained drafters, and the curve from it."""
+    from trtllm_dflash.commands.common import add_draft_vocab_argument
+
     q = sub.add_parser("eval", help="τ of every trained drafter (or --drafters) on the evaluation prompts")
     q.add_argument("--drafters", nargs="*", default=None)
     q.add_argument("--datasets", default="humaneval,mtbench")

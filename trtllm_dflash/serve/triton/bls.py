@@ -119,6 +119,8 @@ class TritonSteps:
         if self.on_batch is not None:
             for chunk in chunks:
                 self.on_batch(kind, len(chunk[0]))
+        if len(chunks) == 1:  # awaited in the stepper's own task: no task of its own to schedule
+            return await call(*chunks[0])
         results = await asyncio.gather(*(call(*chunk) for chunk in chunks))
         return [r for chunk in results for r in chunk]
 
@@ -149,6 +151,11 @@ class TritonSteps:
         if self.on_batch is not None:
             for _ in starts:
                 self.on_batch("start", 1)
+        if len(starts) == 1:
+            try:
+                return [await self._start(starts[0])]
+            except Exception as exc:  # noqa: BLE001 - the stepper ends or queues that sequence
+                return [exc]
         return list(await asyncio.gather(*(self._start(s) for s in starts), return_exceptions=True))
 
     async def _start(self, s: Start):

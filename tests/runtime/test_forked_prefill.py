@@ -101,13 +101,14 @@ def family(stepper, ids, samplings, max_tokens=6, cancelled=()):
 
 
 def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_not_wait_for_it(tiny_models):
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.stepper import Stepper, drive
 
     _, drafter = tiny_models["llama"]
     v = verifier(tiny_models, sequences=2)
     v.start(99, [5, 6, 7], SamplingParams(), False)  # another request holds the other slot
     steps = RecordingSteps(v, drafter)
-    stepper = Stepper(steps, 4)
+    stepper = Stepper(steps, DecodeMode(4))
     seqs = family(stepper, [10, 11], [sampled(3), sampled(4)])
     drive(stepper.step())  # the first prefills and steps; its sibling found no slot to fork into
     assert seqs[0].started and len(seqs[0].tokens) > 1 and not seqs[1].started and steps.prefilled == [10]
@@ -121,12 +122,13 @@ def test_a_sibling_with_no_slot_to_fork_into_prefills_itself_and_the_first_does_
 
 
 def test_the_first_sequence_waits_for_its_siblings_forks_but_not_for_one_that_ended_before_its_start(tiny_models):
+    from trtllm_dflash.runtime.mode import DecodeMode
     from trtllm_dflash.runtime.stepper import Stepper, drive
 
     _, drafter = tiny_models["llama"]
     v = verifier(tiny_models, sequences=3)
     steps = RecordingSteps(v, drafter)
-    stepper = Stepper(steps, 4)
+    stepper = Stepper(steps, DecodeMode(4))
     seqs = family(stepper, [20, 21, 22], [sampled(1), sampled(2), sampled(3)], cancelled=(2,))
     taps = {}
     seqs[1].on_update = lambda u: taps.setdefault(21, seqs[1].pending[0])

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.runtime.protocol import GenerateRequest
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.stepper import Sequence, Stepper, drive
@@ -97,7 +98,7 @@ def add(stepper, seq_id, prompt, n, updates=None):
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_every_live_row_steps_in_one_call_per_kind_and_decodes_the_target(block_size):
     engines = Scripted()
-    stepper = Stepper(engines, block_size)
+    stepper = Stepper(engines, DecodeMode(block_size))
     seqs = [add(stepper, i, [i + 2, i + 5], 20) for i in (10, 11, 12, 13)]
     drive(stepper.run())
     assert [s.tokens for s in seqs] == [greedy([i + 2, i + 5], 20) for i in (10, 11, 12, 13)]
@@ -113,7 +114,7 @@ def test_every_live_row_steps_in_one_call_per_kind_and_decodes_the_target(block_
 
 def test_a_sequence_added_while_others_run_joins_at_the_next_step():
     engines = Scripted()
-    stepper = Stepper(engines, 4)
+    stepper = Stepper(engines, DecodeMode(4))
     first = add(stepper, 0, [3, 4], 24)
     drive(stepper.step())
     drive(stepper.step())
@@ -126,7 +127,7 @@ def test_a_sequence_added_while_others_run_joins_at_the_next_step():
 
 def test_a_failing_call_ends_the_sequences_it_was_for_and_no_others():
     engines = Scripted(fail="verify", fail_rows={1})
-    stepper = Stepper(engines, 1)
+    stepper = Stepper(engines, DecodeMode(1))
     ok_ended, bad_ended = [], []
     seqs = [add(stepper, i, [i, i + 1], 12) for i in (1, 2)]
     seqs[0].on_end, seqs[1].on_end = bad_ended.append, ok_ended.append
@@ -134,12 +135,12 @@ def test_a_failing_call_ends_the_sequences_it_was_for_and_no_others():
     assert bad_ended == [seqs[0]] and ok_ended == [seqs[1]] and all(isinstance(s.error, RuntimeError) for s in seqs)
     assert sorted(engines.freed) == [1, 2] and not stepper.busy
     engines = Scripted(fail="draft", fail_rows={1})
-    stepper = Stepper(engines, 4)
+    stepper = Stepper(engines, DecodeMode(4))
     seqs = [add(stepper, i, [i, i + 1], 12) for i in (1, 2)]
     drive(stepper.run())  # the draft call held both rows too: both end
     assert all(s.error is not None for s in seqs)
     engines = Scripted(fail="start", fail_rows={1})
-    stepper = Stepper(engines, 4)
+    stepper = Stepper(engines, DecodeMode(4))
     seqs = [add(stepper, i, [i, i + 1], 12) for i in (1, 2)]
     drive(stepper.run())
     assert isinstance(seqs[0].error, RuntimeError) and isinstance(seqs[1].error, RuntimeError)  # one start call
@@ -147,7 +148,7 @@ def test_a_failing_call_ends_the_sequences_it_was_for_and_no_others():
 
 def test_a_cancelled_sequence_ends_before_its_next_step_and_reports_nothing_unless_asked():
     engines = Scripted()
-    stepper = Stepper(engines, 4)
+    stepper = Stepper(engines, DecodeMode(4))
     updates, stopped = [], []
     flag = {"on": False}
     seq = add(stepper, 0, [3, 4], 40, updates)
@@ -163,11 +164,11 @@ def test_a_cancelled_sequence_ends_before_its_next_step_and_reports_nothing_unle
 
 
 def test_drive_refuses_engines_that_suspend():
-    stepper = Stepper(Scripted(suspend=True), 4)
+    stepper = Stepper(Scripted(suspend=True), DecodeMode(4))
     add(stepper, 0, [1, 2], 4)
     with pytest.raises(RuntimeError, match="suspended"):
         drive(stepper.step())
-    stepper = Stepper(Scripted(suspend=True), 4)  # awaited in an event loop, the same engines decode
+    stepper = Stepper(Scripted(suspend=True), DecodeMode(4))  # awaited in an event loop, the same engines decode
     seq = add(stepper, 0, [1, 2], 9)
     asyncio.run(stepper.run())
     assert seq.tokens == greedy([1, 2], 9)
@@ -188,7 +189,7 @@ def test_auto_rows_share_one_decision_and_the_step_is_observed_once_with_its_own
             return await super().batch_verify(seq_ids, blocks, want_taps, parents)
 
     engines = Widths()
-    stepper = Stepper(engines, "auto", policy)
+    stepper = Stepper(engines, DecodeMode("auto"), policy)
     seqs = [add(stepper, i, [i + 2, i + 5], 16) for i in (10, 11, 12)]
     drive(stepper.run())
     assert [s.tokens for s in seqs] == [greedy([i + 2, i + 5], 16) for i in (10, 11, 12)]

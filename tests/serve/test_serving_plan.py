@@ -12,6 +12,7 @@ from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.decoder import Request, SpeculativeDecoder
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.local import BatchedLocalSteps
+from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.runtime.stepper import Sequence, Stepper
 from trtllm_dflash.runtime.protocol import GenerateRequest
 from trtllm_dflash.runtime.steps import BlockDrafter, KVInjector, TargetHead, TargetVerifier
@@ -28,7 +29,7 @@ def _policy(ngram=True):
 def _run(steps, policy, prompts, max_tokens, sampling=None):
     """The prompts as concurrent sequences of one stepper (the served loop's shape) -> each one's final update."""
     finals = {}
-    stepper = Stepper(steps, "auto", policy, ngram=policy.ngram)
+    stepper = Stepper(steps, DecodeMode("auto", ngram=policy.ngram), policy)
     for i, prompt in enumerate(prompts):
         req = GenerateRequest(tuple(prompt), max_tokens, (sampling or {}).get(i, SamplingParams()), (), False)
         stepper.add(Sequence(100 + i, req, lambda u, i=i: finals.__setitem__(i, u)))

@@ -38,6 +38,7 @@ from trtllm_dflash.models.target import TargetModel
 from trtllm_dflash.plugin.dispatch import Impl, draft_pass, resolve
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.graphs import StepGraphs
+from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.runtime.local import BatchedLocalSteps
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.protocol import generate_request
@@ -150,6 +151,13 @@ class SpeculativeDecoder:
             self.policy.tree_nodes = self.tree.size if self.tree else 0
 
     @property
+    def mode(self) -> DecodeMode:
+        """The decoder's mode as the stepper takes it (under ``auto`` with its longest block)."""
+        if self.adaptive:
+            return DecodeMode(AUTO, ngram=self.ngram, tree=self.tree is not None, max_block_size=self.block_size)
+        return DecodeMode(self.block_size, ngram=self.ngram, tree=self.tree is not None)
+
+    @property
     def block_size_label(self) -> int | str:
         """What the user asked for: "auto" or the fixed block size."""
         return AUTO if self.adaptive else self.block_size
@@ -231,8 +239,8 @@ class SpeculativeDecoder:
         # room for the verify's scratch slots past the committed tokens: one block, or the tree's nodes
         max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests) + (
             self.tree.size if self.tree else self.block_size)
-        stepper = Stepper(self.step_engines(len(requests), max_len), self.block_size_label, self.policy, self.ngram,
-                          self.tree, self.datastore, weigh=True)
+        stepper = Stepper(self.step_engines(len(requests), max_len), self.mode, self.policy, self.tree,
+                          self.datastore, weigh=True)
         runs = [_Run(r, t0, i, on_tokens) for i, r in enumerate(requests)]
         for i, run in enumerate(runs):
             r = run.request

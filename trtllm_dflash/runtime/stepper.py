@@ -40,13 +40,13 @@ import torch
 from trtllm_dflash.runtime.acceptance import SeqState
 from trtllm_dflash.runtime.datastore import Datastore
 from trtllm_dflash.runtime.lookup import LOOKUP_MIN_N, Lookup, ngram_lookup
+from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.runtime.policy import AdaptivePolicy
 from trtllm_dflash.runtime.protocol import GenerateRequest, StopMatcher
 from trtllm_dflash.runtime.sampling import SamplingParams
 from trtllm_dflash.runtime.steps import SLOTS_EXHAUSTED, SlotsExhausted
 from trtllm_dflash.runtime.tree import TreeShape, chain_table, graft_chains, lookup_chains
 
-AUTO = "auto"
 RETRY_FIRST_S, RETRY_MAX_S = 0.05, 0.5  # a waiting sequence's start retries back off between these
 
 
@@ -241,25 +241,26 @@ class _Rows:
 class Stepper:
     """The live sequences of one model and the step that advances them all (module docstring)."""
 
-    def __init__(self, engines: StepEngines, block_size: int | str, policy: AdaptivePolicy | None = None,
-                 ngram: bool = False, tree: TreeShape | None = None, datastore: Datastore | None = None,
-                 weigh: bool = False, admission: Admission | None = None) -> None:
-        """``block_size``: a fixed block size (1: autoregressive) or "auto" with ``policy``. ``ngram`` at a fixed
-        block size: a row whose context ends in a recurring 2- or 3-gram verifies prompt lookup's continuation
-        instead of drafting (under ``auto`` the policy's own ``ngram`` decides). ``weigh``: the sequences are one
-        static batch (a ``generate`` call), so each row's tokens are worth what ``AdaptivePolicy.batch_weights``
-        says from what it still has to make; serving, every row's weight is 1."""
-        self.adaptive = block_size == AUTO
+    def __init__(self, engines: StepEngines, mode: DecodeMode, policy: AdaptivePolicy | None = None,
+                 tree: TreeShape | None = None, datastore: Datastore | None = None, weigh: bool = False,
+                 admission: Admission | None = None) -> None:
+        """``mode``: a fixed block of B tokens (1: autoregressive) or ``auto`` with ``policy``. Prompt lookup at a
+        fixed block (``mode.ngram``): a row whose context ends in a recurring 2- or 3-gram verifies prompt lookup's
+        continuation instead of drafting; under ``auto`` the policy's own ``ngram`` decides. ``tree``: the shape
+        of a tree step (``mode.tree``), k = the longest block − 1. ``weigh``: the sequences are one static batch (a
+        ``generate`` call), so each row's tokens are worth what ``AdaptivePolicy.batch_weights`` says from what it
+        still has to make; serving, every row's weight is 1."""
+        self.mode, self.adaptive = mode, mode.auto
         if self.adaptive and policy is None:
             raise ValueError("block_size 'auto' needs a policy")
-        self.max_k = policy.max_k if self.adaptive else int(block_size) - 1
+        self.max_k = policy.max_k if self.adaptive else mode.block_size - 1  # the most drafts a row verifies
         if tree is not None and tree.k != self.max_k:
-            raise ValueError(f"a tree with k = {tree.k} does not fit block size {block_size}")
+            raise ValueError(f"a tree with k = {tree.k} does not fit block size {mode.label}")
         if self.adaptive and tree is not None:
             policy.tree_nodes = tree.size  # a tree step is one of the policy's options (``choose_tree``)
         self.engines, self.policy, self.tree, self.datastore = engines, policy, tree, datastore
         self.want_taps = self.adaptive or self.max_k > 0
-        self.lookup = (policy.ngram if self.adaptive else ngram and self.want_taps) and (tree is None or self.adaptive)
+        self.lookup = (policy.ngram if self.adaptive else mode.ngram) and (tree is None or self.adaptive)
         self.weigh = weigh
         self.admission = admission or Admission()
         self.waiting: list[Sequence] = []
@@ -602,7 +603,8 @@ async def run_generation(engines: StepEngines, req: GenerateRequest, block_size:
                          state: SeqState | None = None) -> str:
     """One request through a stepper of its own, to completion; returns its finish reason ("length" | "stop" |
     "cancelled") or raises its error."""
-    stepper = Stepper(engines, block_size, policy, ngram, tree, datastore)
+    mode = DecodeMode(block_size, ngram=ngram and block_size != 1, tree=tree is not None)
+    stepper = Stepper(engines, mode, policy, tree, datastore)
     seq = stepper.add(Sequence(seq_id, req, on_update, is_cancelled, report_cancelled, state=state))
     await stepper.run()
     if seq.error is not None:

@@ -31,6 +31,7 @@ from trtllm_dflash.models.layers import stack_padded
 from trtllm_dflash.runtime.sampling import PENALTIES, SamplingParams
 from trtllm_dflash.serve.trtllm.compat import Options, response_outputs
 from trtllm_dflash.serve.triton.lifecycle import StubWatch
+from trtllm_dflash.runtime.mode import DecodeMode
 from trtllm_dflash.runtime.protocol import GenerateRequest, decode_stops, encode_stops, generate_request
 from trtllm_dflash.runtime.stepper import Admission, Sequence, Start, Stepper, Update
 from trtllm_dflash.serve.trtllm.token_model import Row
@@ -315,8 +316,9 @@ class LoopModel:
         longest = self.policy.max_k + 1 if self.policy is not None else self.block_size  # auto: its longest block
         self.tree, self.datastore = load_tree(s, longest, self.ngram)
         self.steps = TritonSteps(pb_utils, s, scored=bool(doc and doc.get("confidence")))
-        self.stepper = Stepper(self.steps, self.block_size if self.policy is None else "auto", self.policy,
-                               self.ngram, self.tree, self.datastore,
+        block = self.block_size if self.policy is None else "auto"
+        mode = DecodeMode(block, ngram=self.ngram and block != 1, tree=self.tree is not None)
+        self.stepper = Stepper(self.steps, mode, self.policy, self.tree, self.datastore,
                                admission=self.steps.admission(s.max_queue, s.queue_timeout_s))
         self.runner: asyncio.Task | None = None  # the task stepping the stepper while it has sequences
         self.stopping = False  # set by finalize: every live request ends before its next step

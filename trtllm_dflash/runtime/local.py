@@ -82,11 +82,7 @@ class LocalSteps:
     async def batch_verify(self, seq_ids, blocks, want_taps, parents=None) -> list[Verified]:
         self.calls.append(("verify", len(seq_ids)))
         tree = {} if parents is None else {"parents": parents}
-        out = []
-        for s, b in zip(seq_ids, blocks):
-            emitted, taps, logprobs, *path = await self.verify(s, b, want_taps, **tree)
-            out.append((emitted, taps, logprobs, path[0] if path else None))
-        return out
+        return [await self.verify(s, b, want_taps, **tree) for s, b in zip(seq_ids, blocks)]
 
     async def batch_free(self, seq_ids, drafter) -> None:
         for s in seq_ids:
@@ -136,12 +132,6 @@ class BatchedLocalSteps(LocalSteps):
         self.calls.append(("verify", len(seq_ids)))
         tree = () if parents is None else (parents,)
         return [verified(r) for r in self.verifier.verify(seq_ids, blocks, want_taps, *tree)]
-
-    async def batch_free(self, seq_ids, drafter) -> None:
-        for s in seq_ids:
-            self.verifier.free(s)
-            if drafter:
-                self.drafter.free(s)
 
 
 def verified(result) -> Verified:

@@ -37,6 +37,11 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return _field(_cpuinfo(cpuinfo), "model name") or platform.processor() or platform.machine()
 
 
+def cpu_flags(cpuinfo: str | None = None) -> str | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them (space-separated), or None where they cannot be read."""
+    return _field(_cpuinfo(cpuinfo), "flags")
+
+
 def has_bf16_units(cpuinfo: str | None = None) -> bool | None:
     """True/False from the CPU's flags; None where they cannot be read (not Linux, or not x86)."""
     flags = _field(_cpuinfo(cpuinfo), "flags")

@@ -128,10 +128,13 @@ def real_compiled(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rows, first, lengths, form", [(1, 0, [41], "weight-major"), (2, 0, [41, 29], "weight-major"),
-                                                      (2, 1, [7, 41, 33], "weight-major"), (1, 1, [9, 41], "linear")])
+                                                      (2, 1, [7, 41, 33], "weight-major"), (1, 1, [9, 41], "linear"),
+                                                      (1, 0, [41], "packed")])
 def test_the_compiled_step_matches_the_eager_one_on_the_real_model(real_compiled, rows, first, lengths, form):
     """Hidden states, taps and the K/V written equal the eager forward's within float32 rounding over 30 layers
     (fused loops sum in another order), and every row's greedy token is the same."""
+    if form not in compiled.forms():
+        pytest.skip(f"the {form} kernel does not run on this machine")
     target, drafter = real_compiled
     taps_at = drafter.spec.target_layer_ids
     ids = torch.tensor([[11 + r] for r in range(rows)])
@@ -167,7 +170,7 @@ def test_decoding_with_the_compiled_step_is_lossless_on_the_real_model(real_comp
     with compiled.forcing("on"):
         for block_size, batch in ((1, prompts[:1]), (1, prompts), (16, prompts)):
             dec = SpeculativeDecoder(target, drafter if block_size > 1 else None, block_size)
-            engine = target.decode_engine()
+            engine = target.decode_engine(len(batch))  # the engine this machine's table picks for the batch's rows
             before = engine.steps
             got = dec.generate([Request(tuple(p), 40) for p in batch])
             assert [g.token_ids for g in got] == want[:len(batch)], block_size

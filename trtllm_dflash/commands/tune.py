@@ -68,10 +68,10 @@ def _choose_step(target, taps: tuple[int, ...], width: int, context: int = 256) 
 
 
 def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None:
-    """Compiles the target's decode step with each product form (``compiled.FORMS``) in each variant a process meets
-    (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then times decode steps of each
-    of ``rows`` rows compiled in each form and eager, and records the fastest per row bucket in the table
-    (``TargetModel.compiled_entry``). None where the compiled step does not apply (another dtype or device)."""
+    """Compiles the target's decode step with each product form that runs here (``compiled.forms()``) in each
+    variant a process meets (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then
+    times decode steps of each of ``rows`` rows compiled in each form and eager, and records the fastest per row
+    bucket in the table (``TargetModel.compiled_entry``). None where the compiled step does not apply (another dtype or device)."""
     import torch
     from tqdm import tqdm
 
@@ -81,7 +81,7 @@ def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None
         return None
     print("tune: compiling the target's decode step (slow the first time on a CPU)", file=sys.stderr)
     seconds = {}
-    for form in compiled.FORMS:
+    for form in compiled.forms():
         with compiled.forcing("on", form):
             seconds[form] = target.warm_decode(context)
     choices, step_ms = {}, {}
@@ -98,7 +98,7 @@ def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None
             return run
 
         def measure() -> dict[str, float]:
-            runs = {form: step("on", form) for form in compiled.FORMS}
+            runs = {form: step("on", form) for form in compiled.forms()}
             step_ms[b] = products.fastest({**runs, "eager": step("off")}, repeats=5, calls=3)
             return step_ms[b]
 

@@ -4,8 +4,9 @@ TorchInductor graphs with a C++ wrapper, so that no Python runs between the oper
 A decode step of a small model on a CPU streams the weights once through a few dozen products, and between them
 runs a few hundred small operators (norms, RoPE, attention over the cache, residual adds) that each cost more to
 dispatch from Python than to compute. Compiled, the small operators fuse into generated loops run from C++; the
-products stay library calls (``torch.mm`` in one of the forms ``models.products`` measures: weight-major W·xᵀ, one
-row padded to two columns, or x·Wᵀ).
+products stay kernel calls in one of the forms ``models.products`` measures: ``torch.mm`` as weight-major W·xᵀ (one
+row padded to two columns) or x·Wᵀ, or the package's ``packed`` kernel over weights packed in panels, which the
+generated C++ calls through the dispatcher.
 
 The graphs are pure: they read the cache and return the step's new K/V, which the caller writes into the cache for
 all layers at once (``KVCache``'s layout is one five-dimensional tensor, and a write into a view of it inside a graph
@@ -79,13 +80,23 @@ def inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
-FORMS = ("weight-major", "linear")  # the products' forms a graph can call (``_product``)
+FORMS = ("weight-major", "linear", "packed")  # the products' forms a graph can call (``_product``)
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, form: str) -> torch.Tensor:
-    """x [b, in] times w [out, in] -> [b, out]: ``weight-major`` W·xᵀ (one row padded to two columns), or ``linear``
-    x·Wᵀ, the two forms of ``models.products`` a compiled graph calls without Python (oneDNN's prepacked product is
-    not one: its lowering takes no prepacked weight as an input)."""
+def forms() -> tuple[str, ...]:
+    """The forms that run here: ``packed`` where the machine has its kernel (``products.packed_available``)."""
+    from trtllm_dflash.models import products
+
+    return tuple(f for f in FORMS if f != "packed" or products.packed_available(torch.float32))
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, form: str, out: int) -> torch.Tensor:
+    """x [b, in] times the weight w of ``out`` output features -> [b, out]: ``weight-major`` W·xᵀ (one row padded to
+    two columns), ``linear`` x·Wᵀ, or ``packed`` (w packed in panels, ``models.native``), the forms of
+    ``models.products`` a compiled graph calls without Python (oneDNN's prepacked product is not one: its lowering
+    takes no prepacked weight as an input)."""
+    if form == "packed":
+        return torch.ops.trtllm_dflash_cpu.packed_mm(x, w)[:, :out]
     if form == "linear":
         return torch.mm(x, w.T)
     if x.shape[0] == 1:
@@ -107,7 +118,7 @@ class DecodeLayer(NamedTuple):
 
     norm1: torch.Tensor
     norm2: torch.Tensor
-    qkv: torch.Tensor  # [q; k; v] weights joined
+    qkv: torch.Tensor  # [q; k; v] weights joined (in the step's product form)
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     q_norm: torch.Tensor | None
@@ -136,7 +147,8 @@ def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n:
     [b, hidden], the new token's K and V [b, kv, d])."""
     b = x.shape[0]
     heads, kv_heads, d, eps, form = shape
-    qkv = _product(_rms(x, p.norm1, eps), p.qkv, form)
+    hidden = x.shape[1]
+    qkv = _product(_rms(x, p.norm1, eps), p.qkv, form, (heads + 2 * kv_heads) * d)
     if p.qkv_bias is not None:
         qkv = qkv + p.qkv_bias
     q, k, v = qkv.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)
@@ -152,9 +164,10 @@ def decode_layer(shape: Shape, p: DecodeLayer, x, cos, sin, cache_k, cache_v, n:
     own = (qg * k[:, :, None, :]).sum(-1, keepdim=True) * scale  # [b, kv, group, 1]: the token's own key
     probs = torch.softmax(torch.cat([scores.masked_fill(blocked, float("-inf")), own], -1), dim=-1)
     out = torch.matmul(probs[..., :n], cv) + probs[..., n:] * v[:, :, None, :]  # [b, kv, group, d]
-    x = x + _product(out.reshape(b, heads * d), p.o, form)
-    gate, up = _product(_rms(x, p.norm2, eps), p.gate_up, form).chunk(2, -1)
-    return x + _product(F.silu(gate) * up, p.down, form), k, v
+    x = x + _product(out.reshape(b, heads * d), p.o, form, hidden)
+    inner = p.down.shape[1]  # the down projection's inputs, in every form
+    gate, up = _product(_rms(x, p.norm2, eps), p.gate_up, form, 2 * inner).chunk(2, -1)
+    return x + _product(F.silu(gate) * up, p.down, form, hidden), k, v
 
 
 def decode_layers(shape: Shape, layers: list[DecodeLayer], x, cos, sin, caches_k, caches_v, n: int, blocked):

@@ -14,6 +14,9 @@ The candidates (float32 and bfloat16 on a CPU, inference only):
 - ``weight-major``: W · xᵀ, at least two rows (one row alone would be a matrix-vector product).
 - ``onednn``: oneDNN's matmul over a weight reordered once into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, the prepacking inductor's freezing applies), kept beside the weight.
+- ``packed`` (float32): this package's own kernel (``models.native``, built on the machine at hand) over a weight
+  packed once in panels of 16 output features, kept beside the weight. It streams each weight once for up to a dozen
+  rows, and an output rounds the same whatever the row count, so a verify row equals the same row decoded alone.
 
 Every kernel computes the same product; results differ only in float rounding, as they already do between row counts.
 Autograd, other devices and other dtypes run ``F.linear``. ``TRTLLM_DFLASH_CPU_GEMM=<kind>`` forces one kind
@@ -40,10 +43,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-KINDS = ("linear", "weight-major", "onednn")
+KINDS = ("linear", "weight-major", "onednn", "packed")
 ENV = "TRTLLM_DFLASH_CPU_GEMM"
 MAX_BUCKET = 1024  # rows beyond it use the choice made at it
-TABLE_VERSION = 1  # raised when what a measurement times changes
+TABLE_VERSION = 2  # raised when what a measurement times changes
 _DTYPES = (torch.float32, torch.bfloat16)
 _FLOP_BUDGET = 4e8  # floating-point work of one timed run, so a wide bucket's measurement stays short
 
@@ -162,13 +165,26 @@ def prepare(kind: str, weight: torch.Tensor) -> torch.Tensor:
     """The form of ``weight`` that ``run(kind, ...)`` reads."""
     if kind == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+    if kind == "packed":
+        from trtllm_dflash.models import native
+
+        return native.pack(weight)
     return weight
 
 
-def run(kind: str, x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, in] times the weight (prepared for ``kind``) -> [m, out]."""
+def run(kind: str, x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None,
+        out_features: int | None = None) -> torch.Tensor:
+    """x [m, in] times the weight (prepared for ``kind``) -> [m, out]. ``out_features``: the weight's rows, where
+    ``packed`` padded them to whole panels (default: all of them)."""
     if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
+    if kind == "packed":
+        from trtllm_dflash.models import native
+
+        out = native.packed_mm()(x, prepared)
+        if out_features is not None and out_features != out.shape[1]:
+            out = out[:, :out_features].contiguous()
+        return out if bias is None else out.add_(bias)
     if kind == "weight-major":
         m = x.shape[0]
         if m < 2:
@@ -182,7 +198,14 @@ def candidates(dtype: torch.dtype) -> tuple[str, ...]:
     forced = forced_kind()
     if forced is not None:
         return (forced,)
-    return tuple(k for k in KINDS if k != "onednn" or onednn_available())
+    return tuple(k for k in KINDS if (k != "onednn" or onednn_available()) and (k != "packed" or packed_available(dtype)))
+
+
+def packed_available(dtype: torch.dtype) -> bool:
+    """Whether the ``packed`` kind runs here for ``dtype``: float32, with the kernel built for this machine."""
+    from trtllm_dflash.models import native
+
+    return dtype == torch.float32 and native.packed_mm() is not None
 
 
 def measure(out_features: int, in_features: int, rows: int, dtype: torch.dtype, kinds: Sequence[str],
@@ -348,7 +371,7 @@ def _stamp(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None
 def _form(kind: str, weights: Sequence[torch.Tensor], stamp: tuple) -> torch.Tensor:
     """The weights joined along their outputs in ``kind``'s form, kept beside the first until the stamp changes."""
     forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})
-    key = ("onednn" if kind == "onednn" else "plain", len(weights))  # linear and weight-major read the same copy
+    key = (kind if kind in ("onednn", "packed") else "plain", len(weights))  # linear and weight-major share one
     form = forms.get(key)
     if form is None or form[0] != stamp:
         plain = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
@@ -362,12 +385,12 @@ def _joined_bias(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor 
     return torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
 
 
-def joined(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weights joined along their outputs, their biases joined or None): the copy ``project``'s plain kinds read,
-    for code that runs its own products over it (``models.compiled``)."""
+def joined(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
+           kind: str = "linear") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights joined along their outputs in ``kind``'s form, their biases joined or None): the copy ``project``
+    reads for that kind, for code that runs its own products over it (``models.compiled``)."""
     biases = biases if biases is not None else (None,) * len(weights)
-    return _form("plain", weights, _stamp(weights, biases)), _joined_bias(weights, biases)
+    return _form(kind, weights, _stamp(weights, biases)), _joined_bias(weights, biases)
 
 
 def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], rows: int):
@@ -400,7 +423,7 @@ def project(x: torch.Tensor, weights: Sequence[torch.Tensor],
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     kind, prepared, bias, sizes, out_features = _plan(x, weights, biases, flat.shape[0])
-    out = run(kind, flat, prepared, bias).view(*x.shape[:-1], out_features)
+    out = run(kind, flat, prepared, bias, out_features).view(*x.shape[:-1], out_features)
     return tuple(out.split_with_sizes(sizes, -1)) if len(sizes) > 1 else (out,)
 
 

@@ -196,7 +196,7 @@ class TargetModel(nn.Module):
 
     def compiled_entry(self, rows: int) -> str:
         """The product table's record of which decode step of ``rows`` rows (its bucket) ``tune --compile`` found
-        fastest on this machine: a compiled one (its product form, ``compiled.FORMS``) or ``eager``."""
+        fastest on this machine: a compiled one (its product form, ``compiled.forms()``) or ``eager``."""
         return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}:{products.bucket(rows)}"
 
     def decode_engine(self, rows: int = 1) -> "compiled.CompiledDecode | None":
@@ -206,9 +206,10 @@ class TargetModel(nn.Module):
             return None
         mode = compiled.setting()
         recorded = products.table().choices.get(self.compiled_entry(rows)) if mode != "off" else None
-        if mode == "off" or (mode == "auto" and recorded not in compiled.FORMS):
+        forms = compiled.forms()
+        if mode == "off" or (mode == "auto" and recorded not in forms):
             return None
-        form = compiled.forced_form() or (recorded if recorded in compiled.FORMS else compiled.FORMS[0])
+        form = compiled.forced_form() or (recorded if recorded in forms else forms[0])
         engines = self.__dict__.setdefault("_decode_engines", {})
         if form not in engines:
             engines[form] = compiled.CompiledDecode(self.spec.num_hidden_layers, form)
@@ -254,7 +255,7 @@ class TargetModel(nn.Module):
         if int(lengths.min()) < 2:
             return None
         cache.require_capacity(n + 1)
-        layers = [self._decode_layer(p) for p in bound]
+        layers = [self._decode_layer(p, engine.form) for p in bound]
         rope = self.rotary.at(lengths[:, None])
         shape = compiled.Shape(*bound[0].heads, bound[0].eps, engine.form)
         try:
@@ -269,10 +270,11 @@ class TargetModel(nn.Module):
         return self.model.norm(outs[-1])[:, None], taps
 
     @staticmethod
-    def _decode_layer(p: BoundLayer) -> "compiled.DecodeLayer":
-        qkv, qkv_bias = products.joined(p.qkv, p.qkv_bias)
-        gate_up, _ = products.joined(p.gate_up)
-        return compiled.DecodeLayer(p.norm1, p.norm2, qkv, qkv_bias, p.o, p.q_norm, p.k_norm, gate_up, p.down)
+    def _decode_layer(p: BoundLayer, form: str) -> "compiled.DecodeLayer":
+        kind = "packed" if form == "packed" else "linear"  # the other forms read the plain weights
+        qkv, qkv_bias = products.joined(p.qkv, p.qkv_bias, kind)
+        (gate_up, _), (o, _), (down, _) = (products.joined(w, kind=kind) for w in (p.gate_up, [p.o], [p.down]))
+        return compiled.DecodeLayer(p.norm1, p.norm2, qkv, qkv_bias, o, p.q_norm, p.k_norm, gate_up, down)
 
     @property
     def step_name(self) -> str:

@@ -3,7 +3,8 @@
 A kernel is compiled once per machine kind with the system's C++ compiler against the installed torch, for the
 widest vector extension the CPU reports (AVX-512 or AVX2, each with FMA), and kept in the model cache under a name
 that digests the source, torch's version and those flags; a later process loads the built library in moments. The
-build goes to a directory of its own and is renamed into place, so processes that build at once cannot tear it.
+build is written beside its final name and renamed into place, one process at a time (a lock file beside it), so
+processes that start together build it once and never load a torn file.
 
 Where there is no compiler, no FMA, or the build fails, the kernel is unavailable: the product table then never
 offers its kind (the reason is printed once on stderr), and every product runs one of torch's kernels.
@@ -11,6 +12,7 @@ offers its kind (the reason is printed once on stderr), and every product runs o
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -90,7 +92,11 @@ def packed_mm():
     path = library_path(isa)
     try:
         if not path.is_file():
-            build(isa, path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "w") as lock:  # the step models of one server start together:
+                fcntl.flock(lock, fcntl.LOCK_EX)                 # one of them builds, the others wait and load
+                if not path.is_file():
+                    build(isa, path)
         torch.ops.load_library(str(path))
         torch.library.register_fake(f"{LIBRARY}::packed_mm")(_packed_shape)  # what a compiled graph traces
         return getattr(torch.ops, LIBRARY).packed_mm

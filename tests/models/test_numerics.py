@@ -229,3 +229,29 @@ def test_the_served_drafter_head_is_the_runtimes_product(tiny_dirs, monkeypatch)
         assert torch.equal(got[0], torch.mm(head, padded.T)[:, :m].T)
         differs += not torch.equal(got, h @ head.T)
     assert differs, "x · Wᵀ rounds like the weight-major product here: the check above would not catch a regression"
+
+
+def test_a_tables_epoch_names_the_kernels_a_calibration_timed(monkeypatch, tmp_path):
+    """A product table has an epoch from its making, kept on disk and read back; ``renew`` (``tune`` recording new
+    choices) and ``forget`` make a new one, which a process holding the older one takes at its next save instead of
+    writing the old back; the ``auto`` policy's cost model is cached under it, so new kernels mean a new calibration."""
+    from trtllm_dflash.models import products
+    from trtllm_dflash.runtime import cost
+
+    monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
+    monkeypatch.setattr(products, "_TABLES", {})
+    table = products.table()
+    first = table.epoch
+    assert first and products.ProductTable(table.path, table.key).epoch == first
+    other = products.ProductTable(table.path, table.key)
+    table.renew()
+    assert table.epoch != first and products.ProductTable(table.path, table.key).epoch == table.epoch
+    other.choose("float32:8x8:1", lambda: {"linear": 1.0})  # an older holder saves a choice
+    assert other.epoch == table.epoch == products.ProductTable(table.path, table.key).epoch
+    renewed = table.epoch
+    table.forget()
+    assert table.epoch not in (first, renewed) and products.ProductTable(table.path, table.key).epoch == table.epoch
+    keys = [cost.cost_key("cpu-x", "float32", 2, "m1", kernels) for kernels in (first, renewed)]
+    assert cost.cache_path(keys[0], tmp_path) != cost.cache_path(keys[1], tmp_path)
+    assert cost.cost_key("cuda-x", "float32", 2, "m1") == {"device": "cuda-x", "dtype": "float32", "threads": 2,
+                                                         "model": "m1", "version": cost.CALIBRATION_VERSION}

@@ -162,6 +162,8 @@ def main(args: argparse.Namespace) -> int:
             for w in tqdm(steps, desc=f"whole steps ({n} threads)", file=sys.stderr, disable=None):
                 _choose_step(target, drafter.spec.target_layer_ids if drafter is not None else (), w)
             compiled_step = _choose_compiled(target, draft_rows) if args.compile else None
+        if len(table.choices) > before and not args.refresh:  # (forget made a new epoch already)
+            table.renew()  # the kernels changed under what was timed through them (the auto policy's cost model)
         summary.append({"threads": n, "table": str(table.path), "choices": len(table.choices),
                         "measured": len(table.choices) - before, "compiled_step": compiled_step})
     print(json.dumps({"target": target_dir, "drafter": drafter_dir, "dtype": args.dtype, "load_average": load,

@@ -35,6 +35,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -263,14 +264,32 @@ def fingerprint(threads: int | None = None) -> dict:
 
 class ProductTable:
     """The kind chosen for each (dtype, shape, row bucket) on one machine, measured on first use and kept in a JSON
-    file keyed by ``fingerprint()`` (written atomically, merged with what other processes wrote meanwhile)."""
+    file keyed by ``fingerprint()`` (written atomically, merged with what other processes wrote meanwhile).
+
+    ``epoch`` names the table's generation: made when the table is made, new when it forgets its choices or ``tune``
+    records new ones (``renew``). What was measured through the table's kernels (the ``auto`` policy's cost model)
+    is keyed by it, so it is measured again when the kernels it timed may have changed."""
 
     def __init__(self, path: Path | None, key: dict) -> None:
         self.path, self.key = path, key
         self.choices: dict[str, str] = {}
         self.timings: dict[str, dict[str, float]] = {}
+        self.epoch: str | None = None
+        self._file_epoch: str | None = None  # the epoch the file held when last read
         self._lock = threading.RLock()  # a whole step timed under it measures its products at first use
         self._read()
+        self.epoch = self._file_epoch
+        if self.epoch is None:
+            try:
+                self.renew()
+            except OSError:  # a cache this process cannot write: the epoch lives in memory
+                pass
+
+    def renew(self) -> None:
+        """A new epoch, written at once (the choices stay)."""
+        with self._lock:
+            self.epoch = secrets.token_hex(6)
+            self._save(renewing=True)
 
     def forget(self) -> None:
         """Drop every choice, in memory and on disk, so that each is measured again at its next use."""
@@ -279,6 +298,8 @@ class ProductTable:
             self.timings.clear()
             if self.path is not None:
                 self.path.unlink(missing_ok=True)
+            self.epoch = secrets.token_hex(6)
+            self._save(renewing=True)
         global GENERATION
         GENERATION += 1  # plans cached on weights and in layers.attention_kind are made again
 
@@ -296,18 +317,22 @@ class ProductTable:
         if doc.get("key") == self.key:
             self.choices.update({k: v for k, v in doc.get("choices", {}).items() if isinstance(v, str)})
             self.timings.update(doc.get("timings", {}))
+            self._file_epoch = doc.get("epoch") if isinstance(doc.get("epoch"), str) else None
 
-    def _save(self) -> None:
+    def _save(self, renewing: bool = False) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         choices, timings = dict(self.choices), dict(self.timings)
-        self._read()  # keep what a concurrent process measured
+        self._file_epoch = None
+        self._read()  # keep what a concurrent process measured, and the epoch it made
         self.choices.update(choices)
         self.timings.update(timings)
+        if not renewing and self._file_epoch is not None:
+            self.epoch = self._file_epoch
         from trtllm_dflash.staging import write_atomic
 
-        doc = {"key": self.key, "choices": self.choices, "timings": self.timings}
+        doc = {"key": self.key, "epoch": self.epoch, "choices": self.choices, "timings": self.timings}
         write_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True))
 
     def kind(self, dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> str:

@@ -146,8 +146,11 @@ def device_name(device) -> str:
 CALIBRATION_VERSION = 4
 
 
-def cost_key(device: str, dtype: str, threads: int, model: str) -> dict:
-    return {"device": device, "dtype": dtype, "threads": threads, "model": model, "version": CALIBRATION_VERSION}
+def cost_key(device: str, dtype: str, threads: int, model: str, kernels: str | None = None) -> dict:
+    """What a calibration holds for. ``kernels``: the epoch of the CPU product table whose kernels it timed
+    (``models.products.ProductTable.epoch``), so a table measured again, or tuned, is calibrated against anew."""
+    key = {"device": device, "dtype": dtype, "threads": threads, "model": model, "version": CALIBRATION_VERSION}
+    return key if kernels is None else {**key, "kernels": kernels}
 
 
 def cache_path(key: dict, root: Path | None = None) -> Path:

@@ -345,6 +345,7 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     import hashlib
     import math
 
+    from trtllm_dflash.models import products
     from trtllm_dflash.runtime import cost as cost_model
     from trtllm_dflash.runtime.steps import verify_forward
 
@@ -357,8 +358,9 @@ def calibrated_policy(decoder: SpeculativeDecoder, prior: list[float] | None = N
     model = hashlib.sha256(repr((target.spec, drafter.spec, bsz, decoder.inject_weights is None)
                                 + ((graphs,) if graphs else ())
                                 + (("draft_vocab", head.draft_vocab_size) if derived else ())).encode())
+    kernels = products.table().epoch if dev.type == "cpu" else None  # the CPU's kernels are the table's choices
     key = cost_model.cost_key(cost_model.device_name(dev), str(target.dtype).removeprefix("torch."),
-                            torch.get_num_threads(), model.hexdigest()[:16])
+                              torch.get_num_threads(), model.hexdigest()[:16], kernels)
 
     caches = {}  # (rows, context) -> a cache whose first ``context`` slots of every row count as committed
     drafts = {}  # rows -> an empty drafter cache

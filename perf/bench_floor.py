@@ -16,6 +16,9 @@ draft pass (``SpeculativeDecoder.propose``: the block through the drafter and it
 vocabulary) of 1, 4 and 16 rows. Each is the fastest of ``--repeats`` after a warm-up, so the first use's kernel
 measurements (``models.products``) stay out.
 
+``--profile N`` also profiles each target forward and prints, per side and row count, the N operators with the most
+self time per step (``part: profile``): where a step's time goes beside its products.
+
 ``--base DIR`` times a second checkout too (its package first on ``PYTHONPATH``, this script), the two sides one
 after the other in fresh processes, alternating for ``--rounds`` rounds; each side keeps its fastest. One JSON line
 per side, part and rows, then one summary line with the ratios (``ar_of_floor``, ``verify16_over_ar``, this side
@@ -45,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--base", default=None, help="a second checkout to time the same way (before / after)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds with --base (default 2)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile each --rows forward (torch.profiler over --repeats runs) and print its N "
+                        "costliest operators by self time per step (default 0: no profile)")
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # a child process's label
     args = p.parse_args(argv)
     try:
@@ -67,6 +73,21 @@ def _best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
+
+
+def _profile(fn, repeats: int, top: int) -> dict:
+    """Where ``fn``'s time goes: torch.profiler over ``repeats`` calls -> the self time of every operator per call,
+    and the ``top`` costliest (the profiler's own overhead inflates small operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    per_step = lambda us: round(us / 1e3 / repeats, 3)  # noqa: E731 (microseconds over all runs -> ms per call)
+    return {"self_ms_per_step": per_step(sum(e.self_cpu_time_total for e in events)),
+            "top": [{"op": e.key, "self_ms_per_step": per_step(e.self_cpu_time_total),
+                     "calls_per_step": round(e.count / repeats, 2)} for e in events[:top]]}
 
 
 def _weights(module) -> list:
@@ -126,6 +147,9 @@ def measure(args) -> list[dict]:
                 return target.logits(hidden)
 
             ms = _best(verify, args.repeats)
+            if args.profile:
+                where = _profile(verify, args.repeats, args.profile)
+                records.append({**base, "part": "profile", "rows": rows, **where})
             floor = nbytes / gbps / 1e6
             records.append({**base, "part": "target", "rows": rows, "step_ms": round(ms, 2),
                             "read_floor_ms": round(floor, 2), "linear_floor_ms": round(linear_ms, 2),
@@ -178,10 +202,14 @@ def main(argv=None) -> int:
         sides.insert(0, ("base", Path(args.base).resolve()))
     child_argv = [a for a in argv if a != "--base" and a != args.base]
     best: dict[tuple, dict] = {}
+    profiles: dict[tuple, dict] = {}  # (side, rows) -> the last round's profile
     rounds = args.rounds if args.base else 1
     for i in tqdm(range(rounds * len(sides)), desc="sides", file=sys.stderr, disable=None):
         side, root = (sides if (i // len(sides)) % 2 == 0 else sides[::-1])[i % len(sides)]
         for r in _child(args, side, root, child_argv):
+            if r["part"] == "profile":
+                profiles[side, r["rows"]] = r
+                continue
             key = (side, r["part"], r["rows"])
             if key not in best or r["step_ms"] < best[key]["step_ms"]:
                 best[key] = r
@@ -198,6 +226,8 @@ def main(argv=None) -> int:
              "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
     commits = {side: _commit(root) for side, root in sides}
     for (side, part, rows), r in sorted(best.items()):
+        print(json.dumps({**r, "commit": commits[side], **stamp}))
+    for (side, rows), r in sorted(profiles.items()):
         print(json.dumps({**r, "commit": commits[side], **stamp}))
     summary = {"summary": True, **stamp, "commits": commits}
     for side, _ in sides:

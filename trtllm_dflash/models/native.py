@@ -66,7 +66,8 @@ def build(isa: list[str], out: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++17", *_cflags(isa), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++17", *_cflags(isa),
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-fopenmp"]
     try:

@@ -199,7 +199,8 @@ def candidates(dtype: torch.dtype) -> tuple[str, ...]:
     forced = forced_kind()
     if forced is not None:
         return (forced,)
-    return tuple(k for k in KINDS if (k != "onednn" or onednn_available()) and (k != "packed" or packed_available(dtype)))
+    return tuple(k for k in KINDS
+                 if (k != "onednn" or onednn_available()) and (k != "packed" or packed_available(dtype)))
 
 
 def packed_available(dtype: torch.dtype) -> bool:

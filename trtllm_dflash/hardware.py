@@ -44,7 +44,7 @@ def cpu_flags(cpuinfo: str | None = None) -> str | None:
 
 def has_bf16_units(cpuinfo: str | None = None) -> bool | None:
     """True/False from the CPU's flags; None where they cannot be read (not Linux, or not x86)."""
-    flags = _field(_cpuinfo(cpuinfo), "flags")
+    flags = cpu_flags(cpuinfo)
     if flags is None:
         return None
     return any(f in flags.split() for f in BF16_FLAGS)

@@ -73,8 +73,8 @@ def test_refresh_measures_every_choice_again(tiny_dirs, tmp_path, monkeypatch):
 
 def test_tune_compile_records_the_faster_decode_step(tiny_dirs, tmp_path, monkeypatch):
     """``--compile`` compiles the target's decode step in each product form and each variant a process meets (into
-    the cache's inductor folder), times them against the eager step and records the fastest, which ``auto`` then
-    runs."""
+    the cache's inductor folder), times them and the native step against the eager step and records the fastest,
+    which ``auto`` then runs."""
     monkeypatch.setenv("TRTLLM_DFLASH_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     target, drafter = tiny_dirs["llama"]
@@ -85,8 +85,9 @@ def test_tune_compile_records_the_faster_decode_step(tiny_dirs, tmp_path, monkey
     step = table["compiled_step"]
     assert set(step["choices"]) == set(step["step_ms"]) == {"1", "2"}  # --max-rows 2: buckets 1 and 2
     forms = compiled.forms()  # weight-major and linear, and packed where this machine builds its kernel
+    engines = compiled.engines()  # those compiled, and the native step where this machine builds it
     for rows, ms in step["step_ms"].items():
-        assert set(ms) == {*forms, "eager"} and step["choices"][rows] == min(ms, key=ms.get)
+        assert set(ms) == {*engines, "eager"} and step["choices"][rows] == min(ms, key=ms.get)
     assert {form: len(s) for form, s in step["first_step_seconds"].items()} == {form: 4 for form in forms}
     doc = json.loads(open(table["table"]).read())
     entries = {name.rsplit(":", 1)[1]: doc["choices"][name] for name in doc["choices"] if name.startswith("compiled:")}

@@ -76,10 +76,10 @@ def test_the_compiled_step_applies_only_where_it_can(tiny):
     target = tiny
     cache = _filled(target, 3, [5, 5, 1])
     with compiled.forcing("on"):
-        assert target._decode_compiled(torch.tensor([[1]]), cache, None, ()) is None  # grad enabled
+        assert target._engine_step(torch.tensor([[1]]), cache, None, (), None) is None  # grad enabled
         with torch.inference_mode():
-            assert target._decode_compiled(torch.tensor([[1], [2]]), cache, torch.tensor([0, 2]), ()) is None
-            assert target._decode_compiled(torch.tensor([[1], [2]]), cache, torch.tensor([1, 2]), ()) is None
+            assert target._engine_step(torch.tensor([[1], [2]]), cache, torch.tensor([0, 2]), (), None) is None
+            assert target._engine_step(torch.tensor([[1], [2]]), cache, torch.tensor([1, 2]), (), None) is None
     with compiled.forcing("off"), torch.inference_mode():
         assert target.decode_engine() is None
 

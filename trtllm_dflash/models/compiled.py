@@ -90,6 +90,18 @@ def forms() -> tuple[str, ...]:
     return tuple(f for f in FORMS if f != "packed" or products.packed_available(torch.float32))
 
 
+NATIVE = "native"  # the decode engine that is one call of the package's C++ step (``NativeDecode``)
+NATIVE_MOST_TOKENS = 64  # the widest forward (tokens in all) the native engine is offered for: a step, not a prefill
+
+
+def engines() -> tuple[str, ...]:
+    """The decode engines that run here: a compiled step in each of ``forms()``, and ``native`` where the package's
+    CPU library builds (``models.native``)."""
+    from trtllm_dflash.models import native
+
+    return forms() + ((NATIVE,) if native.decode_step() is not None else ())
+
+
 def _product(x: torch.Tensor, w: torch.Tensor, form: str, out: int) -> torch.Tensor:
     """x [b, in] times the weight w of ``out`` output features -> [b, out]: ``weight-major`` W·xᵀ (one row padded to
     two columns), ``linear`` x·Wᵀ, or ``packed`` (w packed in panels, ``models.native``), the forms of
@@ -201,6 +213,8 @@ class CompiledDecode:
     its dispatch (guards, argument handling) once per layer. Groups of a few
     layers keep both small."""
 
+    consecutive = True  # the rows of a step are one run of cache rows, from ``first_row``
+
     def __init__(self, num_layers: int, form: str) -> None:
         self.group = group_size(num_layers, MOST_LAYERS)
         self.form = form
@@ -245,3 +259,38 @@ class CompiledDecode:
         self.seconds.setdefault((shape, b, first_row), time.perf_counter() - started)
         self.steps += 1
         return outs
+
+
+class NativeDecode:
+    """A target's forward over a few new tokens as one call of the package's C++ step (``decode_step.cpp``): every
+    layer's norms, products (the packed kernel), RoPE, attention over the cache and cache writes, with no Python,
+    dispatcher or temporary tensor between them, and nothing to compile beyond the library itself (seconds, once per
+    machine). It serves decode steps (one token per row, any cache rows) and plain causal verify steps (a few tokens
+    per row); a token rounds the same whatever else the call holds, so a verify step's tokens are bit for bit the same
+    tokens decoded one at a time."""
+
+    form = NATIVE
+    consecutive = False  # any cache rows (``CompiledDecode``'s graphs take one run of them)
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+        self.steps = 0
+
+    def __call__(self, shape: Shape, layers: list[DecodeLayer], x, cos, sin, cache, rows, slots_at,
+                 final_norm: torch.Tensor | None = None):
+        """x [N, hidden] the new tokens embedded, cos and sin [N, ..., head_dim] RoPE at their positions, token t at
+        slot ``slots_at[t]`` of cache row ``rows[t]`` (attending to that row's slots up to its own) -> every layer's
+        output [N, hidden], then (``final_norm``: the model's final norm weight) the last one normed; the tokens' K/V
+        are written into the cache at their slots."""
+        from trtllm_dflash.models import native
+
+        none = x.new_empty(0)
+        flat = []
+        for p in layers:
+            flat += [p.norm1, p.norm2, p.qkv, none if p.qkv_bias is None else p.qkv_bias, p.o,
+                     none if p.q_norm is None else p.q_norm, none if p.k_norm is None else p.k_norm, p.gate_up, p.down]
+        n = x.shape[0]
+        outs = native.decode_step()(x, cos.reshape(n, -1), sin.reshape(n, -1), flat, cache.k, cache.v, rows, slots_at,
+                                    none if final_norm is None else final_norm, shape.heads, shape.kv_heads, shape.eps)
+        self.steps += 1
+        return outs.unbind(0)

@@ -1,4 +1,5 @@
-"""The CPU kernels this package builds from its own C++ source on the machine at hand (``packed_mm.cpp``).
+"""The CPU kernels this package builds from its own C++ source on the machine at hand: the packed product
+(``packed_mm.cpp``) and the decode step over it (``decode_step.cpp``), one library.
 
 A kernel is compiled once per machine kind with the system's C++ compiler against the installed torch, for the
 widest vector extension the CPU reports (AVX-512 or AVX2, each with FMA), and kept in the model cache under a name
@@ -6,8 +7,9 @@ that digests the source, torch's version and those flags; a later process loads 
 build is written beside its final name and renamed into place, one process at a time (a lock file beside it), so
 processes that start together build it once and never load a torn file.
 
-Where there is no compiler, no FMA, or the build fails, the kernel is unavailable: the product table then never
-offers its kind (the reason is printed once on stderr), and every product runs one of torch's kernels.
+Where there is no compiler, no FMA, or the build fails, the library is unavailable: the product table then never
+offers the packed kind, the target never runs the native decode step (the reason is printed once on stderr), and
+every product runs one of torch's kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("packed_mm.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_mm.cpp", "decode_step.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)
 LIBRARY = "trtllm_dflash_cpu"  # the operator namespace the source registers (torch.ops.trtllm_dflash_cpu)
 
 
@@ -50,7 +53,7 @@ def library_path(isa: list[str]) -> Path:
     """Where the kernel built for ``isa`` with this torch lives in the model cache."""
     from trtllm_dflash.staging import cache_dir
 
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(),
+    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(),
                                         " ".join(_cflags(isa)).encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"packed_mm-{digest}.so"
 
@@ -68,7 +71,7 @@ def build(isa: list[str], out: Path) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [os.environ.get("CXX", "c++"), "-shared", "-fPIC", "-std=c++17", *_cflags(isa),
            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", tmp,
+           *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES), "-o", tmp,
            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-fopenmp"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -84,9 +87,8 @@ def build(isa: list[str], out: Path) -> Path:
 
 
 @functools.cache
-def packed_mm():
-    """``torch.ops.trtllm_dflash_cpu.packed_mm`` (x [m, k], weight packed [panels, k, 16] -> [m, panels * 16]),
-    built or loaded once per process; None where it is unavailable here."""
+def _library() -> bool:
+    """Builds or loads the library once per process -> whether its operators are registered here."""
     isa = isa_flags()
     if isa is None:
         return _unavailable("the CPU reports no AVX2 with FMA")
@@ -100,20 +102,32 @@ def packed_mm():
                     build(isa, path)
         torch.ops.load_library(str(path))
         torch.library.register_fake(f"{LIBRARY}::packed_mm")(_packed_shape)  # what a compiled graph traces
-        return getattr(torch.ops, LIBRARY).packed_mm
+        return True
     except Exception as exc:  # no compiler, no headers, a failed build: torch's kernels serve instead
         first = str(exc).strip().splitlines()
         return _unavailable(f"{type(exc).__name__}: {first[0] if first else ''}")
+
+
+def packed_mm():
+    """``torch.ops.trtllm_dflash_cpu.packed_mm`` (x [m, k], weight packed [panels, k, 16] -> [m, panels * 16]),
+    built or loaded once per process; None where it is unavailable here."""
+    return getattr(torch.ops, LIBRARY).packed_mm if _library() else None
+
+
+def decode_step():
+    """``torch.ops.trtllm_dflash_cpu.decode_step``, the target's one-token step through every layer in one call
+    (``decode_step.cpp``; ``models.target.NativeDecode`` calls it); None where the library is unavailable here."""
+    return getattr(torch.ops, LIBRARY).decode_step if _library() else None
 
 
 def _packed_shape(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], wp.shape[0] * wp.shape[2])
 
 
-def _unavailable(why: str) -> None:
+def _unavailable(why: str) -> bool:
     print(f"trtllm-dflash: the packed CPU product kernel is unavailable ({why}); products use torch's kernels",
           file=sys.stderr, flush=True)
-    return None
+    return False
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -14,27 +14,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
-#include <immintrin.h>
+#include "cpu_vec.h"
 
-#if defined(__AVX512F__)
-struct V { __m512 v; };
-static inline V vzero() { return {_mm512_setzero_ps()}; }
-static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline V vbcast(const float* p) { return {_mm512_set1_ps(*p)}; }
-static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
-static inline void vstore(float* out, V a) { _mm512_storeu_ps(out, a.v); }
-#else
-struct V { __m256 lo, hi; };
-static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-static inline V vbcast(const float* p) { __m256 b = _mm256_broadcast_ss(p); return {b, b}; }
-static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-static inline void vstore(float* out, V a) { _mm256_storeu_ps(out, a.lo); _mm256_storeu_ps(out + 8, a.hi); }
-#endif
-
-constexpr long L = 16;   // output features per panel
+// L (cpu_vec.h): output features per panel
 constexpr long KC = 64;  // reduction indices summed in one chain before it is added to the output
 
 // out[m0 + r, p*L .. p*L + P*L) for r < M from panels p .. p + P of wp ([panels, k, L])
@@ -84,6 +66,22 @@ static void run(const float* wp, const float* x, float* y, long k, long ld, long
   for (long p = groups * P; p < np; p++) panels<1, MC>(wp, x, y, k, ld, p, m);
 }
 
+// y [m, np * 16] = x [m, k] times wp packed as [np, k, 16] (every pointer contiguous); also the decode step's product
+void packed_product(const float* x, const float* w, float* y, long m, long k, long np) {
+  const long ld = np * L;
+  // tiles sized to the vector registers (32 with AVX-512, 16 half-width ones with AVX2); the sums are the same in all
+#if defined(__AVX512F__)
+  if (m == 1) run<8, 1>(w, x, y, k, ld, np, m);
+  else if (m == 2) run<4, 2>(w, x, y, k, ld, np, m);
+  else if (m <= 4) run<2, 4>(w, x, y, k, ld, np, m);
+  else run<2, 12>(w, x, y, k, ld, np, m);
+#else
+  if (m == 1) run<4, 1>(w, x, y, k, ld, np, m);
+  else if (m == 2) run<2, 2>(w, x, y, k, ld, np, m);
+  else run<1, 5>(w, x, y, k, ld, np, m);
+#endif
+}
+
 // x [m, k] times the weight packed as [panels, k, 16] -> [m, panels * 16]
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& wp) {
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == L && x.size(1) == wp.size(1),
@@ -91,24 +89,11 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& wp) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat, "packed_mm: float32 only");
   auto xc = x.contiguous();
   auto wc = wp.contiguous();
-  const long m = xc.size(0), k = xc.size(1), np = wc.size(0), ld = np * L;
-  auto y = at::empty({m, ld}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* w = wc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // tiles sized to the vector registers (32 with AVX-512, 16 half-width ones with AVX2); the sums are the same in all
-#if defined(__AVX512F__)
-  if (m == 1) run<8, 1>(w, xp, yp, k, ld, np, m);
-  else if (m == 2) run<4, 2>(w, xp, yp, k, ld, np, m);
-  else if (m <= 4) run<2, 4>(w, xp, yp, k, ld, np, m);
-  else run<2, 12>(w, xp, yp, k, ld, np, m);
-#else
-  if (m == 1) run<4, 1>(w, xp, yp, k, ld, np, m);
-  else if (m == 2) run<2, 2>(w, xp, yp, k, ld, np, m);
-  else run<1, 5>(w, xp, yp, k, ld, np, m);
-#endif
+  const long m = xc.size(0), k = xc.size(1), np = wc.size(0);
+  auto y = at::empty({m, np * L}, xc.options());
+  packed_product(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), m, k, np);
   return y;
 }
 
-TORCH_LIBRARY(trtllm_dflash_cpu, lib) { lib.def("packed_mm(Tensor x, Tensor wp) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(trtllm_dflash_cpu, lib) { lib.def("packed_mm(Tensor x, Tensor wp) -> Tensor"); }
 TORCH_LIBRARY_IMPL(trtllm_dflash_cpu, CPU, lib) { lib.impl("packed_mm", &packed_mm); }

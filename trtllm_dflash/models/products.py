@@ -47,7 +47,7 @@ import torch.nn.functional as F
 KINDS = ("linear", "weight-major", "onednn", "packed")
 ENV = "TRTLLM_DFLASH_CPU_GEMM"
 MAX_BUCKET = 1024  # rows beyond it use the choice made at it
-TABLE_VERSION = 2  # raised when what a measurement times changes
+TABLE_VERSION = 3  # raised when what a measurement times changes
 _DTYPES = (torch.float32, torch.bfloat16)
 _FLOP_BUDGET = 4e8  # floating-point work of one timed run, so a wide bucket's measurement stays short
 
@@ -369,9 +369,8 @@ def table_path(key: dict) -> Path:
 
 def table() -> ProductTable:
     """This machine's table at the current thread count, for the current model cache (one per process each)."""
-    from trtllm_dflash.staging import cache_dir
-
-    name = (str(cache_dir()), torch.get_num_threads())
+    # keyed by what names the cache root (not the path itself: a step asks several times, and paths cost more)
+    name = (os.environ.get("TRTLLM_DFLASH_CACHE") or os.environ.get("HOME", ""), torch.get_num_threads())
     found = _TABLES.get(name)
     if found is None:
         key = fingerprint(name[1])
@@ -387,21 +386,21 @@ def eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _stamp(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> tuple:
+def stamp(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> tuple:
     """What tells a derived copy of these parameters stale: their identities and in-place versions (an inference
     tensor, made under torch.inference_mode, keeps no version counter: its identity stamps it)."""
     parts = [*weights, *(b for b in biases if b is not None)]
     return tuple([(id(p), -1 if p.is_inference() else p._version) for p in parts])
 
 
-def _form(kind: str, weights: Sequence[torch.Tensor], stamp: tuple) -> torch.Tensor:
+def _form(kind: str, weights: Sequence[torch.Tensor], stamped: tuple) -> torch.Tensor:
     """The weights joined along their outputs in ``kind``'s form, kept beside the first until the stamp changes."""
     forms = weights[0].__dict__.setdefault("_trtllm_dflash_forms", {})
     key = (kind if kind in ("onednn", "packed") else "plain", len(weights))  # linear and weight-major share one
     form = forms.get(key)
-    if form is None or form[0] != stamp:
+    if form is None or form[0] != stamped:
         plain = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-        form = forms[key] = (stamp, prepare(kind, plain))
+        form = forms[key] = (stamped, prepare(kind, plain))
     return form[1]
 
 
@@ -416,27 +415,27 @@ def joined(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None
     """(weights joined along their outputs in ``kind``'s form, their biases joined or None): the copy ``project``
     reads for that kind, for code that runs its own products over it (``models.compiled``)."""
     biases = biases if biases is not None else (None,) * len(weights)
-    return _form(kind, weights, _stamp(weights, biases)), _joined_bias(weights, biases)
+    return _form(kind, weights, stamp(weights, biases)), _joined_bias(weights, biases)
 
 
 def _plan(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None], rows: int):
     """(kind, prepared weight, bias) of a product of ``rows`` rows with ``weights`` concatenated: cached on the first
     weight per (forced kind, threads, row bucket, its dtype and storage) until a weight or bias changes (identity or
     in-place version), so a step's products pay a dictionary look-up each, not a table query."""
-    stamp = _stamp(weights, biases)
+    stamped = stamp(weights, biases)
     plans = weights[0].__dict__.setdefault("_trtllm_dflash_plans", {})
     step = getattr(_LOCAL, "kind", None)
     name = (_FORCED, step, GENERATION, torch.get_num_threads(), bucket(rows), len(weights), weights[0].dtype,
             weights[0].data_ptr())
     found = plans.get(name)
-    if found is not None and found[0] == stamp:
+    if found is not None and found[0] == stamped:
         return found[1]
     _check_setting()
     out_features = sum(w.shape[0] for w in weights)
     kind = step if step is not None and _FORCED is None else table().kind(x.dtype, out_features, x.shape[-1], rows)
-    plan = (kind, _form(kind, weights, stamp), _joined_bias(weights, biases), [w.shape[0] for w in weights],
+    plan = (kind, _form(kind, weights, stamped), _joined_bias(weights, biases), [w.shape[0] for w in weights],
             out_features)
-    plans[name] = (stamp, plan)
+    plans[name] = (stamped, plan)
     return plan
 
 

@@ -110,9 +110,15 @@ def bind_layers(layers: nn.ModuleList) -> list[BoundLayer] | None:
         qn, kn = am.get("q_norm"), am.get("k_norm")
         norms = (n1, n2) if qn is None else (n1, n2, qn, kn)
         linears = (q, k, v, o, gate, up, down)
-        if not (all(type(m) is Linear for m in linears) and _plain(layer, attn, mlp, *norms, *linears)
-                and all(type(n) is RMSNorm and n.eps == n1.eps for n in norms)):
-            return None
+        for m in linears:  # plain loops: this runs for every layer of every step
+            if type(m) is not Linear:
+                return None
+        for m in norms:
+            if type(m) is not RMSNorm or m.eps != n1.eps:
+                return None
+        for m in (layer, attn, mlp, *norms, *linears):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
         bound.append(BoundLayer(
             n1._parameters["weight"], n2._parameters["weight"], n1.eps,
             (q._parameters["weight"], k._parameters["weight"], v._parameters["weight"]),
@@ -141,6 +147,15 @@ def flat_layer(p: BoundLayer, x, rope: RopeAt, slots, cache: KVCache, layer: int
     x = x + linear(out if packing is None else packing.pack(out), p.o)
     gate, up = project(rms_norm(x, p.norm2, p.eps), p.gate_up)
     return x + linear(F.silu(gate) * up, p.down)
+
+
+def _spread(flat: torch.Tensor, b: int, s: int, keep: torch.Tensor | None) -> torch.Tensor:
+    """[N, f] values of the real tokens -> [b, S, f], zeros where ``keep`` [b, S] is False (None: all real)."""
+    if keep is None:
+        return flat.view(b, s, -1)
+    out = flat.new_zeros(b, s, flat.shape[-1])
+    out[keep] = flat
+    return out
 
 
 class TargetBody(nn.Module):
@@ -196,24 +211,79 @@ class TargetModel(nn.Module):
 
     def compiled_entry(self, rows: int) -> str:
         """The product table's record of which decode step of ``rows`` rows (its bucket) ``tune --compile`` found
-        fastest on this machine: a compiled one (its product form, ``compiled.forms()``) or ``eager``."""
+        fastest on this machine: a compiled one (its product form, ``compiled.forms()``), ``native``, or ``eager``."""
         return f"compiled:{self.step_name}:{str(self.dtype).removeprefix('torch.')}:{products.bucket(rows)}"
 
-    def decode_engine(self, rows: int = 1) -> "compiled.CompiledDecode | None":
-        """The compiled decode step for ``rows`` rows, where ``TRTLLM_DFLASH_COMPILED_STEP`` and this machine's table
-        ask for it."""
+    def native_entry(self, tokens: int, verify: bool = False) -> str:
+        """The table's record of whether the native step or the eager one ran faster for a decode step of ``tokens``
+        rows, or (``verify``) a forward of ``tokens`` tokens in all (their bucket), measured at the first such step
+        where nothing else decides (``decode_engine``, ``verify_engine``)."""
+        what = "native-verify" if verify else "native"
+        return f"{what}:{self.step_name}:{str(self.dtype).removeprefix('torch.')}:{products.bucket(tokens)}"
+
+    def _engines(self) -> tuple[str, ...]:
+        """The decode engines that run here for this model (``compiled.engines()``; the native step's attention
+        takes head dimensions that are a multiple of 16), none off a CPU, in float64, or with ``linear`` forced."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or products.forced_kind() == "linear":
-            return None
+            return ()
+        engines = compiled.engines()
+        if self.spec.head_dim % 16 or self.spec.head_dim > 512:
+            engines = tuple(e for e in engines if e != compiled.NATIVE)
+        return engines
+
+    def _engine(self, form: str) -> "compiled.CompiledDecode | compiled.NativeDecode":
+        made = self.__dict__.setdefault("_decode_engines", {})
+        if form not in made:
+            made[form] = (compiled.NativeDecode() if form == compiled.NATIVE
+                          else compiled.CompiledDecode(self.spec.num_hidden_layers, form))
+        return made[form]
+
+    def decode_engine(self, rows: int = 1) -> "compiled.CompiledDecode | compiled.NativeDecode | None":
+        """The decode step engine for ``rows`` rows, where ``TRTLLM_DFLASH_COMPILED_STEP`` and this machine's table
+        ask for one; None: the eager step. Under ``auto``, what ``tune --compile`` recorded, else the native step
+        where it measures faster than the eager one here (measured at the first step of each row bucket)."""
+        engines = self._engines()
         mode = compiled.setting()
-        recorded = products.table().choices.get(self.compiled_entry(rows)) if mode != "off" else None
-        forms = compiled.forms()
-        if mode == "off" or (mode == "auto" and recorded not in forms):
+        if not engines or mode == "off":
             return None
-        form = compiled.forced_form() or (recorded if recorded in forms else forms[0])
-        engines = self.__dict__.setdefault("_decode_engines", {})
-        if form not in engines:
-            engines[form] = compiled.CompiledDecode(self.spec.num_hidden_layers, form)
-        return engines[form]
+        recorded = products.table().choices.get(self.compiled_entry(rows))
+        if mode == "auto" and recorded is None and compiled.NATIVE in engines:
+            recorded = products.table().choose(self.native_entry(rows), lambda: self._time_native(rows))
+        if mode == "auto" and recorded not in engines:
+            return None
+        return self._engine(compiled.forced_form() or (recorded if recorded in engines else engines[0]))
+
+    def verify_engine(self, tokens: int) -> "compiled.NativeDecode | None":
+        """The native engine for a plain causal forward of several tokens per row (``tokens`` in all, at most
+        ``compiled.NATIVE_MOST_TOKENS``: a prefill is not a step), or None: the eager forward. Under ``auto`` where it measured faster than the eager forward at that token bucket here (at
+        the first such forward); under ``on`` where ``compiled.forcing`` names it."""
+        mode = compiled.setting()
+        if compiled.NATIVE not in self._engines() or mode == "off" or tokens > compiled.NATIVE_MOST_TOKENS:
+            return None
+        if mode == "on":
+            chosen = compiled.forced_form() == compiled.NATIVE
+        else:
+            chosen = products.table().choose(self.native_entry(tokens, verify=True),
+                                             lambda: self._time_native(tokens, verify=True)) == compiled.NATIVE
+        return self._engine(compiled.NATIVE) if chosen else None
+
+    def _time_native(self, tokens: int, verify: bool = False, context: int = 256) -> dict[str, float]:
+        """Seconds of a decode step of ``tokens`` rows (their bucket), or (``verify``) a forward of one row of that
+        many tokens, at ``context`` cached tokens, native and eager."""
+        b = products.bucket(tokens)
+        rows, width = (1, b) if verify else (b, 1)
+        cache = self.new_cache(rows, context + width + 1)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+
+        def step(setting: str, form: str | None = None):
+            def run():
+                with compiled.forcing(setting, form), torch.inference_mode():
+                    cache.lengths.fill_(context)
+                    self.logits(self(ids, cache)[0])
+            return run
+
+        return products.fastest({compiled.NATIVE: step("on", compiled.NATIVE), "eager": step("off")},
+                                repeats=5, calls=3)
 
     VARIANTS = ((1, 0), (1, 1), (2, 0), (2, 1))  # (rows, first row): the compiled step's specialisations
 
@@ -233,45 +303,80 @@ class TargetModel(nn.Module):
                 seconds[f"{b} row{'s' if b > 1 else ''} from row {first}"] = round(time.perf_counter() - started, 1)
         return seconds
 
-    def _decode_compiled(self, input_ids, cache: KVCache, rows, tap_layers):
-        """``forward`` of one token per row through the compiled step, or None where it does not apply: not asked
-        for, autograd, hooks or converted modules, rows that are not one run of consecutive cache rows, or a cache
-        holding fewer than two tokens in some row (the compiled shapes start there)."""
-        engine = self.decode_engine(input_ids.shape[0])
-        if engine is None or engine.failed or torch.is_grad_enabled():
+    def _engine_step(self, input_ids, cache: KVCache, rows, tap_layers, widths):
+        """``forward`` through a decode engine, or None where none applies: a decode step (one token per row) through
+        ``decode_engine``'s, a plain causal forward of more tokens (``widths`` or not) through ``verify_engine``'s;
+        not under autograd, hooks or converted modules; for a compiled step not for rows that are not one run of
+        consecutive cache rows or a cache holding fewer than two tokens in some row (its shapes start there)."""
+        b, s = input_ids.shape
+        full = widths is None or int(widths.min()) >= s
+        if torch.is_grad_enabled():
+            return None
+        engine = self.decode_engine(b) if s == 1 and full else self.verify_engine(b * s)
+        if engine is None or engine.failed:
             return None
         bound = bind_layers(self.model.layers)
         if bound is None:
             return None
-        first = 0
-        if rows is not None:
-            listed = rows.tolist()
-            first = listed[0]
-            if listed != list(range(first, first + len(listed))):
-                return None
-        b = input_ids.shape[0]
-        lengths = cache.lengths[first:first + b]
-        n = int(lengths.max())
-        if int(lengths.min()) < 2:
+        rows = torch.arange(b) if rows is None else rows
+        lengths = cache.lengths[rows]
+        first = int(rows[0])
+        if engine.consecutive and (rows.tolist() != list(range(first, first + b)) or int(lengths.min()) < 2):
             return None
-        cache.require_capacity(n + 1)
-        layers = [self._decode_layer(p, engine.form) for p in bound]
-        rope = self.rotary.at(lengths[:, None])
+        positions = lengths[:, None] + torch.arange(s)  # [b, S]
+        cache.require_capacity(int(positions.max()) + 1)
+        layers = self._decode_layers(bound, engine.form)
         shape = compiled.Shape(*bound[0].heads, bound[0].eps, engine.form)
+        x = self.embed(input_ids)
+        keep = None if full else torch.arange(s)[None, :] < widths[:, None]  # [b, S]: the real tokens
+        fused = False  # the final norm inside the engine's call
         try:
-            outs = engine(shape, layers, self.embed(input_ids)[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first,
-                          lengths, n)
+            if engine.consecutive:
+                rope = self.rotary.at(lengths[:, None])
+                outs = engine(shape, layers, x[:, 0], rope.cos[:, 0], rope.sin[:, 0], cache, first, lengths,
+                              int(lengths.max()))
+            else:
+                at_rows = rows[:, None].expand(b, s)
+                if keep is None:
+                    x, at_rows, at = x.reshape(b * s, -1), at_rows.reshape(-1), positions.reshape(-1)
+                else:
+                    x, at_rows, at = x[keep], at_rows[keep], positions[keep]
+                rope = self.rotary.at(at[:, None])
+                final = self.model.norm
+                fused = type(final) is RMSNorm and _plain(final) and final.eps == shape.eps  # else its own forward
+                outs = engine(shape, layers, x, rope.cos, rope.sin, cache, at_rows, at,
+                              final.weight if fused else None)
+                if fused:
+                    *outs, hidden = outs
         except Exception as exc:  # a compiler that fails here (a toolchain, a locale) must not fail the step
             engine.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            print(f"trtllm-dflash: the compiled decode step failed ({engine.failed}); decoding runs eagerly",
+            what = "compiled decode step" if engine.consecutive else "native step"
+            print(f"trtllm-dflash: the {what} failed ({engine.failed}); the target runs eagerly",
                   file=sys.stderr, flush=True)
             return None
-        taps = torch.cat([outs[i] for i in tap_layers], dim=-1)[:, None] if tap_layers else None
-        return self.model.norm(outs[-1])[:, None], taps
+        if engine.consecutive or not fused:
+            hidden = self.model.norm(outs[-1])
+        taps = torch.cat([outs[i] for i in tap_layers], dim=-1) if tap_layers else None
+        return _spread(hidden, b, s, keep), (None if taps is None else _spread(taps, b, s, keep))
+
+    def _decode_layers(self, bound: list[BoundLayer], form: str) -> list["compiled.DecodeLayer"]:
+        """The bound layers' parameters as the engines read them in ``form`` (``_decode_layer``), each kept until one
+        of its tensors is replaced or changed in place (its identity or version: ``products.stamp``), so a step
+        pays a stamp per layer rather than the joined copies' look-ups."""
+        kept = self.__dict__.setdefault("_engine_layers", {})
+        out = []
+        for i, p in enumerate(bound):
+            tensors = [p.norm1, p.norm2, *p.qkv, p.o, p.q_norm, p.k_norm, *p.gate_up, p.down]
+            stamp = products.stamp([t for t in tensors if t is not None], p.qkv_bias)
+            found = kept.get((form, i))
+            if found is None or found[0] != stamp:
+                found = kept[(form, i)] = (stamp, self._decode_layer(p, form))
+            out.append(found[1])
+        return out
 
     @staticmethod
     def _decode_layer(p: BoundLayer, form: str) -> "compiled.DecodeLayer":
-        kind = "packed" if form == "packed" else "linear"  # the other forms read the plain weights
+        kind = "packed" if form in ("packed", compiled.NATIVE) else "linear"  # the others read the plain weights
         qkv, qkv_bias = products.joined(p.qkv, p.qkv_bias, kind)
         (gate_up, _), (o, _), (down, _) = (products.joined(w, kind=kind) for w in (p.gate_up, [p.o], [p.down]))
         return compiled.DecodeLayer(p.norm1, p.norm2, qkv, qkv_bias, o, p.q_norm, p.k_norm, gate_up, down)
@@ -326,8 +431,8 @@ class TargetModel(nn.Module):
     def _forward(self, input_ids, cache, rows, tap_layers, layout, widths, static):
         b, s = input_ids.shape
         rows = rows if static else cache.every_row(rows)
-        if s == 1 and layout is None and not static and (widths is None or int(widths.min()) >= 1):
-            found = self._decode_compiled(input_ids, cache, rows, tap_layers)
+        if layout is None and not static:
+            found = self._engine_step(input_ids, cache, rows, tap_layers, widths)
             if found is not None:
                 return found
         if layout is None:

@@ -253,6 +253,19 @@ def greedy_reference(target, prompts, max_new_tokens, stop=()):
     return [dec.generate([Request(tuple(p), max_new_tokens, stop_token_ids=stop)])[0].token_ids for p in prompts]
 
 
+def eager_reference(target, target_dir, max_new_tokens=40):
+    """(three chat prompts of the real demo pair, their eager greedy continuations): what a decode engine's
+    losslessness is checked against (``models.compiled``'s engines off)."""
+    from trtllm_dflash.models import compiled
+    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer
+
+    tok = load_tokenizer(target_dir)
+    prompts = [encode_prompt(tok, q, chat=True) for q in
+               ("What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.")]
+    with compiled.forcing("off"):
+        return prompts, greedy_reference(target, prompts, max_new_tokens)
+
+
 def tokens_before_slot(seq, ids, parents, s):
     """What a one-token step at verify slot ``s`` (node ``s`` of a tree with ``parents``; None: a chain) has seen:
     the sequence, then the step's input tokens ``ids`` [1, S] on the path down to ``s`` (−1: no token)."""

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import greedy_reference
+from conftest import eager_reference
 from trtllm_dflash.checkpoints import load_pair
 from trtllm_dflash.models import compiled, native, products
 from trtllm_dflash.models.target import TargetModel
@@ -173,14 +173,8 @@ def test_the_native_step_matches_the_eager_one_on_the_real_model(real_pair):
 def test_decoding_with_the_native_step_is_lossless_on_the_real_model(real_pair, smollm2):
     """Autoregressive decoding (one row and a batch of three) and fixed-block DFlash through the runtime, the native
     engine on (decode and verify steps), emit the tokens of eager autoregressive decoding."""
-    from trtllm_dflash.runtime.text import encode_prompt, load_tokenizer
-
     target, drafter = real_pair
-    tok = load_tokenizer(smollm2["target"])
-    prompts = [encode_prompt(tok, q, chat=True) for q in
-               ("What is the capital of France?", "Write a haiku about rain.", "List three prime numbers.")]
-    with compiled.forcing("off"):
-        want = greedy_reference(target, prompts, 40)
+    prompts, want = eager_reference(target, smollm2["target"])
     with compiled.forcing("on", compiled.NATIVE):
         engine = target.decode_engine()
         for block_size, batch in ((1, prompts[:1]), (1, prompts), (16, prompts)):

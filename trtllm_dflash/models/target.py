@@ -255,8 +255,9 @@ class TargetModel(nn.Module):
 
     def verify_engine(self, tokens: int) -> "compiled.NativeDecode | None":
         """The native engine for a plain causal forward of several tokens per row (``tokens`` in all, at most
-        ``compiled.NATIVE_MOST_TOKENS``: a prefill is not a step), or None: the eager forward. Under ``auto`` where it measured faster than the eager forward at that token bucket here (at
-        the first such forward); under ``on`` where ``compiled.forcing`` names it."""
+        ``compiled.NATIVE_MOST_TOKENS``: a prefill is not a step), or None: the eager forward. Under ``auto`` where it
+        measured faster than the eager forward at that token bucket here (at the first such forward); under ``on``
+        where ``compiled.forcing`` names it."""
         mode = compiled.setting()
         if compiled.NATIVE not in self._engines() or mode == "off" or tokens > compiled.NATIVE_MOST_TOKENS:
             return None
@@ -310,7 +311,7 @@ class TargetModel(nn.Module):
         consecutive cache rows or a cache holding fewer than two tokens in some row (its shapes start there)."""
         b, s = input_ids.shape
         full = widths is None or int(widths.min()) >= s
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or (widths is not None and int(widths.max()) < 1):  # no token to compute
             return None
         engine = self.decode_engine(b) if s == 1 and full else self.verify_engine(b * s)
         if engine is None or engine.failed:

@@ -5,6 +5,7 @@ a file written to a temporary file and renamed)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -14,8 +15,14 @@ from trtllm_dflash.errors import ArtifactError
 
 
 def cache_dir() -> Path:
-    """Root for generated assets and per-machine measurements: $TRTLLM_DFLASH_CACHE, else ~/.cache/trtllm_dflash."""
-    return Path(os.environ.get("TRTLLM_DFLASH_CACHE") or Path.home() / ".cache" / "trtllm_dflash")
+    """Root for generated assets and per-machine measurements: $TRTLLM_DFLASH_CACHE, else ~/.cache/trtllm_dflash
+    (made once per value of the variables that name it: a model's step asks for it several times)."""
+    return _cache_dir(os.environ.get("TRTLLM_DFLASH_CACHE"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_dir(root: str | None, home: str | None) -> Path:
+    return Path(root or Path.home() / ".cache" / "trtllm_dflash")
 
 
 def refuse_existing(out: Path, force: bool) -> None:

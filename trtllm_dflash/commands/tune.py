@@ -71,8 +71,8 @@ def _choose_compiled(target, rows: list[int], context: int = 256) -> dict | None
     """Compiles the target's decode step with each product form that runs here (``compiled.forms()``) in each
     variant a process meets (``TargetModel.warm_decode``), which leaves them in TorchInductor's on-disk cache, then
     times decode steps of each of ``rows`` rows compiled in each form, native (``compiled.engines()``) and eager, and
-    records the fastest per row bucket in the table (``TargetModel.compiled_entry``). None where the compiled step does not apply (another dtype
-    or device)."""
+    records the fastest per row bucket in the table (``TargetModel.compiled_entry``). None where the compiled step
+    does not apply (another dtype or device)."""
     import torch
     from tqdm import tqdm
 

@@ -149,7 +149,13 @@ struct Layer {
   long qkv_panels, o_panels, gate_up_panels, down_panels;
 };
 
-const float* data_or_null(const at::Tensor& t) { return t.numel() ? t.data_ptr<float>() : nullptr; }
+// an optional vector of n floats: empty (absent), else float32, contiguous, n long
+const float* data_or_null(const at::Tensor& t, long n, const char* name) {
+  if (!t.numel()) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+              "decode_step: ", name, " must be empty or float32 [", n, "]");
+  return t.data_ptr<float>();
+}
 
 long panels(const at::Tensor& wp, long k, const char* name) {
   TORCH_CHECK(wp.dim() == 3 && wp.size(1) == k && wp.size(2) == L && wp.is_contiguous(),
@@ -199,18 +205,20 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     for (int i : {0, 1, 2, 4, 7, 8})
       TORCH_CHECK(w[i].scalar_type() == at::kFloat && w[i].is_contiguous(), "decode_step: float32 weights");
     Layer& p = ls[l];
+    TORCH_CHECK(w[0].numel() == hidden && w[1].numel() == hidden, "decode_step: layer norms [hidden]");
     p.norm1 = w[0].data_ptr<float>();
     p.norm2 = w[1].data_ptr<float>();
     p.qkv = w[2].data_ptr<float>();
     p.qkv_panels = panels(w[2], hidden, "q|k|v");
     TORCH_CHECK(p.qkv_panels * L >= q_dim + 2 * kv_dim, "decode_step: q|k|v has too few outputs");
-    p.qkv_bias = data_or_null(w[3]);
+    p.qkv_bias = data_or_null(w[3], q_dim + 2 * kv_dim, "q|k|v bias");
     p.o = w[4].data_ptr<float>();
     p.o_panels = panels(w[4], q_dim, "o");
-    p.q_norm = data_or_null(w[5]);
-    p.k_norm = data_or_null(w[6]);
+    p.q_norm = data_or_null(w[5], d, "q norm");
+    p.k_norm = data_or_null(w[6], d, "k norm");
     p.gate_up = w[7].data_ptr<float>();
     p.gate_up_panels = panels(w[7], hidden, "gate|up");
+    TORCH_CHECK(l == 0 || w[8].size(1) == inner, "decode_step: every layer's MLP of one width");
     inner = w[8].size(1);
     p.down = w[8].data_ptr<float>();
     p.down_panels = panels(w[8], inner, "down");
@@ -218,10 +226,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos_in, const a
                 "decode_step: a projection has too few outputs");
   }
 
-  TORCH_CHECK(final_norm.numel() == 0 || (final_norm.numel() == hidden && final_norm.is_contiguous() &&
-                                           final_norm.scalar_type() == at::kFloat),
-              "decode_step: final_norm [hidden] float32, or empty");
-  auto outs = at::empty({layers + (final_norm.numel() ? 1 : 0), b, hidden}, x0.options());
+  const float* last_norm = data_or_null(final_norm, hidden, "final_norm");
+  auto outs = at::empty({layers + (last_norm ? 1 : 0), b, hidden}, x0.options());
   float* out = outs.data_ptr<float>();
   const float* cos = cos_t.data_ptr<float>();
   const float* sin = sin_t.data_ptr<float>();
@@ -298,9 +304,8 @@ at::Tensor decode_step(const at::Tensor& x_in, const at::Tensor& cos_in, const a
       for (long i = 0; i < hidden; i++) x[r * hidden + i] += proj[r * p.down_panels * L + i];
     std::copy(x.begin(), x.end(), out + l * b * hidden);
   }
-  if (final_norm.numel())
-    for (long r = 0; r < b; r++)
-      rms_norm(&x[r * hidden], final_norm.data_ptr<float>(), out + (layers * b + r) * hidden, hidden, eps_in);
+  if (last_norm)
+    for (long r = 0; r < b; r++) rms_norm(&x[r * hidden], last_norm, out + (layers * b + r) * hidden, hidden, eps_in);
   return outs;
 }
 

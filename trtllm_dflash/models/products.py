@@ -369,8 +369,9 @@ def table_path(key: dict) -> Path:
 
 def table() -> ProductTable:
     """This machine's table at the current thread count, for the current model cache (one per process each)."""
-    # keyed by what names the cache root (not the path itself: a step asks several times, and paths cost more)
-    name = (os.environ.get("TRTLLM_DFLASH_CACHE") or os.environ.get("HOME", ""), torch.get_num_threads())
+    from trtllm_dflash.staging import cache_dir
+
+    name = (str(cache_dir()), torch.get_num_threads())
     found = _TABLES.get(name)
     if found is None:
         key = fingerprint(name[1])

@@ -110,15 +110,9 @@ def bind_layers(layers: nn.ModuleList) -> list[BoundLayer] | None:
         qn, kn = am.get("q_norm"), am.get("k_norm")
         norms = (n1, n2) if qn is None else (n1, n2, qn, kn)
         linears = (q, k, v, o, gate, up, down)
-        for m in linears:  # plain loops: this runs for every layer of every step
-            if type(m) is not Linear:
-                return None
-        for m in norms:
-            if type(m) is not RMSNorm or m.eps != n1.eps:
-                return None
-        for m in (layer, attn, mlp, *norms, *linears):
-            if m._forward_hooks or m._forward_pre_hooks:
-                return None
+        if not (all(type(m) is Linear for m in linears) and _plain(layer, attn, mlp, *norms, *linears)
+                and all(type(n) is RMSNorm and n.eps == n1.eps for n in norms)):
+            return None
         bound.append(BoundLayer(
             n1._parameters["weight"], n2._parameters["weight"], n1.eps,
             (q._parameters["weight"], k._parameters["weight"], v._parameters["weight"]),
@@ -321,7 +315,7 @@ class TargetModel(nn.Module):
             return None
         rows = torch.arange(b) if rows is None else rows
         lengths = cache.lengths[rows]
-        first = int(rows[0])
+        first = int(rows[0]) if engine.consecutive else None
         if engine.consecutive and (rows.tolist() != list(range(first, first + b)) or int(lengths.min()) < 2):
             return None
         positions = lengths[:, None] + torch.arange(s)  # [b, S]
